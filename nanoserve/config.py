@@ -1,0 +1,79 @@
+"""EngineConfig: every engine flag, its default, and the checks that refuse a combination that cannot work."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF checkpoint dir or .gguf file; None runs the embedded default model
+    dtype: str = "auto"  # auto: float32 on CPU; the checkpoint's bf16/fp16 on CUDA (else bfloat16)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # None: the model's context length, capped by what the KV pool holds
+    max_num_seqs: int = 64  # rows a step may run at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes first, then prefill chunks)
+    block_size: int = 16
+    kv_cache_gib: float | None = None  # KV budget; None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0  # seeds the generator that unseeded sampled requests draw from
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.max_num_batched_tokens >= self.max_num_seqs,
+             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+             f"({self.max_num_seqs}) so every running row can decode each step; raise it or lower max_num_seqs"),
+            (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}"),
+            (self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len must be >= 2, got {self.max_model_len}"),
+            (self.kv_cache_gib is None or self.kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {self.kv_cache_gib}"),
+            (0 < self.gpu_memory_utilization <= 1,
+             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be auto, cpu or cuda[:N], got {self.device!r}"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        self.torch_device()  # refuses cuda on a machine without it
+        if self.dtype != "auto" and _ALIASES.get(self.dtype, self.dtype) not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose auto, {', '.join(DTYPES)}")
+
+    @classmethod
+    def from_flags(cls, **flags) -> EngineConfig:
+        """Build from keyword flags, refusing unknown names with the list of known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(flags) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine flag(s) {unknown}; known flags: {sorted(known)}")
+        return cls(**flags)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} asked for but CUDA is not available; use --device cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[_ALIASES.get(self.dtype, self.dtype)]
+        if self.torch_device().type == "cpu":
+            return torch.float32
+        return {"float16": torch.float16}.get(str(checkpoint_dtype), torch.bfloat16)
+
+    def public(self) -> dict:
+        """The flags in force, as published by stats()."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -1,0 +1,318 @@
+"""Engine: add_request / step / abort / stats. A step is schedule -> build batch -> forward -> sample -> emit."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.errors import ConfigError, RequestError
+from nanoserve.kv.cache import KVCache, blocks_from_budget
+from nanoserve.kv.pool import BlockPool
+from nanoserve.model.batch import PrefillSegment, StepBatch
+from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.reads.dispatch import PagedRead
+from nanoserve.request import Request, Status
+from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
+from nanoserve.scheduler import Chunk, Scheduler, SchedulerOutput
+from nanoserve.stats import EngineStats, KVStats, RowStats, SchedulerStats
+from nanoserve.streaming import TextStream
+
+log = logging.getLogger("nanoserve.engine")
+
+CPU_DEFAULT_KV_GIB = 1.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        self.device = config.torch_device()
+        started = time.monotonic()
+        if loaded is None:
+            positions = config.max_model_len
+            loaded = load_model(config.model, self._dtype_for(config), self.device, positions)
+        self.loaded = loaded
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        self.dtype = next(self.model.parameters()).dtype
+        self.read = PagedRead("gathered")
+        num_blocks = self._size_pool()
+        self.cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.max_model_len = self._resolve_max_model_len()
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self._requests: dict[str, Request] = {}
+        self._streams: dict[str, TextStream] = {}
+        self._aborted: list[Request] = []
+        self._ids = itertools.count()
+        self._finished = Counter()
+        self._prompt_tokens = self._generation_tokens = self._steps = 0
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
+            loaded.name, self.device, str(self.dtype).removeprefix("torch."), num_blocks - 1,
+            config.block_size, self.max_model_len, time.monotonic() - started,
+        )
+
+    @staticmethod
+    def _dtype_for(config: EngineConfig) -> torch.dtype:
+        return config.torch_dtype(None)
+
+    # ---- sizing -------------------------------------------------------------------------------------
+    def _size_pool(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_gib is not None:
+            budget = cfg.kv_cache_gib * 2**30
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_GIB * 2**30
+        return blocks_from_budget(self.model_config, budget, cfg.block_size, self.dtype)
+
+    def _cuda_kv_budget(self) -> float:
+        """A fraction of the card, less weights and the peak of a warm-up step at the full token budget."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warm_up()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return total * self.config.gpu_memory_utilization - (total - free) - (peak - torch.cuda.memory_allocated(self.device))
+
+    def _warm_up(self) -> None:
+        n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        cache = KVCache(self.model_config, 2, self.config.block_size, self.dtype, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        batch = StepBatch(
+            input_ids=ids, positions=torch.arange(n, device=self.device), slots=ids % self.config.block_size,
+            num_decode=0, decode_block_table=ids[:0, None], decode_context_lens=ids[:0],
+            prefills=(PrefillSegment(0, n, 0, ids[:1]),), logits_indices=ids[-1:],
+        )
+        with torch.inference_mode():
+            self.model(batch, cache, PagedRead("gathered"))
+        del cache
+
+    def _resolve_max_model_len(self) -> int:
+        capacity = self.pool.num_usable * self.config.block_size
+        model_len = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is not None:
+            if wanted > capacity:
+                raise ConfigError(
+                    f"max_model_len {wanted} needs {wanted} KV slots but the pool holds {capacity}; "
+                    "raise --kv-cache-gib or lower --max-model-len"
+                )
+            if wanted > self.model.rope.cos.shape[0]:
+                raise ConfigError(f"max_model_len {wanted} exceeds the rotary table; lower --max-model-len")
+            return wanted
+        if capacity < model_len:
+            log.warning("max_model_len capped at %d tokens: the KV pool holds no more", capacity)
+        return min(model_len, capacity)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use; pick a unique id")
+        text, ids = self._prompt_ids(prompt)
+        params.validate_against(self.model_config.vocab_size)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise RequestError(
+                f"prompt is {len(ids)} tokens but max_model_len is {self.max_model_len}; shorten it or "
+                "start with a larger --max-model-len"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds "
+                f"max_model_len {self.max_model_len}; lower max_tokens to at most {room} or shorten the prompt"
+            )
+        req = Request(request_id, text, ids, params, max_tokens)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self._requests[request_id] = req
+        self._streams[request_id] = TextStream(self.tokenizer, params, ids)
+        self.scheduler.add(req)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size}); "
+                    "encode the prompt with this model's tokenizer"
+                )
+        else:
+            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt is empty; send at least one token")
+        return text, ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks return to the pool now, its final output comes next step."""
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req, "abort")
+        req.finished_time = time.monotonic()
+        self._aborted.append(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [self._finish_output(r) for r in self._aborted]
+        self._aborted.clear()
+        if sched.empty:
+            return outputs
+        self._steps += 1
+        batch, sampled = self._build_batch(sched)
+        with torch.inference_mode():
+            logits = self.model(batch, self.cache, self.read)
+        for chunk in (*sched.decodes, *sched.prefills):
+            chunk.request.num_computed += chunk.length
+            if chunk.request.output_ids == [] and chunk.completes:
+                self._prompt_tokens += len(chunk.request.prompt_ids)
+        if sampled:
+            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, self.tokenizer.eos_token_ids) for r in sampled]
+            result = self.sampler(logits, rows)
+            now = time.monotonic()
+            for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
+                outputs.append(self._append(req, token, lp, now))
+        return outputs
+
+    def _build_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Request]]:
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_at: list[int] = []
+        sampled: list[Request] = []
+        decodes = sched.decodes + [c for c in sched.prefills if c.length == 1]
+        prefills = [c for c in sched.prefills if c.length > 1]
+        lens = []
+        for c in decodes:
+            req, pos = c.request, c.start
+            ids.append(req.tokens(pos, pos + 1)[0])
+            positions.append(pos)
+            slots.append(req.blocks[pos // bs] * bs + pos % bs)
+            lens.append(pos + 1)
+            self._mark(c, len(ids) - 1, logits_at, sampled)
+        width = max((-(-n // bs) for n in lens), default=0)
+        table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
+        segments = []
+        for c in prefills:
+            req = c.request
+            start = len(ids)
+            ids.extend(req.tokens(c.start, c.start + c.length))
+            span = range(c.start, c.start + c.length)
+            positions.extend(span)
+            slots.extend(req.blocks[p // bs] * bs + p % bs for p in span)
+            blocks = torch.tensor(req.blocks[: -(-(c.start + c.length) // bs)], device=self.device)
+            segments.append(PrefillSegment(start, c.length, c.start, blocks))
+            self._mark(c, len(ids) - 1, logits_at, sampled)
+        dev = self.device
+        batch = StepBatch(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            slots=torch.tensor(slots, device=dev),
+            num_decode=len(decodes),
+            decode_block_table=torch.tensor(table, dtype=torch.long, device=dev).view(len(decodes), width),
+            decode_context_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+            prefills=tuple(segments),
+            logits_indices=torch.tensor(logits_at, dtype=torch.long, device=dev),
+        )
+        return batch, sampled
+
+    @staticmethod
+    def _mark(chunk: Chunk, index: int, logits_at: list[int], sampled: list[Request]) -> None:
+        if chunk.completes:
+            logits_at.append(index)
+            sampled.append(chunk.request)
+
+    def _append(self, req: Request, token: int, logprobs, now: float) -> RequestOutput:
+        """Add a sampled token, decide whether the request is done, and say what it can emit."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_ids.append(token)
+        self._generation_tokens += 1
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        stream = self._streams[req.request_id]
+        delta, reason, stop_reason = stream.push(token, len(req.output_ids))
+        if reason is None and len(req.output_ids) >= req.max_tokens:
+            reason = "length"
+        if reason is not None:
+            delta += stream.flush() if reason != "stop" or stop_reason is None else ""
+            req.stop_reason = stop_reason
+            self.scheduler.finish(req, reason)
+            req.finished_time = now
+        req.text += delta
+        return self._output(req, delta, (token,))
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        return self._output(req, "", ())
+
+    def _output(self, req: Request, delta: str, delta_ids: tuple[int, ...]) -> RequestOutput:
+        if req.finished:
+            self._finished[req.finish_reason] += 1
+            self._requests.pop(req.request_id, None)
+            self._streams.pop(req.request_id, None)
+        completion = CompletionOutput(
+            0, req.text, tuple(req.output_ids), req.finish_reason, req.stop_reason,
+            tuple(req.logprobs) if req.params.logprobs is not None else None,
+        )
+        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions)
+        return RequestOutput(
+            req.request_id, req.prompt, tuple(req.prompt_ids), [completion], req.finished, delta, delta_ids, metrics
+        )
+
+    # ---- observation --------------------------------------------------------------------------------
+    def audit(self) -> None:
+        """Assert every KV block is free or held by a live request (see BlockPool.audit)."""
+        self.pool.audit(self.scheduler.owners())
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        rows = tuple(
+            RowStats(r.request_id, r.status.value, len(r.prompt_ids), len(r.output_ids), len(r.blocks))
+            for r in (*s.running, *s.waiting)
+        )
+        return EngineStats(
+            model=self.loaded.name,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            flags=self.config.public(),
+            scheduler=SchedulerStats(
+                running=len(s.running), waiting=len(s.waiting), peak_running=s.peak_running,
+                preemptions=s.num_preemptions, finished=dict(self._finished),
+                prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
+                steps=self._steps,
+            ),
+            kv=KVStats(self.pool.block_size, self.pool.num_usable, self.pool.num_free, self.pool.num_used,
+                       self.cache.nbytes),
+            paged_read=self.read.stats(),
+            rows=rows,
+        )

@@ -1,0 +1,17 @@
+"""Errors a user can act on: each message names the problem and the fix."""
+
+
+class NanoserveError(ValueError):
+    """Base class for refusals caused by the caller's input or set-up."""
+
+
+class CheckpointError(NanoserveError):
+    """A model path, file or config the loader cannot use."""
+
+
+class RequestError(NanoserveError):
+    """A request the engine refuses before it allocates anything."""
+
+
+class ConfigError(NanoserveError):
+    """An engine flag or combination of flags that cannot work."""

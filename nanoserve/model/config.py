@@ -1,0 +1,114 @@
+"""ModelConfig: the few numbers the decoder needs, read from a Hugging Face config dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanoserve.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: str | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read an HF config.json dict, refusing architectures the decoder does not implement."""
+        archs = cfg.get("architectures") or [_BY_MODEL_TYPE.get(cfg.get("model_type"), "")]
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; nanoserve runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} checkpoints and llama-architecture GGUF files"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            config = cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(_rope_theta(cfg)),
+                rope_scaling=_rope_scaling(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            )
+        except KeyError as e:
+            raise CheckpointError(
+                f"config.json lacks {e.args[0]!r}, which a {arch} config must have; "
+                "re-export the checkpoint with transformers' save_pretrained"
+            ) from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"config.json has a bad value ({e}); fix the file") from None
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_kv_heads}; the config is inconsistent"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"config {name} must be positive, got {getattr(self, name)}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type")
+            if kind not in ("llama3", "default", "linear"):
+                raise CheckpointError(
+                    f"rope_scaling type {kind!r} is not supported; supported: llama3, linear, default"
+                )
+
+
+def _rope_theta(cfg: dict) -> float:
+    if "rope_theta" in cfg:
+        return cfg["rope_theta"]
+    params = cfg.get("rope_parameters") or {}
+    return params.get("rope_theta", 10000.0)
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:
+        params = cfg.get("rope_parameters")
+        if params and params.get("rope_type", "default") != "default":
+            scaling = params
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
+        return None
+    return scaling

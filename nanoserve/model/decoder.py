@@ -1,0 +1,137 @@
+"""One decoder for the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.kv.cache import KVCache
+from nanoserve.model.batch import StepBatch
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from nanoserve.reads.dispatch import PagedRead
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size,
+            {"q_proj": self.heads * self.dim, "k_proj": self.kv_heads * self.dim, "v_proj": self.kv_heads * self.dim},
+            bias=cfg.attention_bias,
+        )
+        self.o_proj = nn.Linear(self.heads * self.dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.dim**-0.5
+
+    def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: PagedRead) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(tokens, self.heads, self.dim)
+        k = k.view(tokens, self.kv_heads, self.dim)
+        v = v.view(tokens, self.kv_heads, self.dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        cache.write(self.layer, k, v, batch.slots)
+        nd = batch.num_decode
+        if nd == tokens:
+            out = read.decode(
+                q, cache.k[self.layer], cache.v[self.layer], batch.decode_block_table,
+                batch.decode_context_lens, self.scale,
+            )
+        else:
+            parts = []
+            if nd:
+                parts.append(read.decode(
+                    q[:nd], cache.k[self.layer], cache.v[self.layer], batch.decode_block_table,
+                    batch.decode_context_lens, self.scale,
+                ))
+            for seg in batch.prefills:
+                parts.append(self._prefill(q, k, v, seg, cache))
+            out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self.o_proj(out.reshape(tokens, self.heads * self.dim))
+
+    def _prefill(self, q, k, v, seg, cache: KVCache) -> torch.Tensor:
+        """Causal attention for one segment; a chunk that continues a sequence reads its past from the cache."""
+        sl = slice(seg.start, seg.start + seg.length)
+        qs = q[sl].transpose(0, 1)  # [heads, len, dim]
+        if seg.context_start == 0:
+            ks, vs = k[sl], v[sl]
+            mask, causal = None, True
+        else:
+            total = seg.context_start + seg.length
+            ks = cache.k[self.layer][seg.block_table].flatten(0, 1)[:total]
+            vs = cache.v[self.layer][seg.block_table].flatten(0, 1)[:total]
+            rows = torch.arange(seg.length, device=q.device)[:, None] + seg.context_start
+            mask = torch.arange(total, device=q.device)[None, :] <= rows
+            causal = False
+        group = self.heads // self.kv_heads
+        ks = ks.transpose(0, 1).repeat_interleave(group, dim=0)
+        vs = vs.transpose(0, 1).repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale)
+        return out.transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, batch, cache, read):
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache, read)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow the Hugging Face layout, so checkpoints load by name plus a shard map."""
+
+    # checkpoint name fragment -> (module attribute holding the merged weight, shard)
+    PACKED = {
+        "q_proj": ("qkv_proj", "q_proj"),
+        "k_proj": ("qkv_proj", "k_proj"),
+        "v_proj": ("qkv_proj", "v_proj"),
+        "gate_proj": ("gate_up_proj", "gate_proj"),
+        "up_proj": ("gate_up_proj", "up_proj"),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.requires_grad_(False)
+
+    def forward(self, batch: StepBatch, cache: KVCache, read: PagedRead) -> torch.Tensor:
+        """Run the step's tokens and return logits for `batch.logits_indices` only."""
+        x = self.embed_tokens(batch.input_ids)
+        rope = self.rope.table(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, batch, cache, read)
+        x = x[batch.logits_indices]
+        return self.lm_head(self.norm(x)).float()

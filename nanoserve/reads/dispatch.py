@@ -1,0 +1,86 @@
+"""PagedRead: the one seam every decode read goes through, and ReadStats, what it publishes.
+
+The mode is a choice that changes no output, so the read counts what it did: calls, rows, the score cells
+a rectangle read is charged, and the cells this read actually held. Counts come from shapes the host
+already has, never from a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.reads.gathered import gathered_decode
+
+READ_MODES = ("gathered",)
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    mode: str
+    block: int | None
+    calls: int = 0
+    rows: int = 0
+    score_cells: int = 0
+    held_cells: int = 0
+
+    @property
+    def saving(self) -> float:
+        """Charged / held: 1.0 for the gathered read is a measurement (it holds what it is charged)."""
+        return self.score_cells / self.held_cells if self.held_cells else 1.0
+
+    def since(self, earlier: ReadStats) -> ReadStats:
+        """The window between two readings of the same read; refuses readings of different modes."""
+        if (earlier.mode, earlier.block) != (self.mode, self.block):
+            raise ValueError(
+                f"cannot subtract a {earlier.mode} reading from a {self.mode} one: they are different reads"
+            )
+        return ReadStats(
+            self.mode,
+            self.block,
+            self.calls - earlier.calls,
+            self.rows - earlier.rows,
+            self.score_cells - earlier.score_cells,
+            self.held_cells - earlier.held_cells,
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "block": self.block,
+            "calls": self.calls,
+            "rows": self.rows,
+            "score_cells": self.score_cells,
+            "held_cells": self.held_cells,
+            "saving": self.saving,
+        }
+
+
+class PagedRead:
+    """Owns the read mode and dispatches decode attention to it, counting as it goes."""
+
+    def __init__(self, mode: str = "gathered", block: int | None = None):
+        if mode not in READ_MODES:
+            raise ValueError(f"read mode {mode!r} is not available; choose one of {READ_MODES}")
+        self.mode = mode
+        self.block = block
+        self._calls = self._rows = self._score = self._held = 0
+
+    def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
+        rows, heads, _ = q.shape
+        if block_table.shape[0] != rows or context_lens.shape[0] != rows:
+            raise ValueError(
+                f"read got {rows} query rows but {block_table.shape[0]} table rows and "
+                f"{context_lens.shape[0]} lengths"
+            )
+        width = block_table.shape[1] * k_cache.shape[1]
+        cells = rows * heads * width
+        self._calls += 1
+        self._rows += rows
+        self._score += cells
+        self._held += cells
+        return gathered_decode(q, k_cache, v_cache, block_table, context_lens, scale)
+
+    def stats(self) -> ReadStats:
+        return ReadStats(self.mode, self.block, self._calls, self._rows, self._score, self._held)

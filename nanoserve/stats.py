@@ -1,0 +1,72 @@
+"""EngineStats: one immutable snapshot that /health, /metrics, the console and the benchmarks all read.
+
+Readers format these numbers; none computes a counter of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from nanoserve.reads.dispatch import ReadStats
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    running: int
+    waiting: int
+    peak_running: int
+    preemptions: int
+    finished: dict  # finish reason -> count
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class KVStats:
+    block_size: int
+    blocks_total: int  # usable blocks (the null block excluded)
+    blocks_free: int
+    blocks_used: int
+    bytes: int
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """One live request as the running-rows table shows it."""
+
+    request_id: str
+    state: str
+    prompt_tokens: int
+    generated_tokens: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    model: str
+    device: str
+    dtype: str
+    max_model_len: int
+    flags: dict
+    scheduler: SchedulerStats
+    kv: KVStats
+    paged_read: ReadStats
+    rows: tuple[RowStats, ...]
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the shape /health publishes."""
+        return {
+            "model": self.model,
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "flags": dict(self.flags),
+            "scheduler": asdict(self.scheduler),
+            "kv": {**asdict(self.kv), "usage": self.kv.usage},
+            "paged_read": self.paged_read.as_dict(),
+        }

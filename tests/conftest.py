@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random checkpoints written with transformers' save_pretrained, and the default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A real Hugging Face tokenizer directory (SmolLM2's, exported by transformers from the default GGUF)."""
+    from transformers import AutoTokenizer
+
+    from nanoserve.model.loader import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(out)
+    return out
+
+
+def _write_tiny(kind: str, out, tokenizer_dir, **overrides):
+    import shutil
+
+    import transformers
+
+    shard = overrides.pop("_shard", "2GB")
+    torch.manual_seed(0)
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    params = dict(TINY, vocab_size=49152, bos_token_id=1, eos_token_id=2, **overrides)
+    if kind == "qwen3":
+        params.setdefault("head_dim", 32)
+    cfg = cls_cfg(**params)
+    model = cls_model(cfg).to(torch.float32).eval()
+    with torch.no_grad():  # random init is tiny; widen it so logits differ in more than the last ulp
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(out, max_shard_size=shard)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, f), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, hf_tokenizer_dir):
+    """Factory: tiny_checkpoint('llama' | 'mistral' | 'qwen2' | 'qwen3', **config overrides) -> directory."""
+    made = {}
+
+    def make(kind: str = "llama", **overrides):
+        key = (kind, tuple(sorted(overrides.items(), key=str)))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{kind}")
+            made[key] = _write_tiny(kind, out, hf_tokenizer_dir, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The embedded default model, loaded once for the tests that need real text."""
+    from nanoserve import LLM
+
+    return LLM(max_model_len=2048, kv_cache_gib=0.25)
