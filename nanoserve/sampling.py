@@ -317,7 +317,7 @@ def _min_tokens_mask(row: SamplingRow) -> set[int]:
         return set()
     banned = set(p.stop_token_ids)
     if not p.ignore_eos:
-        banned |= row.eos_token_ids
+        banned.update(row.eos_token_ids)
     return banned
 
 
@@ -377,7 +377,7 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Logits after penalties and min_tokens masking: what greedy rows take the argmax of."""
         self._check(logits, rows)
-        out = logits.float().clone()
+        out = logits.to(torch.float32, copy=True)
         vocab = out.shape[-1]
         penalised = [i for i, r in enumerate(rows) if _needs_penalties(r.params)]
         if penalised:

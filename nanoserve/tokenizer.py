@@ -1,0 +1,400 @@
+"""Text <-> token ids: encoding, chat templates, streaming detokenization and stop strings.
+
+`Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` and reproduces what `transformers` does with the same
+checkpoint files (BOS handling, chat-template rendering), so prompts match what a model was trained on.
+`IncrementalDetokenizer` and `StopStringMatcher` turn a stream of generated ids into safe text deltas.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import processors
+
+from nanoserve.errors import CheckpointError, RequestError
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "StopStringMatcher"]
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A fast tokenizer plus the checkpoint metadata needed to build prompts and detect the end of a reply."""
+
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        *,
+        chat_template: str | Mapping[str, str] | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos_token: bool = False,
+        extra_eos_token_ids: Iterable[int] = (),
+    ):
+        self.hf = hf
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # A checkpoint may ship several named templates; "default" is the one used unless tools ask for "tool_use".
+        if isinstance(chat_template, Mapping):
+            self._chat_templates = dict(chat_template)
+        else:
+            self._chat_templates = {"default": chat_template} if chat_template else {}
+        self.bos_token_id = self._token_id(bos_token)
+        self.eos_token_id = self._token_id(eos_token)
+        eos_ids = {int(i) for i in extra_eos_token_ids}
+        if self.eos_token_id is not None:
+            eos_ids.add(self.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        # Only prepend BOS ourselves when the post-processor does not already do it, so it is never doubled.
+        self._prepend_bos = add_bos_token and self.bos_token_id is not None and not self._post_processor_adds_bos()
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load from a Hugging Face checkpoint directory, honouring the same files `transformers` reads."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise CheckpointError(
+                f"{tokenizer_file} not found: nanoserve needs a Hugging Face fast tokenizer file. Use a checkpoint "
+                "that ships tokenizer.json, or create one with "
+                f"`AutoTokenizer.from_pretrained(...).save_pretrained('{path}')`."
+            )
+        hf = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        config = _read_json(path / "tokenizer_config.json")
+        bos_token = _token_content(config.get("bos_token"))
+        eos_token = _token_content(config.get("eos_token"))
+        add_bos = bool(config.get("add_bos_token", False))
+        if "add_bos_token" in config or "add_eos_token" in config:
+            # transformers rebuilds the post-processor when these flags are explicit; do the same so ids match.
+            _set_bos_eos_post_processor(hf, bos_token if add_bos else None,
+                                        eos_token if config.get("add_eos_token") else None)
+        generation = _read_json(path / "generation_config.json")
+        extra_eos = generation.get("eos_token_id")
+        if extra_eos is None:
+            extra_eos = []
+        elif isinstance(extra_eos, int):
+            extra_eos = [extra_eos]
+        return cls(
+            hf,
+            chat_template=_load_chat_template(path, config),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_bos_token=add_bos,
+            extra_eos_token_ids=extra_eos,
+        )
+
+    # -- vocabulary -------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included (a model may pad its embedding further)."""
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_templates.get("default")
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops."""
+        return frozenset(i for i, tok in self.hf.get_added_tokens_decoder().items() if tok.special)
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.hf.token_to_id(token)
+
+    def _post_processor_adds_bos(self) -> bool:
+        with_special = self.hf.encode("a", add_special_tokens=True).ids
+        without = self.hf.encode("a", add_special_tokens=False).ids
+        return with_special[:1] == [self.bos_token_id] and without[:1] != [self.bos_token_id]
+
+    # -- encode / decode --------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- chat templates ---------------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render a conversation the way `transformers` does; with `tokenize=True` return its ids.
+
+        Extra keyword arguments (tools, documents, enable_thinking, ...) become template variables.
+        """
+        template = self._template(tools=kwargs.get("tools"))
+        messages = _validate_messages(messages)
+        variables: dict[str, Any] = {"tools": None, "documents": None}
+        if self.bos_token is not None:
+            variables["bos_token"] = self.bos_token
+        if self.eos_token is not None:
+            variables["eos_token"] = self.eos_token
+        variables.update(kwargs)
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        try:
+            text = template.render(**variables)
+        except jinja2.TemplateError as e:
+            raise RequestError(f"the chat template rejected this conversation: {e}") from e
+        if tokenize:
+            # The template writes BOS itself when the model wants one, so no special tokens are added here.
+            return self.encode(text, add_special_tokens=False)
+        return text
+
+    def _template(self, tools: Any) -> jinja2.Template:
+        if not self._chat_templates:
+            raise RequestError(
+                "this tokenizer has no chat template, so chat messages cannot be turned into a prompt; "
+                "send a plain text prompt (completions) instead, or use a checkpoint whose tokenizer_config.json "
+                "or chat_template.jinja defines a chat template"
+            )
+        name = "tool_use" if tools is not None and "tool_use" in self._chat_templates else "default"
+        if name not in self._chat_templates:
+            raise RequestError(
+                f"this tokenizer has several chat templates ({sorted(self._chat_templates)}) but none named "
+                "'default'; use a checkpoint with a default chat template"
+            )
+        if name not in self._compiled:
+            self._compiled[name] = _jinja_env().from_string(self._chat_templates[name])
+        return self._compiled[name]
+
+
+# -- checkpoint file helpers ----------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); fix or remove the file") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(token: Any) -> str | None:
+    """Special tokens are saved either as plain strings or as serialized AddedToken dicts."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _load_chat_template(path: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """Newer checkpoints keep the template in its own file, which takes precedence over tokenizer_config.json."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(path / "chat_template.json").get("chat_template") or config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        return {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+    return template if isinstance(template, str) else None
+
+
+def _set_bos_eos_post_processor(hf: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> None:
+    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
+    special = [(tok, hf.token_to_id(tok)) for tok in (bos, eos) if tok and hf.token_to_id(tok) is not None]
+    if len(special) != sum(1 for tok in (bos, eos) if tok):
+        return  # the flag names a token the vocabulary lacks; leave the tokenizer's own post-processor
+    hf.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+# -- chat template rendering ----------------------------------------------------------------------------------
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """Accept `{% generation %}...{% endgeneration %}` (used to mark assistant tokens for training) as a no-op."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt the model was trained on.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in; templates from the Hub rely on its settings."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the conversation shape up front so a bad request fails with a clear message, not a template error."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise RequestError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}"
+        )
+    if not messages:
+        raise RequestError("messages is empty; send at least one {'role': ..., 'content': ...} message")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise RequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                got = "missing" if key not in message else f"a {type(message[key]).__name__}"
+                raise RequestError(f"messages[{i}]['{key}'] must be a string, but it is {got}")
+        # Keys set to None are dropped, as transformers does: templates test for presence, not for None.
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
+
+
+# -- streaming ------------------------------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turn generated ids into text deltas that are always whole characters.
+
+    Each step decodes only a short window: the tokens already emitted in the previous step (the prefix, which
+    gives SentencePiece-style decoders the context they need to keep a word's leading space) plus the unread
+    tokens, and emits the difference. Text ending in U+FFFD may be a character whose bytes continue in the next
+    token, so it is held back; the concatenation of all deltas and `flush()` equals `tokenizer.decode(ids)`.
+    """
+
+    # A UTF-8 character spans at most 4 bytes, and every non-skipped token contributes at least one byte, so once
+    # this many tokens follow a boundary, the text before it can no longer change.
+    _SETTLED_AFTER = 3
+    # How many boundaries to try when looking for settled text inside a held-back run.
+    _LOOKBACK = 4
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+        self.skip_special_tokens = skip_special_tokens
+        self._decode_fn = tokenizer.hf.decode
+        # Skipped tokens never reach the decoder, so dropping them early keeps them out of the window.
+        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._window: list[int] = []  # ids from the prefix offset on
+        self._read = 0  # index in _window where the unread ids start
+        self._prefix_text = ""  # decode(_window[:_read])
+
+    def feed(self, token_ids: int | Iterable[int]) -> str:
+        """Add one or more ids; return the text that is now final (possibly "")."""
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        new = [int(t) for t in token_ids if t not in self._skip]
+        if not new:
+            return ""
+        self._window.extend(new)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character decodes to U+FFFD, as in `decode`)."""
+        return self._advance(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, final: bool) -> str:
+        n = len(self._window)
+        if n == self._read:
+            return ""
+        text = self._decode(self._window)
+        if final or not text.endswith(REPLACEMENT_CHAR):
+            return self._emit(text, n)
+        # The trailing U+FFFD may be an unfinished character, or a real one (invalid bytes, or the model writing
+        # U+FFFD). Emit up to the latest boundary whose text is settled, so a long run cannot grow the window.
+        last = n - self._SETTLED_AFTER
+        for k in range(last, max(self._read, last - self._LOOKBACK), -1):
+            head = self._decode(self._window[:k])
+            if len(head) > len(self._prefix_text) and text == head + self._decode(self._window[k:]):
+                return self._emit(head, k)
+        return ""
+
+    def _emit(self, text: str, upto: int) -> str:
+        """Emit `text` (the decode of _window[:upto]) past the prefix, then slide the window to start at _read."""
+        delta = text[len(self._prefix_text):]
+        self._window = self._window[self._read:]
+        self._read = upto - self._read
+        self._prefix_text = self._decode(self._window[: self._read])
+        return delta
+
+
+class StopStringMatcher:
+    """Cut streamed text at the first stop string, even when it spans several deltas.
+
+    Text that could still grow into a stop string is held back until it is ruled out. When stops overlap, the one
+    that is completed first wins (ties go to the longer one), so the result does not depend on how the text was
+    split into deltas. The stop string and everything after it are never emitted.
+    """
+
+    def __init__(self, stop: str | Iterable[str] = ()):
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise RequestError(f"stop strings must be non-empty strings, got {list(stops)!r}")
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
+        self.matched: str | None = None  # the stop string that ended the text, once one has
+        self._held = ""
+
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Return (text safe to emit now, the matched stop string or None). After a match, input is ignored."""
+        if self.matched is not None:
+            return "", self.matched
+        text = self._held + delta
+        best: tuple[int, int, str] | None = None  # (end, -length, stop)
+        for stop in self.stops:
+            i = text.find(stop)
+            if i >= 0:
+                candidate = (i + len(stop), -len(stop), stop)
+                best = candidate if best is None else min(best, candidate)
+        if best is not None:
+            end, _, stop = best
+            self.matched, self._held = stop, ""
+            return text[: end - len(stop)], stop
+        keep = self._partial_suffix(text)
+        self._held = text[len(text) - keep:]
+        return text[: len(text) - keep], None
+
+    def flush(self) -> str:
+        """Return the held-back text at the end of the stream (nothing if a stop string matched)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
