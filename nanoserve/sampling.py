@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -321,13 +322,21 @@ def _min_tokens_mask(row: SamplingRow) -> set[int]:
     return banned
 
 
-def _padded_ids(histories: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Stack ragged id lists into one tensor, padding with `pad` (a column that is dropped later)."""
-    width = max((len(h) for h in histories), default=0)
-    data = [list(h) + [pad] * (width - len(h)) for h in histories]
-    ids = torch.tensor(data, dtype=torch.long).reshape(len(histories), width).to(device)
-    # Ids past the logits width cannot be produced by the model; send them to the pad column.
-    return ids.clamp_(min=0, max=pad)
+def _flat_ids(
+    histories: list[Iterable[int]], rows: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """Distinct positions (row * vocab + token) of the histories in a flattened [rows, vocab] tensor.
+
+    Ids past the logits width cannot be produced by the model and are dropped.
+    """
+    ids, owners = [], []
+    for history, r in zip(histories, rows, strict=True):
+        before = len(ids)
+        ids.extend(history)
+        owners.extend([r] * (len(ids) - before))
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    flat = torch.tensor(owners, dtype=torch.long) * vocab + ids_t
+    return flat[(ids_t >= 0) & (ids_t < vocab)].to(device)
 
 
 class Sampler:
@@ -412,35 +421,33 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(out: torch.Tensor, rows: list[SamplingRow], index: list[int], vocab: int) -> None:
-        """Repetition penalty (transformers-style) over prompt + output, then OpenAI presence/frequency."""
+        """Repetition penalty (transformers-style) over prompt + output, then OpenAI presence/frequency.
+
+        Works on the flattened positions of each row's history, so the cost follows
+        the history length rather than rows x vocab.
+        """
         device = out.device
-        idx = torch.tensor(index, device=device)
-        sub = out[idx]
+        flat_out = out.view(-1)
 
-        def per_row(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(r.params, name) for r in rows], dtype=out.dtype, device=device)[
-                :, None
-            ]
+        def per_position(name: str, positions: torch.Tensor) -> torch.Tensor:
+            """The owning row's value of parameter `name` at each flattened position."""
+            values = torch.zeros(out.shape[0], dtype=out.dtype)
+            values[index] = torch.tensor([getattr(r.params, name) for r in rows], dtype=out.dtype)
+            return values.to(device)[positions // vocab]
 
-        # Column `vocab` absorbs padding and out-of-range ids and is dropped.
-        seen_ids = _padded_ids([list(r.prompt_ids) + list(r.output_ids) for r in rows], vocab, device)
-        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, seen_ids, True)
-        seen = seen[:, :vocab]
-        rep = per_row("repetition_penalty")
-        penalised = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalised, sub)
+        if any(r.params.repetition_penalty != 1.0 for r in rows):
+            seen = _flat_ids([chain(r.prompt_ids, r.output_ids) for r in rows], index, vocab, device).unique()
+            rep = per_position("repetition_penalty", seen)
+            scores = flat_out[seen]
+            flat_out[seen] = torch.where(scores > 0, scores / rep, scores * rep)
 
-        out_ids = _padded_ids([r.output_ids for r in rows], vocab, device)
-        counts = torch.zeros(len(rows), vocab + 1, dtype=out.dtype, device=device)
-        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=out.dtype))
-        counts = counts[:, :vocab]
-        sub = (
-            sub
-            - per_row("frequency_penalty") * counts
-            - per_row("presence_penalty") * (counts > 0).to(out.dtype)
-        )
-        out[idx] = sub
+        if any(r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0 for r in rows):
+            generated, counts = _flat_ids([r.output_ids for r in rows], index, vocab, device).unique(
+                return_counts=True
+            )
+            penalty = per_position("frequency_penalty", generated) * counts.to(out.dtype)
+            penalty += per_position("presence_penalty", generated)
+            flat_out[generated] -= penalty
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -453,14 +460,22 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
         scaled = logits / temps[:, None]
 
-        use_top_k = any(0 < p.top_k < vocab for p in params)
+        ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         use_top_p = any(p.top_p < 1.0 for p in params)
-        if use_top_k or use_top_p:
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            if use_top_k:
-                ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-                ranks = torch.arange(vocab, device=device)
-                sorted_logits.masked_fill_(ranks[None, :] >= ks[:, None], -math.inf)
+        if any(ks) or use_top_p:
+            # Only the head some row can keep needs sorting: the largest top_k, or the
+            # whole vocabulary when a row uses top_p without top_k.
+            full = any(p.top_p < 1.0 and k == 0 for p, k in zip(params, ks, strict=True))
+            width = vocab if full else max(ks)
+            if full:
+                sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            else:
+                sorted_logits, order = scaled.topk(width, dim=-1)
+            has_top_k = torch.tensor([k > 0 for k in ks], device=device)
+            if any(ks):
+                limits = torch.tensor([k or vocab for k in ks], device=device)
+                ranks = torch.arange(width, device=device)
+                sorted_logits.masked_fill_(ranks[None, :] >= limits[:, None], -math.inf)
             if use_top_p:
                 # Keep the smallest prefix whose mass reaches top_p: drop a token when the
                 # mass ranked strictly above it already does. top_p=1 rows are exempt, since
@@ -469,9 +484,9 @@ class Sampler:
                 sorted_probs = sorted_logits.softmax(dim=-1)
                 mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
                 drop = mass_above >= ps[:, None].to(mass_above.dtype)
-                drop[:, 0] = False
                 sorted_logits.masked_fill_(drop, -math.inf)
-            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+            # Rows with top_k drop everything outside the head; the others keep their tail.
+            scaled = scaled.masked_fill(has_top_k[:, None], -math.inf).scatter_(1, order, sorted_logits)
 
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
@@ -485,11 +500,14 @@ class Sampler:
 
         It needs one noise vector per row, so each seeded row fills its own from its own
         generator while unseeded rows share one fill from the default generator.
+        Overwrites `probs`, which is the sampler's own scratch tensor.
         """
         device = probs.device
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self._default_for(device))
+        elif unseeded:
             idx = torch.tensor(unseeded, device=device)
             block = torch.empty(len(unseeded), probs.shape[-1], dtype=probs.dtype, device=device)
             noise[idx] = block.exponential_(generator=self._default_for(device))
@@ -502,7 +520,7 @@ class Sampler:
                     generator=gen
                 )
         # Exp(1) can round to 0; a tiny floor keeps 0 / 0 (masked tokens) out of the argmax.
-        return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        return probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     def _default_for(self, device: torch.device) -> torch.Generator | None:
         gen = self.default_generator

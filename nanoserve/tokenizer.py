@@ -8,6 +8,7 @@ checkpoint files (BOS handling, chat-template rendering), so prompts match what 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -18,13 +19,13 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import processors
 
 from nanoserve.errors import CheckpointError, RequestError
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "StopStringMatcher"]
 
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class Tokenizer:
@@ -73,11 +74,6 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         bos_token = _token_content(config.get("bos_token"))
         eos_token = _token_content(config.get("eos_token"))
-        add_bos = bool(config.get("add_bos_token", False))
-        if "add_bos_token" in config or "add_eos_token" in config:
-            # transformers rebuilds the post-processor when these flags are explicit; do the same so ids match.
-            _set_bos_eos_post_processor(hf, bos_token if add_bos else None,
-                                        eos_token if config.get("add_eos_token") else None)
         generation = _read_json(path / "generation_config.json")
         extra_eos = generation.get("eos_token_id")
         if extra_eos is None:
@@ -89,7 +85,9 @@ class Tokenizer:
             chat_template=_load_chat_template(path, config),
             bos_token=bos_token,
             eos_token=eos_token,
-            add_bos_token=add_bos,
+            # tokenizer.json's post-processor alone decides BOS/EOS: transformers ignores tokenizer_config.json's
+            # add_bos_token/add_eos_token when tokenizer.json exists, and following it keeps prompts identical.
+            add_bos_token=False,
             extra_eos_token_ids=extra_eos,
         )
 
@@ -108,6 +106,13 @@ class Tokenizer:
     def special_token_ids(self) -> frozenset[int]:
         """Ids that `decode(..., skip_special_tokens=True)` drops."""
         return frozenset(i for i, tok in self.hf.get_added_tokens_decoder().items() if tok.special)
+
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of `<0xNN>` byte tokens when the decoder uses byte fallback (SentencePiece-style), else empty."""
+        if not _has_decoder(json.loads(self.hf.decoder.__getstate__()) if self.hf.decoder else None, "ByteFallback"):
+            return frozenset()
+        return frozenset(i for tok, i in self.hf.get_vocab(with_added_tokens=False).items() if _BYTE_TOKEN.fullmatch(tok))
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.hf.token_to_id(token)
@@ -190,6 +195,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _has_decoder(config: Any, kind: str) -> bool:
+    """Whether a decoder config (possibly a Sequence of decoders) contains a decoder of type `kind`."""
+    if not isinstance(config, dict):
+        return False
+    return config.get("type") == kind or any(_has_decoder(d, kind) for d in config.get("decoders") or ())
+
+
 def _token_content(token: Any) -> str | None:
     """Special tokens are saved either as plain strings or as serialized AddedToken dicts."""
     if isinstance(token, dict):
@@ -206,15 +218,6 @@ def _load_chat_template(path: Path, config: Mapping[str, Any]) -> str | dict[str
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         return {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
     return template if isinstance(template, str) else None
-
-
-def _set_bos_eos_post_processor(hf: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> None:
-    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
-    special = [(tok, hf.token_to_id(tok)) for tok in (bos, eos) if tok and hf.token_to_id(tok) is not None]
-    if len(special) != sum(1 for tok in (bos, eos) if tok):
-        return  # the flag names a token the vocabulary lacks; leave the tokenizer's own post-processor
-    hf.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 # -- chat template rendering ----------------------------------------------------------------------------------
@@ -303,9 +306,11 @@ class IncrementalDetokenizer:
         self._decode_fn = tokenizer.hf.decode
         # Skipped tokens never reach the decoder, so dropping them early keeps them out of the window.
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._byte_ids = tokenizer.byte_fallback_ids
         self._window: list[int] = []  # ids from the prefix offset on
         self._read = 0  # index in _window where the unread ids start
         self._prefix_text = ""  # decode(_window[:_read])
+        self._run_start: int | None = None  # where a trailing run of byte-fallback tokens starts in _window
 
     def feed(self, token_ids: int | Iterable[int]) -> str:
         """Add one or more ids; return the text that is now final (possibly "")."""
@@ -314,7 +319,12 @@ class IncrementalDetokenizer:
         new = [int(t) for t in token_ids if t not in self._skip]
         if not new:
             return ""
-        self._window.extend(new)
+        for t in new:
+            if t not in self._byte_ids:
+                self._run_start = None
+            elif self._run_start is None:
+                self._run_start = len(self._window)
+            self._window.append(t)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -325,26 +335,33 @@ class IncrementalDetokenizer:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self, final: bool) -> str:
-        n = len(self._window)
-        if n == self._read:
+        # A byte-fallback decoder renders a run of byte tokens as text only if the whole run is valid UTF-8 (and as
+        # one U+FFFD per byte otherwise), so a later byte can change all of it: hold the run until it ends.
+        end = len(self._window)
+        if not final and self._run_start is not None:
+            end = max(self._run_start, self._read)
+        if end == self._read:
             return ""
-        text = self._decode(self._window)
+        text = self._decode(self._window[:end])
         if final or not text.endswith(REPLACEMENT_CHAR):
-            return self._emit(text, n)
+            return self._emit(text, end)
         # The trailing U+FFFD may be an unfinished character, or a real one (invalid bytes, or the model writing
         # U+FFFD). Emit up to the latest boundary whose text is settled, so a long run cannot grow the window.
-        last = n - self._SETTLED_AFTER
+        last = end - self._SETTLED_AFTER
         for k in range(last, max(self._read, last - self._LOOKBACK), -1):
             head = self._decode(self._window[:k])
-            if len(head) > len(self._prefix_text) and text == head + self._decode(self._window[k:]):
+            if len(head) > len(self._prefix_text) and text == head + self._decode(self._window[k:end]):
                 return self._emit(head, k)
         return ""
 
     def _emit(self, text: str, upto: int) -> str:
         """Emit `text` (the decode of _window[:upto]) past the prefix, then slide the window to start at _read."""
         delta = text[len(self._prefix_text):]
-        self._window = self._window[self._read:]
-        self._read = upto - self._read
+        shift = self._read
+        self._window = self._window[shift:]
+        self._read = upto - shift
+        if self._run_start is not None:
+            self._run_start = max(self._run_start - shift, 0)
         self._prefix_text = self._decode(self._window[: self._read])
         return delta
 

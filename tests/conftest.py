@@ -77,7 +77,7 @@ def tiny_checkpoint(tmp_path_factory, hf_tokenizer_dir):
     made = {}
 
     def make(kind: str = "llama", **overrides):
-        key = (kind, tuple(sorted(overrides.items(), key=str)))
+        key = (kind, repr(sorted(overrides.items(), key=str)))
         if key not in made:
             out = tmp_path_factory.mktemp(f"tiny-{kind}")
             made[key] = _write_tiny(kind, out, hf_tokenizer_dir, **overrides)

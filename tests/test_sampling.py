@@ -407,17 +407,25 @@ def test_filtered_distribution_matches_float64_oracle(cfg):
     # Many draws never leave the kept set, and every kept token shows up.
     n = 4000
     batch = torch.from_numpy(logits)[None].expand(n, -1)
-    tokens = np.array(Sampler(gen(6))(batch, [row(**cfg) for _ in range(n)]).token_ids)
+    tokens = np.array(Sampler(gen(6))(batch, [row(**cfg)] * n).token_ids)
     assert keep[tokens].all()
     if keep.sum() <= 10:
         assert set(tokens.tolist()) == set(np.flatnonzero(keep).tolist())
 
 
-def test_filters_are_per_row_in_one_batch():
-    logits = np.random.default_rng(7).normal(size=(len(FILTERS), 40)).astype(np.float32) * 2
-    rows = [row(**cfg) for cfg in FILTERS]
+PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+# The first batch needs a full sort (top_p without top_k); the second only the top-k head,
+# and its rows without top_k must keep their whole tail.
+@pytest.mark.parametrize(
+    "configs", [FILTERS + [PLAIN], [FILTERS[0], PLAIN, FILTERS[3], FILTERS[2]]], ids=["full", "head"]
+)
+def test_filters_are_per_row_in_one_batch(configs):
+    logits = np.random.default_rng(7).normal(size=(len(configs), 40)).astype(np.float32) * 2
+    rows = [row(**cfg) for cfg in configs]
     got = Sampler().probs(torch.from_numpy(logits), rows).numpy()
-    for i, cfg in enumerate(FILTERS):
+    for i, cfg in enumerate(configs):
         keep, expected = filter_oracle(logits[i], **cfg)
         np.testing.assert_array_equal(got[i] > 0, keep)
         np.testing.assert_allclose(got[i], expected, atol=1e-5)
@@ -429,7 +437,7 @@ def test_temperature_sampling_frequencies_match_softmax():
     expected = np_softmax(logits.astype(np.float64) / temperature)
     n = 20000
     batch = torch.from_numpy(logits)[None].expand(n, -1)
-    tokens = Sampler(gen(8))(batch, [row(temperature=temperature) for _ in range(n)]).token_ids
+    tokens = Sampler(gen(8))(batch, [row(temperature=temperature)] * n).token_ids
     counts = np.bincount(tokens, minlength=10)
     assert chi_square(counts, expected) < CHI2_DF9_P1E4
 
@@ -450,7 +458,7 @@ def test_filtered_sampling_frequencies_match_oracle():
     keep, expected = filter_oracle(logits, **cfg)
     n = 20000
     batch = torch.from_numpy(logits)[None].expand(n, -1)
-    tokens = Sampler(gen(10))(batch, [row(**cfg) for _ in range(n)]).token_ids
+    tokens = Sampler(gen(10))(batch, [row(**cfg)] * n).token_ids
     counts = np.bincount(tokens, minlength=30)
     assert counts[~keep].sum() == 0
     stat = chi_square(counts[keep], expected[keep])

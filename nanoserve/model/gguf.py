@@ -86,24 +86,28 @@ def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """ggml packs element j in the low nibble and element j + 16 in the high nibble of byte j."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    """4-bit values as float32: ggml packs element j in the low nibble and element j + 16 in the high
+    nibble of byte j. Written straight into the output to spare a pass over the largest tensors."""
+    out = torch.empty(qs.shape[0], 2 * qs.shape[1], dtype=torch.float32)
+    out[:, :qs.shape[1]] = qs & 0x0F
+    out[:, qs.shape[1]:] = qs >> 4
+    return out
 
 
+# Each decoder does the arithmetic in gguf's order (scale * q, then + min), so results are bit-identical.
 def _dequant_q8_0(raw: torch.Tensor) -> torch.Tensor:
     b = _blocks(raw, 34)  # f16 scale, 32 x int8
-    return b[:, 2:].view(torch.int8).float() * _f16_column(b, 0)
+    return b[:, 2:].view(torch.int8).float().mul_(_f16_column(b, 0))
 
 
 def _dequant_q4_0(raw: torch.Tensor) -> torch.Tensor:
     b = _blocks(raw, 18)  # f16 scale, 16 bytes of 4-bit values offset by 8
-    q = _nibbles(b[:, 2:]).to(torch.int16) - 8
-    return q.float() * _f16_column(b, 0)
+    return _nibbles(b[:, 2:]).sub_(8).mul_(_f16_column(b, 0))
 
 
 def _dequant_q4_1(raw: torch.Tensor) -> torch.Tensor:
     b = _blocks(raw, 20)  # f16 scale, f16 min, 16 bytes of 4-bit values
-    return _nibbles(b[:, 4:]).float() * _f16_column(b, 0) + _f16_column(b, 2)
+    return _nibbles(b[:, 4:]).mul_(_f16_column(b, 0)).add_(_f16_column(b, 2))
 
 
 _FAST_DEQUANT = {
@@ -468,9 +472,9 @@ _PRE_SPLITS = {
 # llama.cpp's LLAMA3 pre-tokenizer family: a word that is itself a token is taken whole, skipping the merges
 # (the Llama 3 tokenizer.json's `ignore_merges`), and BOS is added unless the file says otherwise.
 _LLAMA3_FAMILY = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
-# Pre-tokenizers that isolate every digit before the GPT-2 regex (as SmolLM's and StarCoder's tokenizer.json do).
-_DIGIT_SPLIT = {"smollm", "starcoder"}
-_KNOWN_GPT2_REGEX = {"default", "gpt2", "smollm", "starcoder"}
+# Values known to want the GPT-2 regex itself (byte-level vocabularies without multi-digit merges split
+# digits alike with or without llama.cpp's extra `\p{N}` rule, so starcoder/smollm belong here too).
+_KNOWN_GPT2_REGEX = {"default", "gpt2", "smollm", "starcoder", "refact", "olmo", "mpt"}
 _SUPPORTED_TOKENIZERS = "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)"
 
 
@@ -533,9 +537,7 @@ def _byte_level_tokenizer(meta: dict, tokens: list[str], types: list[int], path:
         if pre not in _KNOWN_GPT2_REGEX:
             warnings.warn(f"{path}: no pre-tokenizer rule for tokenizer.ggml.pre={pre!r}; using GPT-2's split "
                           "regex, so tokenization may differ from llama.cpp's", stacklevel=3)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                             if pre in _DIGIT_SPLIT else byte_level)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     # Control tokens outside the byte alphabet are llama.cpp mislabels; adding them would grow the vocab.
     control = [t for t, k in zip(tokens, types) if k == _CONTROL and t and set(t) <= spelled]
