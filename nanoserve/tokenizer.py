@@ -314,9 +314,8 @@ class IncrementalDetokenizer:
 
     def feed(self, token_ids: int | Iterable[int]) -> str:
         """Add one or more ids; return the text that is now final (possibly "")."""
-        if isinstance(token_ids, int):
-            token_ids = (token_ids,)
-        new = [int(t) for t in token_ids if t not in self._skip]
+        ids = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        new = [t for t in ids if t not in self._skip]
         if not new:
             return ""
         for t in new:

@@ -3,6 +3,9 @@ conversion, gguf's reference (de)quantization, and llama.cpp's converter formula
 
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
 import gguf
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ import torch
 
 from nanoserve.errors import CheckpointError
 from nanoserve.model.gguf import SUPPORTED_QUANT_TYPES, dequantize, load_gguf
-from gguf_fixtures import (
+from tests.gguf_fixtures import (
     CHAT_TEMPLATE,
     TINY,
     byte_level_vocab,
@@ -61,7 +64,10 @@ def _transformers_gguf(path, our_config: dict) -> dict:
     cfg = {k: v for k, v in our_config.items() if k not in ("architectures", "torch_dtype")}
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**cfg))
-    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    # transformers rebuilds the same (pure) name table once per submodule; caching it saves ~10 s.
+    cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "get_tensor_name_map", cached):
+        return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,10 +87,11 @@ def default_ckpt(default_path):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(default_path):
+def hf_tokenizer(hf_tokenizer_dir):
+    """transformers' conversion of the default GGUF's tokenizer (conftest builds and saves it once)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(default_path.parent), gguf_file=default_path.name)
+    return AutoTokenizer.from_pretrained(hf_tokenizer_dir)
 
 
 @pytest.mark.slow
@@ -199,7 +206,7 @@ def test_dequantize_matches_gguf_on_arbitrary_bytes(qtype):
     raw = np.random.default_rng(1).integers(0, 256, rows * cols // block * size, dtype=np.uint8)
     with np.errstate(all="ignore"):
         expected = gguf.quants.dequantize(raw.reshape(rows, -1), t).reshape(rows, cols)
-    ours = dequantize(torch.from_numpy(raw.copy()), t, (rows, cols))
+        ours = dequantize(torch.from_numpy(raw.copy()), t, (rows, cols))
     torch.testing.assert_close(ours, torch.from_numpy(expected), rtol=0, atol=0, equal_nan=True)
 
 

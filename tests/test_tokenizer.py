@@ -419,10 +419,12 @@ def test_detokenizer_random_ids(request, which):
     vocab = list(range(tok.vocab_size))
     # Bias towards tokens that are fragments of characters, to create incomplete and invalid UTF-8.
     fragments = [i for i in vocab if "\ufffd" in tok.decode([i])]
-    assert fragments
+    specials = sorted(tok.special_token_ids)
+    assert fragments and specials
     for trial in range(300):
         pool = fragments if trial % 2 else vocab
-        ids = [rng.choice(pool if rng.random() < 0.7 else vocab) for _ in range(rng.randrange(1, 30))]
+        ids = [rng.choice(pool if rng.random() < 0.7 else specials if rng.random() < 0.2 else vocab)
+               for _ in range(rng.randrange(1, 30))]
         for skip in (True, False):
             for chunks in (None, rng):
                 deltas, tail = _stream(tok, ids, chunks=chunks, skip_special_tokens=skip)
