@@ -17,7 +17,7 @@ from nanoserve.model.batch import PrefillSegment, StepBatch
 from nanoserve.model.loader import LoadedModel, load_model
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.reads.dispatch import PagedRead
-from nanoserve.request import Request, Status
+from nanoserve.request import Request
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
 from nanoserve.scheduler import Chunk, Scheduler, SchedulerOutput
 from nanoserve.stats import EngineStats, KVStats, RowStats, SchedulerStats

@@ -48,7 +48,7 @@ class GGUFCheckpoint:
 # Quantization types
 # --------------------------------------------------------------------------------------------------
 
-# Types decoded here with torch (fast, and bit-identical to gguf's numpy reference); the rest go to gguf.
+# Types decoded here (lean numpy, bit-identical to gguf's reference); the rest go to gguf.quants.dequantize.
 _FAST_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 # Weight formats worth offering; each is kept only if the installed gguf package can decode it.
 _CANDIDATE_TYPES = (
@@ -76,57 +76,62 @@ def _gguf_can_decode(name: str) -> bool:
 SUPPORTED_QUANT_TYPES: tuple[str, ...] = tuple(n for n in _CANDIDATE_TYPES if _gguf_can_decode(n))
 
 
-def _blocks(raw: torch.Tensor, type_size: int) -> torch.Tensor:
-    return raw.view(-1, type_size)
+# Dequantization runs in numpy on purpose: it is single-threaded, so it neither gains nor loses from
+# torch's intra-op threads, which on a busy machine turn ~2000 small elementwise ops into seconds of waiting.
 
-
-def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
+def _f16_column(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 stored at byte `start` of every block, as a float32 column."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def _nibbles(qs: np.ndarray) -> np.ndarray:
     """4-bit values as float32: ggml packs element j in the low nibble and element j + 16 in the high
-    nibble of byte j. Written straight into the output to spare a pass over the largest tensors."""
-    out = torch.empty(qs.shape[0], 2 * qs.shape[1], dtype=torch.float32)
-    out[:, :qs.shape[1]] = qs & 0x0F
-    out[:, qs.shape[1]:] = qs >> 4
+    nibble of byte j. Written straight into the output to spare passes over the largest tensors."""
+    half = qs.shape[1]
+    out = np.empty((qs.shape[0], 2 * half), dtype=np.float32)
+    np.bitwise_and(qs, 0x0F, out=out[:, :half], casting="unsafe")
+    np.right_shift(qs, 4, out=out[:, half:], casting="unsafe")
     return out
 
 
-# Each decoder does the arithmetic in gguf's order (scale * q, then + min), so results are bit-identical.
-def _dequant_q8_0(raw: torch.Tensor) -> torch.Tensor:
-    b = _blocks(raw, 34)  # f16 scale, 32 x int8
-    return b[:, 2:].view(torch.int8).float().mul_(_f16_column(b, 0))
+# Each decoder does gguf's arithmetic in gguf's order (scale * q, then + min), so results are bit-identical.
+def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
+    b = raw.reshape(-1, 34)  # f16 scale, 32 x int8
+    return b[:, 2:].view(np.int8).astype(np.float32) * _f16_column(b, 0)
 
 
-def _dequant_q4_0(raw: torch.Tensor) -> torch.Tensor:
-    b = _blocks(raw, 18)  # f16 scale, 16 bytes of 4-bit values offset by 8
-    return _nibbles(b[:, 2:]).sub_(8).mul_(_f16_column(b, 0))
+def _dequant_q4_0(raw: np.ndarray) -> np.ndarray:
+    b = raw.reshape(-1, 18)  # f16 scale, 16 bytes of 4-bit values offset by 8
+    out = _nibbles(b[:, 2:])
+    out -= 8
+    out *= _f16_column(b, 0)
+    return out
 
 
-def _dequant_q4_1(raw: torch.Tensor) -> torch.Tensor:
-    b = _blocks(raw, 20)  # f16 scale, f16 min, 16 bytes of 4-bit values
-    return _nibbles(b[:, 4:]).mul_(_f16_column(b, 0)).add_(_f16_column(b, 2))
+def _dequant_q4_1(raw: np.ndarray) -> np.ndarray:
+    b = raw.reshape(-1, 20)  # f16 scale, f16 min, 16 bytes of 4-bit values
+    out = _nibbles(b[:, 4:])
+    out *= _f16_column(b, 0)
+    out += _f16_column(b, 2)
+    return out
 
 
 _FAST_DEQUANT = {
-    "F32": lambda raw: raw.view(torch.float32),
-    "F16": lambda raw: raw.view(torch.float16).float(),
-    "BF16": lambda raw: raw.view(torch.bfloat16).float(),
+    "F32": lambda raw: raw.view(np.float32),
+    "F16": lambda raw: raw.view(np.float16).astype(np.float32),
+    "BF16": lambda raw: (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32),
     "Q8_0": _dequant_q8_0,
     "Q4_0": _dequant_q4_0,
     "Q4_1": _dequant_q4_1,
 }
 
 
-def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """Decode a tensor's raw bytes (uint8) into float32 of torch `shape` (ggml's dims reversed)."""
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode a tensor's raw bytes (flat uint8) into float32 of torch-order `shape` (ggml's dims reversed)."""
     fast = _FAST_DEQUANT.get(qtype.name)
     if fast is not None:
         return fast(raw).reshape(shape)
-    rows = raw.numpy().reshape(math.prod(shape[:-1]), -1)
-    return torch.from_numpy(gguf_dequantize(rows, qtype)).reshape(shape)
+    return gguf_dequantize(raw.reshape(math.prod(shape[:-1]), -1), qtype).reshape(shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,6 +249,8 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[_TensorInfo]]:
                     "convert it again"
                 ) from None
             alignment = int(meta.get("general.alignment", _DEFAULT_ALIGNMENT))
+            if alignment <= 0:
+                raise CheckpointError(f"{path} states general.alignment={alignment}; the file is corrupt")
             data_start = -(-r.pos // alignment) * alignment
             size = len(buf)
     infos = []
@@ -283,8 +290,8 @@ def _single(value: Any, key: str, path: Path) -> int:
     return int(value)
 
 
-def _rope_scaling(meta: dict, infos: dict[str, _TensorInfo], rope_freqs: torch.Tensor | None,
-                  head_dim: int, theta: float, path: Path) -> dict | None:
+def _rope_scaling(meta: dict, rope_freqs: torch.Tensor | None, head_dim: int, theta: float,
+                  path: Path) -> dict | None:
     """HF `rope_scaling` from the metadata, or recovered from the `rope_freqs` tensor llama.cpp writes
     for Llama 3.1+ instead of metadata."""
     if rope_freqs is not None:
@@ -349,6 +356,11 @@ def _config(meta: dict, infos: dict[str, _TensorInfo], path: Path, dtype: torch.
     hidden = int(_require(meta, "llama.embedding_length", path))
     heads = _single(_require(meta, "llama.attention.head_count", path), "head_count", path)
     kv_heads = _single(meta.get("llama.attention.head_count_kv", heads), "head_count_kv", path)
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise CheckpointError(
+            f"{path} states {heads} attention heads and {kv_heads} kv heads; heads must be a positive multiple "
+            "of kv heads, so the file is corrupt"
+        )
     head_dim = int(meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or hidden // heads)
     rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -419,19 +431,26 @@ def _expected_tensors(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _undo_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _undo_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert convert_hf_to_gguf.py's `permute` of q/k rows (HF's rotate-half layout -> ggml's interleaved
     pairs), exactly as transformers' GGUF loader does."""
     half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_tensor(f, info: _TensorInfo) -> torch.Tensor:
-    buf = bytearray(info.nbytes)
+def _read_tensor(f, info: _TensorInfo) -> np.ndarray:
+    raw = np.empty(info.nbytes, dtype=np.uint8)
     f.seek(info.offset)
-    if f.readinto(buf) != info.nbytes:
+    if f.readinto(memoryview(raw)) != info.nbytes:
         raise CheckpointError(f"{f.name} is truncated: tensor {info.name} runs past the end; download it again")
-    return dequantize(torch.frombuffer(buf, dtype=torch.uint8), info.qtype, info.shape)
+    return dequantize(raw, info.qtype, info.shape)
+
+
+def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float16:  # numpy rounds to half exactly as torch does, without torch's thread pool
+        w = w.astype(np.float16)
+    t = torch.from_numpy(np.ascontiguousarray(w))
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -501,7 +520,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     first (transformers' `generate_merges`, so both tokenize alike)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     found = []
-    for token, score in dict(zip(tokens, scores)).items():
+    for token, score in dict(zip(tokens, scores, strict=True)).items():
         local = [(token[:k], token[k:], score) for k in range(1, len(token))
                  if token[:k] in vocab and token[k:] in vocab]
         local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
@@ -540,9 +559,9 @@ def _byte_level_tokenizer(meta: dict, tokens: list[str], types: list[int], path:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     # Control tokens outside the byte alphabet are llama.cpp mislabels; adding them would grow the vocab.
-    control = [t for t, k in zip(tokens, types) if k == _CONTROL and t and set(t) <= spelled]
+    control = [t for t, k in zip(tokens, types, strict=True) if k == _CONTROL and t and set(t) <= spelled]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
+    user = [t for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED and t in vocab]
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
     return tok
 
@@ -569,9 +588,9 @@ def _sentencepiece_tokenizer(meta: dict, tokens: list[str], types: list[int], pa
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1, right=0)] if prefix else steps)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == _CONTROL and t])
+                            for t, k in zip(tokens, types, strict=True) if k == _CONTROL and t])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == _USER_DEFINED and t])
+                    for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED and t])
     return tok
 
 
@@ -586,6 +605,11 @@ def _tokenizer(meta: dict, path: Path) -> tuple[Tokenizer, bool]:
             "checkpoint directory (with tokenizer.json) of this model instead"
         )
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise CheckpointError(
+            f"{path} has {len(tokens)} tokens but {len(types)} token types; the tokenizer metadata is corrupt, "
+            "download or convert the file again"
+        )
     if kind == "gpt2":
         tok = _byte_level_tokenizer(meta, tokens, types, path)
         default_bos = meta.get("tokenizer.ggml.pre") in _LLAMA3_FAMILY
@@ -652,22 +676,21 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GG
                 f"{list(shape)}; the file is inconsistent"
             )
 
+    # Everything that can refuse the file runs before the (comparatively slow) dequantization.
+    tokenizer, add_bos = _tokenizer(meta, path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
-    rope_freqs = None
     with open(path, "rb") as f:
-        if "rope_freqs.weight" in infos:
-            rope_freqs = _read_tensor(f, infos["rope_freqs.weight"])
+        rope_freqs = _to_torch(_read_tensor(f, infos["rope_freqs.weight"]), torch.float32) \
+            if "rope_freqs.weight" in infos else None
+        config["rope_scaling"] = _rope_scaling(meta, rope_freqs, config["head_dim"], config["rope_theta"], path)
         for name, (hf_name, _) in expected.items():
             w = _read_tensor(f, infos[name])
             if name.endswith(".attn_q.weight"):
                 w = _undo_rope_permute(w, heads)
             elif name.endswith(".attn_k.weight"):
                 w = _undo_rope_permute(w, kv_heads)
-            tensors[hf_name] = w.to(dtype).contiguous()
-    config["rope_scaling"] = _rope_scaling(meta, infos, rope_freqs, config["head_dim"], config["rope_theta"], path)
-
-    tokenizer, add_bos = _tokenizer(meta, path)
+            tensors[hf_name] = _to_torch(w, dtype)
     return GGUFCheckpoint(
         config=config,
         tensors=tensors,
