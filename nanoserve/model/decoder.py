@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kv.cache import KVCache
+from nanoserve.model.attention import sdpa
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
@@ -70,10 +71,7 @@ class Attention(nn.Module):
             rows = torch.arange(seg.length, device=q.device)[:, None] + seg.context_start
             mask = torch.arange(total, device=q.device)[None, :] <= rows
             causal = False
-        group = self.heads // self.kv_heads
-        ks = ks.transpose(0, 1).repeat_interleave(group, dim=0)
-        vs = vs.transpose(0, 1).repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale)
+        out = sdpa(qs, ks.transpose(0, 1), vs.transpose(0, 1), mask=mask, causal=causal, scale=self.scale)
         return out.transpose(0, 1)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.model.attention import sdpa
+
 
 def gathered_decode(
     q: torch.Tensor,
@@ -22,16 +24,12 @@ def gathered_decode(
     block_table: [rows, width] block ids (unused entries may be anything valid, e.g. the null block);
     context_lens: [rows] tokens each row attends to. Returns [rows, heads, head_dim].
     """
-    rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = heads // kv_heads
-    k = k_cache[block_table].flatten(1, 2)  # [rows, width*block, kv_heads, dim]
-    v = v_cache[block_table].flatten(1, 2)
-    span = k.shape[1]
-    qg = q.view(rows, kv_heads, group, dim)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [rows, kv_heads, group, span]
-    beyond = torch.arange(span, device=q.device)[None, :] >= context_lens[:, None]
-    scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(1, 2))  # [rows, kv_heads, group, dim]
-    return out.reshape(rows, heads, dim)
+    # [rows, width*block, kv_heads, dim] -> a [rows, kv_heads, span, dim] view: no copy beyond the gather itself.
+    k = k_cache[block_table].flatten(1, 2).transpose(1, 2)
+    v = v_cache[block_table].flatten(1, 2).transpose(1, 2)
+    span = k.shape[2]
+    within = torch.arange(span, device=q.device)[None, :] < context_lens[:, None]
+    out = sdpa(q.unsqueeze(2), k, v, mask=within[:, None, None, :], scale=scale)
+    return out.squeeze(2)
+
+
