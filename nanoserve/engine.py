@@ -34,8 +34,7 @@ class Engine:
         self.device = config.torch_device()
         started = time.monotonic()
         if loaded is None:
-            positions = config.max_model_len
-            loaded = load_model(config.model, self._dtype_for(config), self.device, positions)
+            loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len)
         self.loaded = loaded
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.dtype = next(self.model.parameters()).dtype
@@ -57,10 +56,6 @@ class Engine:
             loaded.name, self.device, str(self.dtype).removeprefix("torch."), num_blocks - 1,
             config.block_size, self.max_model_len, time.monotonic() - started,
         )
-
-    @staticmethod
-    def _dtype_for(config: EngineConfig) -> torch.dtype:
-        return config.torch_dtype(None)
 
     # ---- sizing -------------------------------------------------------------------------------------
     def _size_pool(self) -> int:
@@ -99,13 +94,16 @@ class Engine:
         model_len = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len
         if wanted is not None:
+            if wanted > model_len:
+                raise ConfigError(
+                    f"max_model_len {wanted} exceeds the {model_len} positions this model was trained for; "
+                    f"use --max-model-len {model_len} or less"
+                )
             if wanted > capacity:
                 raise ConfigError(
                     f"max_model_len {wanted} needs {wanted} KV slots but the pool holds {capacity}; "
                     "raise --kv-cache-gib or lower --max-model-len"
                 )
-            if wanted > self.model.rope.cos.shape[0]:
-                raise ConfigError(f"max_model_len {wanted} exceeds the rotary table; lower --max-model-len")
             return wanted
         if capacity < model_len:
             log.warning("max_model_len capped at %d tokens: the KV pool holds no more", capacity)

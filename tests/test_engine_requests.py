@@ -214,3 +214,8 @@ def test_weights_that_do_not_match_the_config(tmp_path, tiny_checkpoint):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="does not match"):
         LLM(model=str(dst))
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="trained for"):
+        LLM(model=str(tiny_checkpoint("llama")), max_model_len=1024, kv_cache_gib=0.01)

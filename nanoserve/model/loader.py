@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +45,18 @@ def default_model_path() -> Path:
     raise CheckpointError(f"{DEFAULT_MODEL_PACKAGE} is installed but lacks {DEFAULT_MODEL_FILE}; reinstall it")
 
 
-def load_model(path: str | os.PathLike | None, dtype: torch.dtype, device: torch.device, max_positions: int | None = None) -> LoadedModel:
-    """Load config, weights and tokenizer; `max_positions` sizes the rotary table (defaults to the model's)."""
+DtypeChoice = Callable[[str | None], torch.dtype]
+
+
+def load_model(
+    path: str | os.PathLike | None, dtype: torch.dtype | DtypeChoice, device: torch.device,
+    max_positions: int | None = None,
+) -> LoadedModel:
+    """Load config, weights and tokenizer.
+
+    `dtype` is a dtype, or a function of the checkpoint's own dtype name (so "auto" can follow the checkpoint);
+    `max_positions` sizes the rotary table (defaults to the model's context length).
+    """
     p = Path(path) if path is not None else default_model_path()
     if not p.exists():
         raise CheckpointError(
@@ -61,6 +71,7 @@ def load_model(path: str | os.PathLike | None, dtype: torch.dtype, device: torch
 def _load_gguf(p: Path, dtype, device, max_positions) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
+    dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
     ckpt = load_gguf(p, dtype=dtype)
     config = ModelConfig.from_hf(ckpt.config)
     tokenizer = Tokenizer(
@@ -86,6 +97,7 @@ def _load_hf_dir(p: Path, dtype, device, max_positions) -> LoadedModel:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); fix or re-export the checkpoint") from None
     config = ModelConfig.from_hf(raw)
+    dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
     model = _build(config, _safetensors_items(p), dtype, device, max_positions)
     return LoadedModel(p.name, config, model, tokenizer)
