@@ -1,0 +1,159 @@
+"""`load_gguf`: a llama GGUF file as HF-named, HF-layout tensors plus its config and tokenizer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from nanoserve.errors import CheckpointError
+from nanoserve.model.gguf.config import hf_config, rope_scaling
+from nanoserve.model.gguf.dequant import SUPPORTED_QUANT_TYPES, dequantize
+from nanoserve.model.gguf.reader import TensorInfo, parse
+from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
+
+__all__ = ["GGUFCheckpoint", "load_gguf"]
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """Everything a GGUF file holds, in Hugging Face terms.
+
+    The tokenizer adds no special tokens by itself: prepend `bos_token` when `add_bos_token` is set.
+    """
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _expected_tensors(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """GGUF name -> (HF name, HF shape) for every tensor a dense llama model must have."""
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+              "ffn_norm": (h,), "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
+    out = {"token_embd.weight": ("model.embed_tokens.weight", (vocab, h)), "output_norm.weight": ("model.norm.weight", (h,))}
+    if not cfg["tie_word_embeddings"]:
+        out["output.weight"] = ("lm_head.weight", (vocab, h))
+    for i in range(cfg["num_hidden_layers"]):
+        for gguf_leaf, hf_leaf in _LAYER_TENSORS.items():
+            out[f"blk.{i}.{gguf_leaf}.weight"] = (f"model.layers.{i}.{hf_leaf}.weight", shapes[gguf_leaf])
+    return out
+
+
+def _undo_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert convert_hf_to_gguf.py's `permute` of q/k rows (HF's rotate-half layout -> ggml's interleaved
+    pairs), exactly as transformers' GGUF loader does."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _read_tensor(f, info: TensorInfo) -> np.ndarray:
+    raw = np.empty(info.nbytes, dtype=np.uint8)
+    f.seek(info.offset)
+    if f.readinto(memoryview(raw)) != info.nbytes:
+        raise CheckpointError(f"{f.name} is truncated: tensor {info.name} runs past the end; download it again")
+    return dequantize(raw, info.qtype, info.shape)
+
+
+def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float16:  # numpy rounds to half exactly as torch does, without torch's thread pool
+        w = w.astype(np.float16)
+    t = torch.from_numpy(np.ascontiguousarray(w))
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+    """Read a llama-architecture GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped
+    config dict and a tokenizer. Refuses, with a CheckpointError naming the fix, anything it cannot load
+    exactly."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"GGUF file {str(path)!r} does not exist; pass the path of an existing .gguf file")
+    if not path.is_file():
+        raise CheckpointError(
+            f"{str(path)!r} is a directory, not a GGUF file; pass a .gguf file here (Hugging Face checkpoint "
+            "directories load through the safetensors loader)"
+        )
+    meta, info_list = parse(path)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(
+            f"{path} is a GGUF file of architecture {arch!r}; GGUF files of architecture 'llama' are supported "
+            "(Llama, SmolLM, Mistral in llama layout). For Llama, Mistral, Qwen2 or Qwen3 models pass the Hugging "
+            "Face checkpoint directory (config.json + *.safetensors) instead"
+        )
+    bad = sorted({i.type_name for i in info_list if i.type_name not in SUPPORTED_QUANT_TYPES})
+    if bad:
+        raise CheckpointError(
+            f"{path} stores tensors as {', '.join(bad)}, which this loader cannot dequantize; supported types: "
+            f"{', '.join(SUPPORTED_QUANT_TYPES)}. Use a file quantized to one of those (e.g. Q4_K_M, Q8_0, F16)"
+        )
+    infos = {i.name: i for i in info_list}
+    if "token_embd.weight" not in infos:
+        raise CheckpointError(f"{path} has no token_embd.weight tensor; the file is incomplete, download it again")
+    config = hf_config(meta, infos, path, dtype)
+    expected = _expected_tensors(config)
+    missing = sorted(set(expected) - set(infos))
+    extra = sorted(set(infos) - set(expected) - {"rope_freqs.weight"})
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} tensors of a llama model, e.g. {missing[:3]}; the "
+                              "file is incomplete or not a plain llama model")
+    if extra:
+        raise CheckpointError(
+            f"{path} has tensors a plain llama model does not use, e.g. {extra[:3]} (biases, experts or extra "
+            "norms); only dense llama models without biases are supported"
+        )
+    for name, (_, shape) in expected.items():
+        if infos[name].shape != shape:
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {list(infos[name].shape)} but the metadata implies "
+                f"{list(shape)}; the file is inconsistent"
+            )
+
+    # Everything that can refuse the file runs before the (comparatively slow) dequantization.
+    tokenizer, add_bos = build_tokenizer(meta, path)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        rope_freqs = _to_torch(_read_tensor(f, infos["rope_freqs.weight"]), torch.float32) \
+            if "rope_freqs.weight" in infos else None
+        config["rope_scaling"] = rope_scaling(meta, rope_freqs, config["head_dim"], config["rope_theta"], path)
+        for name, (hf_name, _) in expected.items():
+            w = _read_tensor(f, infos[name])
+            if name.endswith(".attn_q.weight"):
+                w = _undo_rope_permute(w, heads)
+            elif name.endswith(".attn_k.weight"):
+                w = _undo_rope_permute(w, kv_heads)
+            tensors[hf_name] = _to_torch(w, dtype)
+    return GGUFCheckpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token=special_token(meta, "tokenizer.ggml.bos_token_id"),
+        eos_token=special_token(meta, "tokenizer.ggml.eos_token_id"),
+        add_bos_token=add_bos,
+    )
