@@ -431,6 +431,52 @@ def test_filters_are_per_row_in_one_batch(configs):
         np.testing.assert_allclose(got[i], expected, atol=1e-5)
 
 
+def record_sorts(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Patch Tensor.sort / topk / argmax to log (name, input shape) of every call."""
+    calls = []
+    for name in ("sort", "topk", "argmax"):
+        original = getattr(torch.Tensor, name)
+
+        def logged(self, *args, _name=name, _original=original, **kwargs):
+            calls.append((_name, tuple(self.shape)))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, logged)
+    return calls
+
+
+def test_only_top_p_rows_without_top_k_pay_a_full_sort(monkeypatch):
+    vocab = 300
+    logits = torch.randn(5, vocab, generator=gen(15))
+    rows = [
+        row(temperature=0.8, seed=1),
+        row(top_k=5, seed=2),
+        row(top_p=0.9, seed=3),
+        row(temperature=0),
+        row(top_k=3, top_p=0.5, seed=4),
+    ]
+    calls = record_sorts(monkeypatch)
+    Sampler()(logits, rows)
+    # One full sort for the single top_p-only row; one topk over the two top_k rows.
+    assert [c for c in calls if c[0] != "argmax"] == [("topk", (2, vocab)), ("sort", (1, vocab))]
+
+    calls.clear()
+    Sampler()(logits[[0, 1, 3]], [rows[0], rows[1], rows[3]])
+    assert [c for c in calls if c[0] != "argmax"] == [("topk", (1, vocab))]
+
+    calls.clear()
+    Sampler()(logits[:2], [rows[0], rows[0]])
+    assert [c for c in calls if c[0] != "argmax"] == []
+
+
+def test_all_greedy_batch_costs_one_argmax(monkeypatch):
+    logits = torch.randn(4, 50, generator=gen(16))
+    calls = record_sorts(monkeypatch)
+    tokens = Sampler()(logits, [row(temperature=0) for _ in range(4)]).token_ids
+    assert calls == [("argmax", (4, 50))]
+    assert tokens == logits.argmax(-1).tolist()
+
+
 def test_temperature_sampling_frequencies_match_softmax():
     logits = np.linspace(-1.5, 1.5, 10).astype(np.float32)
     temperature = 0.7
@@ -516,6 +562,37 @@ def test_seeded_stream_survives_preemption_and_recompute():
     resumed = generate(42, 8, Sampler(gen(99)), history=full[:3], companions=3)
     assert resumed == full
     assert generate(42, 8, Sampler(), companions=2) == full
+
+
+MIXED = [
+    dict(temperature=0.8),
+    dict(top_k=5),
+    dict(top_p=0.9),
+    dict(temperature=0),
+    dict(top_k=40, top_p=0.7, temperature=1.2),
+    dict(top_p=0.5, min_p=0.05),
+    dict(top_k=2, repetition_penalty=1.3, frequency_penalty=0.5),
+    dict(temperature=0, presence_penalty=1.0),
+    dict(min_p=0.1, temperature=0.6),
+]
+
+
+@pytest.mark.parametrize("step", [0, 1, 5])
+def test_mixed_batch_gives_each_row_the_token_it_gets_alone(step):
+    # Every filter group (none, top_k head, full sort for top_p) and greedy rows in one
+    # batch: grouping the sorts must not change any row's distribution or draw.
+    vocab = 400
+    logits = torch.randn(len(MIXED), vocab, generator=gen(17 + step)) * 2
+    rows = [
+        row(prompt=[1, 2, 3], output=list(range(10, 10 + step)), seed=100 + i, **cfg)
+        for i, cfg in enumerate(MIXED)
+    ]
+    together = Sampler()(logits, rows).token_ids
+    alone = [Sampler()(logits[i : i + 1], [r]).token_ids[0] for i, r in enumerate(rows)]
+    assert together == alone
+    probs = Sampler().probs(logits, rows)
+    for i, r in enumerate(rows):
+        assert torch.equal(probs[i], Sampler().probs(logits[i : i + 1], [r])[0])
 
 
 def test_different_seeds_give_different_streams():

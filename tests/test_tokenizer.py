@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from nanoserve.errors import CheckpointError, RequestError
-from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from nanoserve.streaming import IncrementalDetokenizer, StopStringMatcher
+from nanoserve.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,0 +1,238 @@
+"""Validated `SamplingParams`, mirroring vLLM's offline `SamplingParams` where the two overlap.
+
+Scripts written for vLLM carry over; a value the engine refuses raises `SamplingParamsError`
+naming the field and a fix.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nanoserve.errors import RequestError
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingParamsError"]
+
+# vLLM treats temperatures below this as greedy: dividing by them overflows float32.
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(RequestError):
+    """A sampling parameter the engine refuses; `field` names the offending parameter."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers: each returns the normalised value or raises with a fix.
+# ---------------------------------------------------------------------------
+
+
+def _type_name(value: object) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _as_int(name: str, value: object, example: str, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    # bool is an int subclass, but max_tokens=True is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if allow_none else "an int"
+        raise SamplingParamsError(name, f"{name} must be {kind}, got {_type_name(value)}; pass {example}")
+    return int(value)
+
+
+def _as_float(name: str, value: object, example: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SamplingParamsError(name, f"{name} must be a number, got {_type_name(value)}; pass {example}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SamplingParamsError(name, f"{name} must be finite, got {value!r}; pass {example}")
+    return value
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise SamplingParamsError(name, f"{name} must be True or False, got {_type_name(value)}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token of one request; names and defaults follow vLLM.
+
+    `top_k` of 0 or -1 disables top-k (stored as 0). `stop` is stored as a tuple of
+    strings and `stop_token_ids` as a tuple of ints (empty when not given).
+    `max_tokens=None` means "up to the model's context length"; the engine fills it in.
+    `ignore_eos` only tells the engine not to stop on EOS; the sampler never masks EOS
+    for it. `logprobs=N` returns the sampled token's logprob and the top N alternatives
+    (0: the sampled token only), computed from the raw model logits.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise SamplingParamsError(name, message)
+
+        self.n = _as_int("n", self.n, "1")
+        if self.n < 1:
+            fail("n", f"n must be 1, got {self.n}; use n=1 for one completion per request")
+        if self.n > 1:
+            fail("n", f"n={self.n} is not supported yet; send n separate requests")
+
+        self.temperature = _as_float("temperature", self.temperature, "a float such as 0.7")
+        if self.temperature < 0:
+            fail(
+                "temperature", f"temperature must be >= 0, got {self.temperature}; use 0 for greedy decoding"
+            )
+
+        self.top_p = _as_float("top_p", self.top_p, "a float in (0, 1] such as 0.9")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable nucleus sampling")
+
+        self.top_k = _as_int("top_k", self.top_k, "an int such as 50, or 0 to disable")
+        if self.top_k < -1:
+            fail(
+                "top_k",
+                f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}; use 0 to consider all tokens",
+            )
+        if self.top_k == -1:
+            self.top_k = 0
+
+        self.min_p = _as_float("min_p", self.min_p, "a float in [0, 1] such as 0.05")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable")
+
+        self.repetition_penalty = _as_float(
+            "repetition_penalty", self.repetition_penalty, "a float such as 1.1"
+        )
+        if self.repetition_penalty <= 0:
+            fail(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}; use 1.0 for no penalty",
+            )
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name), "a float in [-2, 2] such as 0.5")
+            if not -2 <= value <= 2:
+                fail(name, f"{name} must be in [-2, 2], got {value}; use 0 for no penalty")
+            setattr(self, name, value)
+
+        self.seed = _as_int(
+            "seed", self.seed, "an int such as 42, or None for an unseeded draw", allow_none=True
+        )
+
+        self.max_tokens = _as_int(
+            "max_tokens", self.max_tokens, "a positive int such as 256", allow_none=True
+        )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail(
+                "max_tokens",
+                f"max_tokens must be >= 1 or None, got {self.max_tokens}; "
+                "use None to generate up to the model's context length",
+            )
+
+        self.min_tokens = _as_int("min_tokens", self.min_tokens, "a non-negative int such as 0")
+        if self.min_tokens < 0:
+            fail("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}; use 0 for no minimum")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(
+                "min_tokens",
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
+                f"max_tokens={self.max_tokens}; raise max_tokens or lower min_tokens",
+            )
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _as_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+        self.logprobs = _as_int(
+            "logprobs",
+            self.logprobs,
+            f"an int in [0, {MAX_LOGPROBS}], or None for no logprobs",
+            allow_none=True,
+        )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(
+                "logprobs",
+                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}; "
+                f"ask for at most {MAX_LOGPROBS} alternatives (0 returns only the sampled token's logprob)",
+            )
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise SamplingParamsError(
+                "stop",
+                f"stop must be a str, a list of str or None, got {_type_name(stop)}; pass e.g. ['\\n\\n']",
+            )
+        if any(s == "" for s in stop):
+            raise SamplingParamsError(
+                "stop", f"stop must not contain empty strings, got {list(stop)!r}; remove the empty string"
+            )
+        return tuple(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in ids
+        ):
+            raise SamplingParamsError(
+                "stop_token_ids",
+                f"stop_token_ids must be a list of int or None, got {_type_name(ids)}; pass e.g. [128009]",
+            )
+        bad = [int(i) for i in ids if i < 0]
+        if bad:
+            raise SamplingParamsError(
+                "stop_token_ids",
+                f"stop_token_ids must be >= 0, got {bad}; use ids from this model's tokenizer",
+            )
+        return tuple(int(i) for i in ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0, or so small it would overflow)."""
+        return self.temperature < _GREEDY_EPS
+
+    def validate_against(self, vocab_size: int) -> None:
+        """Refuse stop_token_ids that this model can never produce."""
+        bad = [i for i in self.stop_token_ids if i >= vocab_size]
+        if bad:
+            raise SamplingParamsError(
+                "stop_token_ids",
+                f"stop_token_ids {bad} are outside this model's vocabulary [0, {vocab_size}); "
+                "use ids from this model's tokenizer",
+            )
