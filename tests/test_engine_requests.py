@@ -176,44 +176,29 @@ def test_directory_without_config(tmp_path):
         LLM(model=str(tmp_path))
 
 
-def test_unsupported_architecture(tmp_path, tiny_checkpoint):
+def _checkpoint_with_config(tmp_path, tiny_checkpoint, edit) -> str:
+    """A copy of the tiny llama checkpoint whose config.json has been changed by `edit(cfg)`."""
     import json
     import shutil
 
-    src = tiny_checkpoint("llama")
-    dst = tmp_path / "gpt2ish"
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="LlamaForCausalLM"):
-        LLM(model=str(dst))
-
-
-def test_bad_config_value(tmp_path, tiny_checkpoint):
-    import json
-    import shutil
-
-    dst = tmp_path / "broken"
+    dst = tmp_path / "edited"
     shutil.copytree(tiny_checkpoint("llama"), dst)
     cfg = json.loads((dst / "config.json").read_text())
-    del cfg["hidden_size"]
+    edit(cfg)
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="hidden_size"):
-        LLM(model=str(dst))
+    return str(dst)
 
 
-def test_weights_that_do_not_match_the_config(tmp_path, tiny_checkpoint):
-    import json
-    import shutil
-
-    dst = tmp_path / "mismatch"
-    shutil.copytree(tiny_checkpoint("llama"), dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["intermediate_size"] = 96
-    (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="does not match"):
-        LLM(model=str(dst))
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.update(architectures=["GPT2LMHeadModel"]), "LlamaForCausalLM"),  # names what is supported
+    (lambda c: c.pop("hidden_size"), "hidden_size"),
+    (lambda c: c.update(intermediate_size=96), "does not match"),
+    (lambda c: c.update(num_key_value_heads=3), "multiple of"),
+    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "yarn"),
+], ids=["architecture", "missing-key", "weights-vs-config", "kv-heads", "rope-type"])
+def test_bad_checkpoint_config_is_refused(tmp_path, tiny_checkpoint, edit, needle):
+    with pytest.raises(CheckpointError, match=needle):
+        LLM(model=_checkpoint_with_config(tmp_path, tiny_checkpoint, edit))
 
 
 def test_max_model_len_beyond_the_models_positions_is_refused(tiny_checkpoint):
