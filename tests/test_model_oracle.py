@@ -136,3 +136,21 @@ def test_half_precision_greedy_stays_close_to_transformers(tiny_checkpoint, dtyp
     with torch.inference_mode():
         theirs = hf(torch.tensor([ids])).logits[0].float()
     assert (ours - theirs).abs().max().item() < 0.05 * theirs.abs().max().item()
+
+
+def test_logprobs_equal_transformers_log_softmax(tiny_checkpoint):
+    path = tiny_checkpoint("qwen2")
+    llm = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01)
+    hf = hf_model(path)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))[0].outputs[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids + list(out.token_ids)])).logits[0].double(), -1)
+    for step, lp in enumerate(out.logprobs):
+        row = ref[len(ids) - 1 + step]
+        assert lp.token_id == out.token_ids[step]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        top_ids = [t for t, _ in lp.top]
+        assert top_ids == row.topk(5).indices.tolist()
+        for t, v in lp.top:
+            assert abs(v - row[t].item()) < 1e-4
