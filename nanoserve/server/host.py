@@ -1,0 +1,189 @@
+"""EngineHost: the engine loop in its own thread, and an async stream of outputs per request.
+
+The engine is not thread-safe, so only the host's thread touches it. Callers on an asyncio loop send commands
+(add, abort) through a queue and get each request's outputs through an asyncio.Queue fed with
+call_soon_threadsafe. A request whose consumer goes away is aborted, so its blocks return to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from nanoserve.engine import Engine
+from nanoserve.errors import NanoserveError
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.stats import EngineStats
+
+log = logging.getLogger("nanoserve.host")
+
+_IDLE_WAIT_S = 0.05
+
+
+class HostStopped(NanoserveError):
+    """The host is not running (never started, shut down, or restarting)."""
+
+
+@dataclass
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str | None
+    sink: Callable[[RequestOutput | BaseException], None]
+    accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineHost:
+    """Owns one Engine and the thread that steps it."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Callable] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+        self._drain_on_stop = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> EngineHost:
+        if self._thread is not None:
+            raise RuntimeError("the host is already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, drain: bool = False, timeout: float | None = 30.0) -> None:
+        """Stop the loop: with drain, running requests finish first; otherwise they end with 'abort'."""
+        if self._thread is None:
+            return
+        self._drain_on_stop = drain
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the engine thread did not stop within {timeout}s")
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The snapshot published after the latest step (cheap: no engine access from this thread)."""
+        return self._stats
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams, sink: Callable, request_id: str | None = None,
+               timeout: float = 60.0) -> str:
+        """Queue a request from any thread; returns its id, or raises the engine's refusal (nothing held)."""
+        if not self.running or self._stop.is_set():
+            raise HostStopped("the engine is not running; wait for the restart to finish")
+        cmd = _Add(prompt, params, request_id, sink)
+        self._commands.put(cmd)
+        self._wake.set()
+        return cmd.accepted.result(timeout)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wake.set()
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Async stream of one request's outputs; leaving the loop early aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def sink(item):
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        rid = await loop.run_in_executor(None, lambda: self.submit(prompt, params, sink, request_id))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    # ---- the loop (host thread only) ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            self._apply_commands()
+            if self._stop.is_set() and not (self._drain_on_stop and engine.has_unfinished()):
+                break
+            if engine.has_unfinished():
+                try:
+                    outs = engine.step()
+                except Exception as e:  # a bug, not a client's input: fail every live request, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+                    continue
+                for out in outs:
+                    sink = self._sinks.get(out.request_id)
+                    if sink is not None:
+                        sink(out)
+                    if out.finished:
+                        self._sinks.pop(out.request_id, None)
+                self._stats = engine.stats()
+            else:
+                self._stats = engine.stats()
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+        self._abort_all()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Abort):
+                self.engine.abort(cmd.request_id)
+                continue
+            if self._stop.is_set():
+                cmd.accepted.set_exception(HostStopped("the engine is shutting down"))
+                continue
+            try:
+                rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+            except Exception as e:
+                cmd.accepted.set_exception(e)
+                continue
+            self._sinks[rid] = cmd.sink
+            cmd.accepted.set_result(rid)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._sinks):
+            self.engine.abort(rid)
+        for out in self.engine.step():
+            sink = self._sinks.pop(out.request_id, None)
+            if sink is not None:
+                sink(out)
+        self._stats = self.engine.stats()
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self.engine.abort(rid)
+            sink(RuntimeError(f"the engine failed while running this request: {error}"))
+        self._sinks.clear()
+        self.engine.step()
