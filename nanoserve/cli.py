@@ -103,6 +103,16 @@ def _chat_loop(engine, params, system: str | None) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args) -> int:
+    from nanoserve.config import EngineConfig
+    from nanoserve.server.serve import Server
+
+    server = Server(EngineConfig.from_flags(**engine_flags(args)), host=args.host, port=args.port,
+                    api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+    server.run()
+    return 0
+
+
 def cmd_bench(args) -> int:
     from nanoserve.bench import throughput
 
@@ -121,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
+    add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

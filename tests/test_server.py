@@ -1,0 +1,184 @@
+"""The live HTTP server on loopback, driven by the official openai client and raw httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from nanoserve import LLM, EngineConfig, SamplingParams
+from nanoserve.server.serve import Server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+    s = Server(config, port=0, served_model_name="tiny").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoint):
+    return LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def health(server):
+    return httpx.get(server.url + "/health").json()
+
+
+GREEDY = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+SEEDED = dict(temperature=0.9, seed=11, max_tokens=16, extra_body={"ignore_eos": True})
+
+
+@pytest.mark.parametrize("kw", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completion_streamed_equals_unstreamed_equals_offline(client, offline, kw):
+    plain = client.completions.create(model="tiny", prompt="Once upon a time", **kw)
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", stream=True, **kw))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    params = SamplingParams(temperature=kw["temperature"], seed=kw.get("seed"), max_tokens=16, ignore_eos=True)
+    expected = offline.generate(["Once upon a time"], params)[0].outputs[0].text
+    assert plain.choices[0].text == streamed == expected
+    assert plain.choices[0].finish_reason == "length" and chunks[-1].choices[0].finish_reason == "length"
+    assert plain.usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("kw", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_chat_streamed_equals_unstreamed_equals_offline(client, offline, kw):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, **kw)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    params = SamplingParams(temperature=kw["temperature"], seed=kw.get("seed"), max_tokens=16, ignore_eos=True)
+    expected = offline.chat(messages, params)[0].outputs[0].text
+    assert plain.choices[0].message.content == streamed == expected
+    assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    h = health(server)
+    assert h["status"] == "ok" and h["paged_read"]["mode"] == "gathered"
+    assert {"running", "waiting", "peak_running", "preemptions"} <= set(h["scheduler"])
+    assert {"blocks_total", "blocks_free", "blocks_used", "usage"} <= set(h["kv"])
+    assert h["flags"]["max_model_len"] == 128
+
+
+def test_metrics_use_vllm_names(client, server):
+    client.completions.create(model="tiny", prompt="hi", **GREEDY)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                 "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"nanoserve:{name}" in text, name
+    assert 'finished_reason="length"' in text
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"model": "tiny", "prompt": "x " * 300, "max_tokens": 4}, 400, "max_model_len"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "n": 2}, 400, "n=2"),
+    ({"model": "tiny", "prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": ""}, 400, "empty"),
+    ({"model": "tiny", "prompt": [10**9]}, 400, "vocabulary"),
+    ({"model": "other", "prompt": "hi"}, 404, "not served"),
+])
+def test_bad_completion_bodies_are_4xx_with_an_error_body(server, body, status, needle):
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and {"message", "type", "param", "code"} <= set(err)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"model": "tiny"}, "messages"),
+])
+def test_bad_chat_bodies_are_400(server, body, needle):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+def test_malformed_json_and_oversized_body(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b"x" * (5 * 2**20),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert wait_until(lambda: health(server)["kv"]["blocks_free"] == health(server)["kv"]["blocks_total"])
+
+
+def test_disconnect_mid_stream_returns_blocks(server):
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 100, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    before = health(server)["scheduler"]["finished"].get("abort", 0)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break
+    assert wait_until(lambda: health(server)["scheduler"]["finished"].get("abort", 0) == before + 1)
+    h = health(server)
+    assert h["kv"]["blocks_free"] == h["kv"]["blocks_total"] and h["scheduler"]["running"] == 0
+
+
+def test_crowd_of_streams_equals_solo_runs(server, offline):
+    prompts = [f"Story number {i}:" for i in range(6)]
+
+    async def one(http, prompt, seed):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "ignore_eos": True, "stream": True,
+                "temperature": 0.8 if seed else 0, "seed": seed}
+        text = ""
+        async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    text += json.loads(line[6:])["choices"][0]["text"] if json.loads(line[6:])["choices"] else ""
+        return text
+
+    async def crowd():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(one(http, p, i % 2 and i) for i, p in enumerate(prompts)))
+
+    texts = asyncio.run(crowd())
+    for i, (p, t) in enumerate(zip(prompts, texts)):
+        seed = i % 2 and i
+        params = SamplingParams(temperature=0.8 if seed else 0, seed=seed or None, max_tokens=20, ignore_eos=True)
+        assert t == offline.generate([p], params)[0].outputs[0].text
+    assert health(server)["scheduler"]["peak_running"] >= 2
+
+
+def test_api_key_is_required_when_set(tiny_checkpoint):
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+    s = Server(config, port=0, api_key="sekrit").start()
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(s.url + "/v1/completions", json=body).status_code == 401
+        bad = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+        ok = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
