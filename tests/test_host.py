@@ -91,3 +91,26 @@ def test_shutdown_without_drain_aborts_and_with_drain_finishes(tiny_checkpoint):
     assert outputs["abort"][-1].outputs[0].finish_reason == "abort"
     assert outputs["drain"][-1].outputs[0].finish_reason == "length"
     assert len(outputs["drain"][-1].outputs[0].token_ids) == 60
+
+
+async def test_restart_with_new_flags_keeps_serving(tiny_checkpoint):
+    from nanoserve import EngineConfig
+    from nanoserve.errors import ConfigError
+
+    host = EngineHost(engine_for(tiny_checkpoint("llama"))).start()
+    try:
+        before = await collect(host, "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=96, kv_cache_gib=0.01,
+                              max_num_seqs=3)
+        await asyncio.get_running_loop().run_in_executor(None, host.restart, config)
+        assert host.stats().flags["max_num_seqs"] == 3 and host.stats().max_model_len == 96
+        after = await collect(host, "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert after[0] == before[0]
+        bad = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=4096, kv_cache_gib=0.01)
+        with pytest.raises(ConfigError):
+            await asyncio.get_running_loop().run_in_executor(None, host.restart, bad)
+        assert host.running and host.stats().max_model_len == 96  # the previous flags are back
+        again = await collect(host, "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert again[0] == before[0]
+    finally:
+        host.shutdown()

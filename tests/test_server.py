@@ -182,3 +182,24 @@ def test_api_key_is_required_when_set(tiny_checkpoint):
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
         s.stop()
+
+
+def test_full_waiting_queue_is_503_and_the_server_recovers(tiny_checkpoint):
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01,
+                          max_num_seqs=1, max_num_batched_tokens=16)
+    s = Server(config, port=0, max_waiting=1).start()
+    body = {"prompt": "a long story", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as running, \
+                httpx.stream("POST", s.url + "/v1/completions", json=body):
+            assert running.status_code == 200
+            assert wait_until(lambda: health(s)["scheduler"]["waiting"] == 1), health(s)["scheduler"]
+            full = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert full.status_code == 503 and "queue is full" in full.json()["error"]["message"]
+        assert wait_until(lambda: health(s)["scheduler"]["running"] == 0 and health(s)["scheduler"]["waiting"] == 0)
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+        h = health(s)
+        assert h["kv"]["blocks_free"] == h["kv"]["blocks_total"]
+    finally:
+        s.stop()

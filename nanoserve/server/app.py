@@ -60,8 +60,6 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     app = FastAPI(title="nanoserve", version="0.1.0")
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
     metrics = Metrics(host.stats, model_name)
-    engine = host.engine
-    tokenizer = engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -95,7 +93,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
                            "server_error")
 
     def room_for(ids: list[int]) -> int:
-        return max(1, engine.max_model_len - len(ids))
+        return max(1, host.engine.max_model_len - len(ids))
 
     @app.get("/health")
     async def health():
@@ -108,7 +106,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanoserve", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "nanoserve", "max_model_len": host.engine.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -121,13 +119,13 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
             prompt = prompt[0]
         if not prompt:
             raise APIError(400, "prompt is empty; send at least one token", param="prompt")
+        tokenizer = host.engine.tokenizer  # read per request: a restart may bring a new engine
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = body.sampling_params(body.logprobs, None if body.max_tokens else room_for(ids))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = host.generate(ids, params, request_id=rid)
+        stream = await host.open(ids, params, request_id=rid)
         if body.stream:
-            first = await _first(stream)
-            return _sse(_completion_events(first, stream, rid, model_name, body, tokenizer, metrics))
+            return _sse(_completion_events(stream, rid, model_name, body, tokenizer, metrics))
         final = await _last(stream)
         metrics.observe(final)
         return completion_response(final, rid, model_name, tokenizer, body.logprobs)
@@ -136,16 +134,16 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     async def chat(body: ChatCompletionRequest):
         check(body)
         messages = [m.as_template_message() for m in body.messages]
+        tokenizer = host.engine.tokenizer
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                             tokenize=True)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         params = body.sampling_params(body.chat_logprobs(), None if body.max_tokens else room_for(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = host.generate(ids, params, request_id=rid)
+        stream = await host.open(ids, params, request_id=rid)
         if body.stream:
-            first = await _first(stream)
-            return _sse(_chat_events(first, stream, rid, model_name, body, tokenizer, metrics))
+            return _sse(_chat_events(stream, rid, model_name, body, tokenizer, metrics))
         final = await _last(stream)
         metrics.observe(final)
         return chat_response(final, rid, model_name, tokenizer, body.chat_logprobs())
@@ -153,15 +151,13 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     return app
 
 
-async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """Wait for the first output, so a refusal becomes a 400 before the 200 of a stream is sent."""
-    return await stream.__anext__()
-
-
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _last(stream) -> RequestOutput:
     last = None
-    async for out in stream:
-        last = out
+    try:
+        async for out in stream:
+            last = out
+    finally:
+        await stream.aclose()  # a client gone before the end aborts its request
     return last
 
 
@@ -174,33 +170,31 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_events(first, stream, rid, model, body, tokenizer, metrics):
+async def _completion_events(stream, rid, model, body, tokenizer, metrics):
     created = int(time.time())
-    out = first
-    while True:
-        if out.delta_text or out.finished:
-            yield completion_chunk(out, rid, model, created, tokenizer, body.logprobs)
-        if out.finished:
-            break
-        out = await stream.__anext__()
+    try:
+        async for out in stream:
+            if out.delta_text or out.finished:
+                yield completion_chunk(out, rid, model, created, tokenizer, body.logprobs)
+    finally:
+        await stream.aclose()
     metrics.observe(out)
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                "usage": out.usage}
 
 
-async def _chat_events(first, stream, rid, model, body, tokenizer, metrics):
+async def _chat_events(stream, rid, model, body, tokenizer, metrics):
     created = int(time.time())
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}]}
-    out = first
-    while True:
-        if out.delta_text or out.finished or (body.chat_logprobs() is not None and out.delta_token_ids):
-            yield chat_chunk(out, base, tokenizer, body.chat_logprobs())
-        if out.finished:
-            break
-        out = await stream.__anext__()
+    try:
+        async for out in stream:
+            if out.delta_text or out.finished or (body.chat_logprobs() is not None and out.delta_token_ids):
+                yield chat_chunk(out, base, tokenizer, body.chat_logprobs())
+    finally:
+        await stream.aclose()
     metrics.observe(out)
     if body.stream_options and body.stream_options.include_usage:
         yield {**base, "choices": [], "usage": out.usage}

@@ -78,6 +78,34 @@ class EngineHost:
             raise RuntimeError(f"the engine thread did not stop within {timeout}s")
         self._thread = None
 
+    def restart(self, config, drain: bool = False, timeout: float | None = 120.0) -> None:
+        """Replace the engine with one built from `config` (new flags), then resume serving.
+
+        The old engine is released before the new one loads, so a GPU never holds two KV pools. Requests that
+        arrive meanwhile are refused with HostStopped (a 503). If the new flags fail to load, the old
+        configuration is loaded again and the error is raised.
+        """
+        import gc
+
+        import torch
+
+        self.shutdown(drain=drain, timeout=timeout)
+        old_config = self.engine.config
+        self.engine = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            self.engine = Engine(config)
+        except Exception:
+            self.engine = Engine(old_config)
+            raise
+        finally:
+            self._stats = self.engine.stats()
+            self._commands = queue.SimpleQueue()
+            self._sinks.clear()
+            self.start()
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -101,9 +129,12 @@ class EngineHost:
         self._commands.put(_Abort(request_id))
         self._wake.set()
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Async stream of one request's outputs; leaving the loop early aborts the request."""
+    async def open(self, prompt, params: SamplingParams, request_id: str | None = None
+                   ) -> AsyncIterator[RequestOutput]:
+        """Submit now (a refusal raises here, before any response is started) and return the output stream.
+
+        Closing the stream before its last output (a client that went away) aborts the request.
+        """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
@@ -111,19 +142,30 @@ class EngineHost:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         rid = await loop.run_in_executor(None, lambda: self.submit(prompt, params, sink, request_id))
+        return self._stream(rid, outputs)
+
+    async def _stream(self, rid: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
-            while True:
+            while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             if not finished:
                 self.abort(rid)
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """`open` and iterate in one: async stream of one request's outputs."""
+        stream = await self.open(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
 
     # ---- the loop (host thread only) ----------------------------------------------------------------
     def _run(self) -> None:
