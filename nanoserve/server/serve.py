@@ -40,8 +40,11 @@ class Server:
         print(f"nanoserve: serving {self.model_name} at {self.url}/v1 (Ctrl-C to stop)", flush=True)
         try:
             self.uvicorn.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
+            pass
         finally:
             self.host.shutdown(drain=False)
+        print("nanoserve: stopped", flush=True)
 
     def start(self) -> Server:
         self._thread = threading.Thread(target=self.uvicorn.run, name="nanoserve-http", daemon=True)

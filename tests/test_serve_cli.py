@@ -1,0 +1,41 @@
+"""`nanoserve serve` as a user runs it: it says where it listens, answers, and Ctrl-C stops it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def test_serve_prints_its_address_and_stops_on_ctrl_c(tiny_checkpoint):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(tiny_checkpoint("llama")),
+           "--max-model-len", "128", "--kv-cache-gib", "0.01", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "serving" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in line
+        for _ in range(100):
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.ConnectError:
+                time.sleep(0.1)
+        assert r.json()["status"] == "ok"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
