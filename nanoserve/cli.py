@@ -114,9 +114,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from nanoserve.bench import throughput
-
-    return throughput.main(args)
+    return args.bench_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,9 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from nanoserve.bench import serve as serve_bench
     from nanoserve.bench import throughput
 
-    throughput.add_parser(bench_sub, add_engine_flags)
+    for module in (throughput, serve_bench):
+        module.add_parser(bench_sub, add_engine_flags)
+        bench_sub.choices[module.__name__.rsplit(".", 1)[1]].set_defaults(bench_main=module.main)
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,0 +1,28 @@
+"""A built-in set of real prompts for serving benchmarks (short instructions of the kind chat users send)."""
+
+REAL_PROMPTS = (
+    "What is the capital of France?",
+    "Explain photosynthesis to a ten-year-old.",
+    "Write a haiku about the sea.",
+    "Give me three tips for a job interview.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "How do I boil an egg so the yolk stays soft?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "Why is the sky blue?",
+    "Write a short email asking a colleague to review my report.",
+    "List five fruits that are high in vitamin C.",
+    "What does HTTP stand for, and what is it used for?",
+    "Suggest a name for a small bakery.",
+    "How many days are there in a leap year, and why?",
+    "Describe a cat to someone who has never seen one.",
+    "What are the primary colours?",
+    "Write a limerick about a programmer.",
+    "Explain what a neural network is in one paragraph.",
+    "Give me a recipe for a simple tomato soup.",
+    "What is the tallest mountain in the world?",
+    "How does a bicycle stay upright?",
+    "Write a motivational sentence for a Monday morning.",
+    "What is the boiling point of water at sea level in Fahrenheit?",
+    "Name three famous painters and one work by each.",
+)
