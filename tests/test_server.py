@@ -203,3 +203,17 @@ def test_full_waiting_queue_is_503_and_the_server_recovers(tiny_checkpoint):
         assert h["kv"]["blocks_free"] == h["kv"]["blocks_total"]
     finally:
         s.stop()
+
+
+def test_logprobs_through_both_routes(client, offline):
+    plain = client.completions.create(model="tiny", prompt="Hello", logprobs=2, **GREEDY)
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 16
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = offline.generate(["Hello"], params)[0].outputs[0].logprobs
+    assert [round(x, 4) for x in lp.token_logprobs] == [round(e.logprob, 4) for e in ref]
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          logprobs=True, top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 16 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
