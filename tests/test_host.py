@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -11,6 +10,8 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine import Engine
 from nanoserve.errors import RequestError
 from nanoserve.server.host import EngineHost, HostStopped
+
+from .helpers import wait_until
 
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "Hello"]
 
@@ -33,14 +34,6 @@ async def collect(host, prompt, params):
         last = out
     return text, last
 
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 async def test_concurrent_streams_equal_offline_runs(host, tiny_checkpoint):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from nanoserve import LLM, EngineConfig, SamplingParams
 from nanoserve.server.serve import Server
+
+from .helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +32,6 @@ def client(server):
 
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def health(server):

@@ -95,6 +95,15 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     def room_for(ids: list[int]) -> int:
         return max(1, host.engine.max_model_len - len(ids))
 
+    async def respond(ids, params, rid, stream_it: bool, events, response, body, tokenizer, logprobs):
+        """Submit (a refusal raises here, as a 400) and answer with an SSE stream or one JSON body."""
+        stream = await host.open(ids, params, request_id=rid)
+        if stream_it:
+            return _sse(events(stream, rid, model_name, body, tokenizer, metrics))
+        final = await _last(stream)
+        metrics.observe(final)
+        return response(final, rid, model_name, tokenizer, logprobs)
+
     @app.get("/health")
     async def health():
         return {"status": "ok" if host.running else "stopped", **host.stats().as_dict()}
@@ -123,12 +132,8 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = body.sampling_params(body.logprobs, None if body.max_tokens else room_for(ids))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await host.open(ids, params, request_id=rid)
-        if body.stream:
-            return _sse(_completion_events(stream, rid, model_name, body, tokenizer, metrics))
-        final = await _last(stream)
-        metrics.observe(final)
-        return completion_response(final, rid, model_name, tokenizer, body.logprobs)
+        return await respond(ids, params, rid, body.stream, _completion_events, completion_response,
+                             body, tokenizer, body.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
@@ -141,12 +146,8 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
             body.max_tokens = body.max_completion_tokens
         params = body.sampling_params(body.chat_logprobs(), None if body.max_tokens else room_for(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await host.open(ids, params, request_id=rid)
-        if body.stream:
-            return _sse(_chat_events(stream, rid, model_name, body, tokenizer, metrics))
-        final = await _last(stream)
-        metrics.observe(final)
-        return chat_response(final, rid, model_name, tokenizer, body.chat_logprobs())
+        return await respond(ids, params, rid, body.stream, _chat_events, chat_response,
+                             body, tokenizer, body.chat_logprobs())
 
     return app
 
