@@ -118,12 +118,15 @@ class EngineHost:
     def submit(self, prompt, params: SamplingParams, sink: Callable, request_id: str | None = None,
                timeout: float = 60.0) -> str:
         """Queue a request from any thread; returns its id, or raises the engine's refusal (nothing held)."""
+        return self._send(prompt, params, sink, request_id).result(timeout)
+
+    def _send(self, prompt, params, sink, request_id) -> concurrent.futures.Future:
         if not self.running or self._stop.is_set():
             raise HostStopped("the engine is not running; wait for the restart to finish")
         cmd = _Add(prompt, params, request_id, sink)
         self._commands.put(cmd)
         self._wake.set()
-        return cmd.accepted.result(timeout)
+        return cmd.accepted
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -141,7 +144,8 @@ class EngineHost:
         def sink(item):
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        rid = await loop.run_in_executor(None, lambda: self.submit(prompt, params, sink, request_id))
+        # Awaiting the engine thread's answer holds no executor thread, however many clients arrive at once.
+        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id))
         return self._stream(rid, outputs)
 
     async def _stream(self, rid: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
