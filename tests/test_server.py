@@ -210,3 +210,15 @@ def test_logprobs_through_both_routes(client, offline):
                                           logprobs=True, top_logprobs=3, **GREEDY)
     content = chat.choices[0].logprobs.content
     assert len(content) == 16 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_stop_strings_through_the_api(server, offline):
+    base = offline.generate(["The"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    text = base.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    body = {"prompt": "The", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    cut = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    kept = httpx.post(server.url + "/v1/completions",
+                      json={**body, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+    assert kept["text"] == text[: text.index(stop)] + stop

@@ -36,6 +36,8 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,6 +50,8 @@ class _Sampling(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=self.seed, min_tokens=self.min_tokens,
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
