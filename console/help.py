@@ -1,0 +1,24 @@
+"""The help screen: the key bindings of the app and of the screen below it."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+
+class HelpScreen(ModalScreen):
+    BINDINGS = [Binding("escape,question_mark", "dismiss", "Close", id="close_help")]
+
+    def __init__(self, bindings: list[Binding], **kwargs):
+        super().__init__(**kwargs)
+        self.listed = bindings
+
+    def compose(self) -> ComposeResult:
+        lines = [f"{b.key:<14} {b.description}" for b in self.listed]
+        with Vertical(id="help"):
+            yield Static("nanoserve console: keys", id="help-title")
+            yield Static("\n".join(lines + ["", "escape / ?      close this help"]), markup=False,
+                         id="help-keys")

@@ -1,0 +1,23 @@
+"""The KV pool: blocks used/free/total, usage, and the scheduler's preemptions."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+from nanoserve.stats import EngineStats
+
+
+class KVPanel(Static):
+    def __init__(self, **kwargs):
+        super().__init__("", markup=False, **kwargs)
+
+    def show(self, stats: EngineStats) -> None:
+        kv, sched = stats.kv, stats.scheduler
+        self.update(
+            f"blocks used  {kv.blocks_used} / {kv.blocks_total}  (free {kv.blocks_free})\n"
+            f"usage        {kv.usage:.1%}\n"
+            f"block size   {kv.block_size} tokens, {kv.bytes / 2**20:.1f} MiB\n"
+            f"preemptions  {sched.preemptions}\n"
+            f"running      {sched.running}  waiting {sched.waiting}  peak {sched.peak_running}\n"
+            f"generated    {sched.generation_tokens_total} tokens in {sched.steps} steps"
+        )

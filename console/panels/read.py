@@ -1,0 +1,23 @@
+"""The paged read: which read runs, and the score cells it is charged against the cells it holds."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+from nanoserve.stats import EngineStats
+
+
+class ReadPanel(Static):
+    def __init__(self, **kwargs):
+        super().__init__("", markup=False, **kwargs)
+
+    def show(self, stats: EngineStats) -> None:
+        read = stats.paged_read
+        block = "-" if read.block is None else read.block
+        self.update(
+            f"mode         {read.mode}  block {block}\n"
+            f"calls        {read.calls}  rows {read.rows}\n"
+            f"score cells  {read.score_cells}\n"
+            f"held cells   {read.held_cells}\n"
+            f"saving       {read.saving:.3f} (charged / held)"
+        )

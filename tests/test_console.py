@@ -1,0 +1,136 @@
+"""The console hosted by Textual's pilot with its real stylesheet and a real engine on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("textual")
+
+from console.app import NanoserveConsole  # noqa: E402
+from console.help import HelpScreen  # noqa: E402
+from console.panels.features import OFF, FeaturePanel  # noqa: E402
+from console.panels.rows import RowsTable  # noqa: E402
+from nanoserve.config import EngineConfig  # noqa: E402
+
+
+async def wait_until(pilot, predicate, timeout: float = 15.0, what: str = "condition") -> None:
+    """Let the app run until `predicate()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.02)
+
+
+class Requests(threading.Thread):
+    """n concurrent completions sent from a background thread; it ends when all have answered."""
+
+    def __init__(self, url: str, n: int = 4, max_tokens: int = 40):
+        super().__init__(daemon=True)
+        self.url, self.n, self.max_tokens = url, n, max_tokens
+        self.errors: list[BaseException] = []
+        self.start()
+
+    def one(self, i: int) -> None:
+        body = {"prompt": f"request {i} says hello", "max_tokens": self.max_tokens,
+                "temperature": 0.0, "ignore_eos": True}
+        try:
+            httpx.post(f"{self.url}/v1/completions", json=body, timeout=60).raise_for_status()
+        except Exception as e:
+            self.errors.append(e)
+
+    def run(self) -> None:
+        with ThreadPoolExecutor(self.n) as pool:
+            list(pool.map(self.one, range(self.n)))
+
+
+def text(app, selector: str) -> str:
+    return str(app.screen.query_one(selector).content)
+
+
+@pytest.fixture
+def config(tiny_checkpoint):
+    return EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01, device="cpu")
+
+
+async def started(app, pilot):
+    await wait_until(pilot, lambda: app.server is not None or app.load_error is not None, 30, "the server")
+    assert app.load_error is None
+    await wait_until(pilot, lambda: "serving" in text(app, "#status"), 5, "the serving status line")
+
+
+async def test_dashboard_follows_real_requests(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        assert app.server.url.startswith("http://127.0.0.1:")
+        assert "max_model_len 128" in text(app, "#header")
+        table = app.screen.query_one(RowsTable)
+        assert table.row_count == 0
+        for panel in app.screen.query(FeaturePanel):
+            assert panel.content == OFF
+
+        seen_rows = []
+        thread = Requests(app.server.url, n=4, max_tokens=40)
+        await wait_until(pilot, lambda: seen_rows.append(table.row_count) or table.row_count > 0 or
+                         not thread.is_alive(), 30, "rows in the table")
+        await wait_until(pilot, lambda: not thread.is_alive(), 30, "the requests to finish")
+        assert not thread.errors
+        await wait_until(pilot, lambda: "total 160" in text(app, "#throughput-text"), 5, "the generation total")
+        await wait_until(pilot, lambda: table.row_count == 0, 5, "the rows to leave")
+        assert max(seen_rows) > 0, "the rows table never showed a running request"
+        assert "160 tokens" in text(app, "#kv")
+        assert "finished    4" in text(app, "#throughput-text")
+        server = app.server
+    assert server is not None and not server.host.running  # quitting stopped the engine
+
+
+async def test_pause_freezes_display_until_unpaused(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("p")
+        dashboard = app.screen
+        assert dashboard.paused and "PAUSED" in text(app, "#status")
+        frozen = {sel: text(app, sel) for sel in ("#kv", "#throughput-text", "#read")}
+        requests = Requests(app.server.url, n=2, max_tokens=20)
+        await asyncio.to_thread(requests.join, 30)
+        assert not requests.errors
+        assert app.server.host.stats().scheduler.generation_tokens_total == 40  # the data kept flowing
+        ticks = dashboard.ticks
+        await wait_until(pilot, lambda: dashboard.ticks >= ticks + 3, 5, "refresh ticks while paused")
+        assert {sel: text(app, sel) for sel in frozen} == frozen
+        await pilot.press("p")
+        assert not dashboard.paused
+        await wait_until(pilot, lambda: "total 40" in text(app, "#throughput-text"), 5, "the catch-up")
+        assert "40 tokens" in text(app, "#kv")
+
+
+async def test_help_opens_and_closes(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), 5, "the help screen")
+        keys = str(app.screen.query_one("#help-keys").content)
+        assert "Quit" in keys and "Pause" in keys and "Help" in keys
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen), 5, "the help to close")
+        await started(app, pilot)
+        server = app.server
+        await pilot.press("q")
+    assert app.return_code == 0 and not server.host.running  # q quit the app, and quitting stopped the engine
+
+
+async def test_quit_while_loading_stops_the_server(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test() as pilot:
+        await pilot.press("q")
+    assert await asyncio.to_thread(app.load_done.wait, 30)  # the load goes on, then stops what it started
+    assert app.server is None
+    assert not [t for t in threading.enumerate() if t.name in ("nanoserve-engine", "nanoserve-http")]

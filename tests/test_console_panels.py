@@ -1,0 +1,98 @@
+"""Console panels fed hand-made snapshots: the keyed row diff, token rates, and sections the engine may publish."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("textual")
+
+from textual.app import App  # noqa: E402
+
+from console.app import main  # noqa: E402
+from console.panels.features import OFF, FeaturePanel  # noqa: E402
+from console.panels.rows import RowsTable  # noqa: E402
+from console.panels.throughput import TokenRates  # noqa: E402
+from nanoserve.reads.dispatch import ReadStats  # noqa: E402
+from nanoserve.stats import EngineStats, KVStats, RowStats, SchedulerStats  # noqa: E402
+
+
+def snapshot(rows=(), prompt_total=0, generation_total=0) -> EngineStats:
+    return EngineStats(
+        model="m", device="cpu", dtype="float32", max_model_len=128, flags={"block_size": 16},
+        scheduler=SchedulerStats(running=len(rows), waiting=0, peak_running=len(rows), preemptions=0,
+                                 finished={}, prompt_tokens_total=prompt_total,
+                                 generation_tokens_total=generation_total, steps=0),
+        kv=KVStats(block_size=16, blocks_total=10, blocks_free=10, blocks_used=0, bytes=0),
+        paged_read=ReadStats("gathered", None), rows=tuple(rows),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishingStats(EngineStats):
+    """A snapshot from a future engine that publishes a capture section."""
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "capture": {"layers": 4, "captured": 12}}
+
+
+class Host(App):
+    def compose(self):
+        yield RowsTable()
+        yield FeaturePanel("capture")
+        yield FeaturePanel("inputs")
+
+
+def row(rid, generated=0, state="running"):
+    return RowStats(request_id=rid, state=state, prompt_tokens=5, generated_tokens=generated, blocks=1)
+
+
+async def test_rows_table_keyed_diff():
+    app = Host()
+    async with app.run_test() as pilot:
+        table = app.query_one(RowsTable)
+        table.show(snapshot([row("a"), row("b", state="waiting")]))
+        await pilot.pause()
+        assert [k.value for k in table.rows] == ["a", "b"]
+        table.show(snapshot([row("b", 3), row("c")]))
+        await pilot.pause()
+        assert [k.value for k in table.rows] == ["b", "c"]
+        assert table.get_row("b") == ["b", "running", 5, 3, 1]  # changed cells updated in place
+        table.show(snapshot())
+        assert table.row_count == 0
+
+
+async def test_feature_panels_show_published_sections_only():
+    app = Host()
+    async with app.run_test():
+        capture, inputs = app.query(FeaturePanel)
+        base = snapshot()
+        for panel in (capture, inputs):
+            panel.show(base)
+            assert panel.content == OFF
+        published = PublishingStats(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        capture.show(published)
+        inputs.show(published)
+        assert "layers" in capture.content and "12" in capture.content
+        assert inputs.content == OFF
+
+
+def test_token_rates_window_and_restart():
+    rates = TokenRates(window_s=2.0)
+    assert rates.rates() == (0.0, 0.0)
+    for t in range(5):
+        rates.add(float(t), snapshot(prompt_total=100 * t, generation_total=10 * t))
+    assert rates.rates() == (100.0, 10.0)
+    assert len(rates.samples) <= 4
+    assert list(rates.generation_history)[-1] == 10.0
+    rates.add(5.0, snapshot())  # a restarted engine counts from zero again: no negative rate
+    assert rates.rates() == (0.0, 0.0)
+
+
+def test_main_help_lists_engine_flags_and_port(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model" in out and "--port" in out and "--max-num-seqs" in out
