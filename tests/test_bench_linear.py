@@ -1,0 +1,22 @@
+"""`nanoserve bench linear` writes one row per (rows, dtype) with self-consistent figures."""
+
+from __future__ import annotations
+
+import json
+
+from nanoserve.cli import main
+
+
+def test_bench_linear_table(tmp_path, capsys):
+    assert main(["bench", "linear", "--rows", "1", "4", "--dtypes", "float32", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "linear.json").read_text())
+    assert data["stream_gbs"] > 0
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "linear.csv").open()))
+    assert [int(r["rows"]) for r in rows] == [1, 4]
+    for r in rows:  # fp32: 4 bytes and 2 flops per weight per row, so GFLOPS = GB/s * rows / 2
+        expected = float(r["weight_GB_s"]) * int(r["rows"]) / 2
+        assert abs(float(r["GFLOPS"]) - expected) < 1e-6 * max(1.0, expected)
+    assert "weight_GB_s" in capsys.readouterr().out
