@@ -180,7 +180,7 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        outputs = [self._finish_output(r) for r in self._aborted]
+        outputs = [self._output(r, "", ()) for r in self._aborted]
         self._aborted.clear()
         if sched.empty:
             return outputs
@@ -190,7 +190,7 @@ class Engine:
             logits = self.model(batch, self.cache, self.read)
         for chunk in (*sched.decodes, *sched.prefills):
             chunk.request.num_computed += chunk.length
-            if chunk.request.output_ids == [] and chunk.completes:
+            if not chunk.request.output_ids and chunk.completes:  # a prompt's first completion
                 self._prompt_tokens += len(chunk.request.prompt_ids)
         if sampled:
             rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, self.tokenizer.eos_token_ids) for r in sampled]
@@ -268,9 +268,6 @@ class Engine:
             req.finished_time = now
         req.text += delta
         return self._output(req, delta, (token,))
-
-    def _finish_output(self, req: Request) -> RequestOutput:
-        return self._output(req, "", ())
 
     def _output(self, req: Request, delta: str, delta_ids: tuple[int, ...]) -> RequestOutput:
         if req.finished:
