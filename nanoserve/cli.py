@@ -15,10 +15,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """One argparse flag per EngineConfig field, so the CLI can never lag the config."""
     from nanoserve.config import EngineConfig
 
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-        p.add_argument(flag, type=kind, default=f.default, help=f"engine flag (default: {f.default})")
+    for spec in EngineConfig.flag_specs():
+        flag = "--" + spec.name.replace("_", "-")
+        if spec.kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default,
+                           help=f"{spec.help} (default: {spec.default})")
+        else:
+            p.add_argument(flag, type=spec.kind, default=spec.default, metavar=spec.name.upper(),
+                           help=f"{spec.help} (default: {spec.default})")
 
 
 def engine_flags(args: argparse.Namespace) -> dict:

@@ -13,18 +13,47 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
+def _flag(default, help: str, choices: tuple[str, ...] | None = None):
+    """A config field that is also a CLI flag and a control on the console's flags screen."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """What a front end needs to offer one engine flag: its kind, default, help and allowed values."""
+
+    name: str
+    kind: type  # bool, int, float or str
+    optional: bool  # None is allowed (meaning: decided at load time)
+    default: object
+    help: str
+    choices: tuple[str, ...] | None
+
+    def parse(self, text: str):
+        """Turn a typed value into the flag's value ('' is None for optional flags); ValueError names the flag."""
+        text = text.strip()
+        if text == "" and self.optional:
+            return None
+        try:
+            return self.kind(text)
+        except ValueError:
+            raise ValueError(f"{self.name} must be {'empty or ' if self.optional else ''}"
+                             f"{'an integer' if self.kind is int else 'a number'}, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF checkpoint dir or .gguf file; None runs the embedded default model
-    dtype: str = "auto"  # auto: float32 on CPU; the checkpoint's bf16/fp16 on CUDA (else bfloat16)
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_model_len: int | None = None  # None: the model's context length, capped by what the KV pool holds
-    max_num_seqs: int = 64  # rows a step may run at once
-    max_num_batched_tokens: int = 2048  # token budget of one step (decodes first, then prefill chunks)
-    block_size: int = 16
-    kv_cache_gib: float | None = None  # KV budget; None: 1 GiB on CPU, gpu_memory_utilization on CUDA
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0  # seeds the generator that unseeded sampled requests draw from
+    model: str | None = _flag(None, "HF checkpoint dir or .gguf file; unset runs the embedded default model")
+    dtype: str = _flag("auto", "weights and KV dtype; auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA",
+                       choices=("auto", *DTYPES))
+    device: str = _flag("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    max_model_len: int | None = _flag(None, "longest prompt + output; unset: the model's context, capped by the KV pool")
+    max_num_seqs: int = _flag(64, "rows a step may run at once")
+    max_num_batched_tokens: int = _flag(2048, "token budget of one step (decodes first, then prefill chunks)")
+    block_size: int = _flag(16, "tokens per KV block (a power of two)")
+    kv_cache_gib: float | None = _flag(None, "KV budget in GiB; unset: 1 GiB on CPU, gpu_memory_utilization on CUDA")
+    gpu_memory_utilization: float = _flag(0.9, "share of the card the engine may fill (CUDA, KV budget unset)")
+    seed: int = _flag(0, "seeds the generator that unseeded sampled requests draw from")
 
     def __post_init__(self) -> None:
         checks = (
@@ -73,6 +102,16 @@ class EngineConfig:
         if self.torch_device().type == "cpu":
             return torch.float32
         return {"float16": torch.float16}.get(str(checkpoint_dtype), torch.bfloat16)
+
+    @classmethod
+    def flag_specs(cls) -> list[FlagSpec]:
+        kinds = {"bool": bool, "int": int, "float": float, "str": str}
+        specs = []
+        for f in dataclasses.fields(cls):
+            base, _, rest = str(f.type).partition(" | ")
+            specs.append(FlagSpec(f.name, kinds[base], rest == "None", f.default, f.metadata["help"],
+                                  f.metadata["choices"]))
+        return specs
 
     def public(self) -> dict:
         """The flags in force, as published by stats()."""

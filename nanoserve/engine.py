@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 
 import torch
 
@@ -20,25 +21,31 @@ from nanoserve.reads.dispatch import PagedRead
 from nanoserve.request import Request
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
 from nanoserve.scheduler import Chunk, Scheduler, SchedulerOutput
-from nanoserve.stats import EngineStats, KVStats, RowStats, SchedulerStats
+from nanoserve.stats import EngineStats, KVStats, LatencyStats, RowStats, SchedulerStats, percentile
 from nanoserve.streaming import TextStream
 
 log = logging.getLogger("nanoserve.engine")
 
 CPU_DEFAULT_KV_GIB = 1.0
+LATENCY_WINDOW = 256  # finished requests (and steps) the published latency percentiles cover
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 progress: Callable[[str], None] | None = None):
+        """`progress`, when given, hears each start-up phase ("loading weights", "sizing the KV pool", ...)."""
         self.config = config = config or EngineConfig()
         self.device = config.torch_device()
+        self._progress = progress or (lambda phase: None)
         started = time.monotonic()
         if loaded is None:
+            self._progress("loading weights")
             loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len)
         self.loaded = loaded
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.dtype = next(self.model.parameters()).dtype
         self.read = PagedRead("gathered")
+        self._progress("sizing the KV pool")
         num_blocks = self._size_pool()
         self.cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
@@ -51,6 +58,10 @@ class Engine:
         self._ids = itertools.count()
         self._finished = Counter()
         self._prompt_tokens = self._generation_tokens = self._steps = 0
+        self._ttfts: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._tpots: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._step_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._progress("ready")
         log.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
             loaded.name, self.device, str(self.dtype).removeprefix("torch."), num_blocks - 1,
@@ -71,6 +82,7 @@ class Engine:
     def _cuda_kv_budget(self) -> float:
         """A fraction of the card, less weights and the peak of a warm-up step at the full token budget."""
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._progress("warming up")
         self._warm_up()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -185,6 +197,7 @@ class Engine:
         if sched.empty:
             return outputs
         self._steps += 1
+        step_started = time.perf_counter()
         batch, sampled = self._build_batch(sched)
         with torch.inference_mode():
             logits = self.model(batch, self.cache, self.read)
@@ -198,6 +211,7 @@ class Engine:
             now = time.monotonic()
             for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
                 outputs.append(self._append(req, token, lp, now))
+        self._step_times.append(time.perf_counter() - step_started)
         return outputs
 
     def _build_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Request]]:
@@ -266,6 +280,9 @@ class Engine:
             req.stop_reason = stop_reason
             self.scheduler.finish(req, reason)
             req.finished_time = now
+            self._ttfts.append(req.first_token_time - req.arrival_time)
+            if len(req.output_ids) > 1:
+                self._tpots.append((now - req.first_token_time) / (len(req.output_ids) - 1))
         req.text += delta
         return self._output(req, delta, (token,))
 
@@ -290,8 +307,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        now = time.monotonic()
         rows = tuple(
-            RowStats(r.request_id, r.status.value, len(r.prompt_ids), len(r.output_ids), len(r.blocks))
+            RowStats(r.request_id, r.status.value, len(r.prompt_ids), len(r.output_ids), len(r.blocks),
+                     _rate(len(r.output_ids), r.first_token_time, now))
             for r in (*s.running, *s.waiting)
         )
         return EngineStats(
@@ -310,4 +329,17 @@ class Engine:
                        self.cache.nbytes),
             paged_read=self.read.stats(),
             rows=rows,
+            latency=LatencyStats(
+                window=len(self._ttfts),
+                ttft_p50=percentile(self._ttfts, 0.5), ttft_p99=percentile(self._ttfts, 0.99),
+                tpot_p50=percentile(self._tpots, 0.5), tpot_p99=percentile(self._tpots, 0.99),
+                step_p50=percentile(self._step_times, 0.5), step_p99=percentile(self._step_times, 0.99),
+            ),
         )
+
+
+def _rate(generated: int, first_token_time: float | None, now: float) -> float:
+    """A row's tokens/s since its first token (its first token itself marks time zero)."""
+    if first_token_time is None or generated < 2 or now <= first_token_time:
+        return 0.0
+    return (generated - 1) / (now - first_token_time)

@@ -44,6 +44,28 @@ class RowStats:
     prompt_tokens: int
     generated_tokens: int
     blocks: int
+    tokens_per_s: float = 0.0  # generated tokens over the time since its first token
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Percentiles over the engine's most recent finished requests and steps (seconds; None before any)."""
+
+    window: int  # finished requests the request percentiles cover
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    tpot_p50: float | None = None
+    tpot_p99: float | None = None
+    step_p50: float | None = None  # wall time of one engine step, over the most recent steps
+    step_p99: float | None = None
+
+
+def percentile(values, q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 1]) of a small sample; None for an empty one."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 @dataclass(frozen=True)
@@ -57,6 +79,7 @@ class EngineStats:
     kv: KVStats
     paged_read: ReadStats
     rows: tuple[RowStats, ...]
+    latency: LatencyStats = LatencyStats(window=0)
 
     def as_dict(self) -> dict:
         """JSON-ready: the shape /health publishes."""
@@ -69,4 +92,5 @@ class EngineStats:
             "scheduler": asdict(self.scheduler),
             "kv": {**asdict(self.kv), "usage": self.kv.usage},
             "paged_read": self.paged_read.as_dict(),
+            "latency": asdict(self.latency),
         }

@@ -4,54 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 pytest.importorskip("textual")
 
 from console.app import NanoserveConsole  # noqa: E402
-from console.help import HelpScreen  # noqa: E402
 from console.panels.features import OFF, FeaturePanel  # noqa: E402
 from console.panels.rows import RowsTable  # noqa: E402
+from console.screens.help import HelpScreen  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-
-
-async def wait_until(pilot, predicate, timeout: float = 15.0, what: str = "condition") -> None:
-    """Let the app run until `predicate()` holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await pilot.pause(0.02)
-
-
-class Requests(threading.Thread):
-    """n concurrent completions sent from a background thread; it ends when all have answered."""
-
-    def __init__(self, url: str, n: int = 4, max_tokens: int = 40):
-        super().__init__(daemon=True)
-        self.url, self.n, self.max_tokens = url, n, max_tokens
-        self.errors: list[BaseException] = []
-        self.start()
-
-    def one(self, i: int) -> None:
-        body = {"prompt": f"request {i} says hello", "max_tokens": self.max_tokens,
-                "temperature": 0.0, "ignore_eos": True}
-        try:
-            httpx.post(f"{self.url}/v1/completions", json=body, timeout=60).raise_for_status()
-        except Exception as e:
-            self.errors.append(e)
-
-    def run(self) -> None:
-        with ThreadPoolExecutor(self.n) as pool:
-            list(pool.map(self.one, range(self.n)))
-
-
-def text(app, selector: str) -> str:
-    return str(app.screen.query_one(selector).content)
+from tests.console_helpers import Requests, started, text, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -59,18 +22,12 @@ def config(tiny_checkpoint):
     return EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01, device="cpu")
 
 
-async def started(app, pilot):
-    await wait_until(pilot, lambda: app.server is not None or app.load_error is not None, 30, "the server")
-    assert app.load_error is None
-    await wait_until(pilot, lambda: "serving" in text(app, "#status"), 5, "the serving status line")
-
-
 async def test_dashboard_follows_real_requests(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
         await started(app, pilot)
         assert app.server.url.startswith("http://127.0.0.1:")
-        assert "max_model_len 128" in text(app, "#header")
+        await wait_until(pilot, lambda: "max_model_len 128" in text(app, "#header"), 5, "the header")
         table = app.screen.query_one(RowsTable)
         assert table.row_count == 0
         for panel in app.screen.query(FeaturePanel):

@@ -45,7 +45,8 @@ class Host(App):
 
 
 def row(rid, generated=0, state="running"):
-    return RowStats(request_id=rid, state=state, prompt_tokens=5, generated_tokens=generated, blocks=1)
+    return RowStats(request_id=rid, state=state, prompt_tokens=5, generated_tokens=generated, blocks=1,
+                    tokens_per_s=generated * 0.83)
 
 
 async def test_rows_table_keyed_diff():
@@ -58,9 +59,29 @@ async def test_rows_table_keyed_diff():
         table.show(snapshot([row("b", 3), row("c")]))
         await pilot.pause()
         assert [k.value for k in table.rows] == ["b", "c"]
-        assert table.get_row("b") == ["b", "running", 5, 3, 1]  # changed cells updated in place
+        assert table.get_row("b") == ["b", "running", 5, 3, 2.5, 1]  # changed cells updated in place
         table.show(snapshot())
         assert table.row_count == 0
+
+
+async def test_rows_table_sort_holds_and_filter_narrows():
+    app = Host()
+    async with app.run_test() as pilot:
+        table = app.query_one(RowsTable)
+        table.sort_column, table.sort_reverse = "generated", True
+        table.show(snapshot([row("a", 1), row("b", 7), row("c", 4)]))
+        await pilot.pause()
+        assert [table.get_row_at(i)[0] for i in range(3)] == ["b", "c", "a"]
+        table.show(snapshot([row("a", 9), row("b", 7), row("c", 4), row("d", 5, state="waiting")]))
+        await pilot.pause()
+        assert [table.get_row_at(i)[0] for i in range(4)] == ["a", "b", "d", "c"]  # re-sorted on change
+        table.set_filter("wait")
+        table.show(snapshot([row("a", 9), row("d", 5, state="waiting")]))
+        await pilot.pause()
+        assert [table.get_row_at(i)[0] for i in range(table.row_count)] == ["d"]
+        table.set_filter("")
+        table.show(snapshot([row("a", 9), row("d", 5, state="waiting")]))
+        assert table.row_count == 2
 
 
 async def test_feature_panels_show_published_sections_only():

@@ -1,30 +1,59 @@
-"""Running and waiting requests, keyed by request id and updated by a keyed row diff."""
+"""Running and waiting requests: a keyed table updated by row diff, sortable by any column, filterable by text."""
 
 from __future__ import annotations
 
-from textual.widgets import DataTable
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable, Input
 
 from nanoserve.stats import EngineStats, RowStats
 
 COLUMNS = (("id", "id"), ("state", "state"), ("prompt", "prompt tokens"), ("generated", "generated tokens"),
-           ("blocks", "blocks"))
+           ("rate", "tok/s"), ("blocks", "blocks"))
 
 
 def _cells(row: RowStats) -> tuple:
-    return (row.request_id, row.state, row.prompt_tokens, row.generated_tokens, row.blocks)
+    return (row.request_id, row.state, row.prompt_tokens, row.generated_tokens, round(row.tokens_per_s, 1),
+            row.blocks)
 
 
 class RowsTable(DataTable):
+    """Rows keyed by request id: a snapshot adds, updates (changed cells only) and removes rows.
+
+    Selecting a column header sorts by it (again: reverses); the sort holds as rows come and go.
+    """
+
     def __init__(self, **kwargs):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self._shown: dict[str, tuple] = {}
+        self.filter_text = ""
+        self.sort_column: str | None = None
+        self.sort_reverse = False
 
     def on_mount(self) -> None:
         for key, label in COLUMNS:
             self.add_column(label, key=key)
 
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        column = event.column_key.value
+        self.sort_reverse = not self.sort_reverse if column == self.sort_column else False
+        self.sort_column = column
+        self._sort()
+
+    def set_filter(self, text: str) -> None:
+        """Show only rows whose id or state contains `text`; the next snapshot refills the table."""
+        self.filter_text = text
+        self.clear()
+        self._shown.clear()
+
+    def _visible(self, cells: tuple) -> bool:
+        needle = self.filter_text.lower()
+        return not needle or needle in cells[0].lower() or needle in cells[1].lower()
+
     def show(self, stats: EngineStats) -> None:
         live = {row.request_id: _cells(row) for row in stats.rows}
+        live = {rid: cells for rid, cells in live.items() if self._visible(cells)}
+        changed = False
         for rid in [rid for rid in self._shown if rid not in live]:
             self.remove_row(rid)
             del self._shown[rid]
@@ -32,8 +61,49 @@ class RowsTable(DataTable):
             old = self._shown.get(rid)
             if old is None:
                 self.add_row(*cells, key=rid)
+                changed = True
             elif old != cells:
                 for (column, _), before, after in zip(COLUMNS, old, cells):
                     if before != after:
                         self.update_cell(rid, column, after)
+                        changed |= column == self.sort_column
             self._shown[rid] = cells
+        if changed:
+            self._sort()
+
+    def _sort(self) -> None:
+        if self.sort_column is not None and self.row_count:
+            self.sort(self.sort_column, reverse=self.sort_reverse)
+
+
+class RowsPanel(Vertical):
+    """The rows table with a filter line that `/` opens and Esc (or an empty filter) closes."""
+
+    DEFAULT_CSS = """
+    RowsPanel #rows-filter { display: none; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Input(placeholder="filter by id or state (Esc closes)", id="rows-filter", disabled=True)
+        yield RowsTable(id="rows-table")
+
+    def open_filter(self) -> None:
+        box = self.query_one("#rows-filter", Input)
+        box.disabled = False
+        box.display = True
+        box.focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.query_one(RowsTable).set_filter(event.value)
+
+    def on_key(self, event) -> None:
+        box = self.query_one("#rows-filter", Input)
+        if event.key == "escape" and box.has_focus:
+            event.stop()
+            box.value = ""
+            box.display = False
+            box.disabled = True
+            self.query_one(RowsTable).focus()
+
+    def show(self, stats: EngineStats) -> None:
+        self.query_one(RowsTable).show(stats)

@@ -61,10 +61,18 @@ class ThroughputPanel(Vertical):
     def show(self, stats: EngineStats) -> None:
         prompt_rate, generation_rate = self.rates.rates()
         sched = stats.scheduler
+        lat = stats.latency
         self.query_one("#throughput-text", Static).update(
             f"prompt      {prompt_rate:8.1f} tok/s  total {sched.prompt_tokens_total}\n"
             f"generation  {generation_rate:8.1f} tok/s  total {sched.generation_tokens_total}\n"
-            f"finished    {sum(sched.finished.values())}  {dict(sched.finished)}"
+            f"finished    {sum(sched.finished.values())}  {dict(sched.finished)}\n"
+            f"TTFT ms     p50 {_ms(lat.ttft_p50)}  p99 {_ms(lat.ttft_p99)}  (last {lat.window} requests)\n"
+            f"TPOT ms     p50 {_ms(lat.tpot_p50)}  p99 {_ms(lat.tpot_p99)}\n"
+            f"step ms     p50 {_ms(lat.step_p50)}  p99 {_ms(lat.step_p99)}"
         )
         self.query_one("#prompt-spark", Sparkline).data = list(self.rates.prompt_history)
         self.query_one("#generation-spark", Sparkline).data = list(self.rates.generation_history)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"

@@ -78,17 +78,20 @@ class EngineHost:
             raise RuntimeError(f"the engine thread did not stop within {timeout}s")
         self._thread = None
 
-    def restart(self, config, drain: bool = False, timeout: float | None = 120.0) -> None:
+    def restart(self, config, drain: bool = False, timeout: float | None = 120.0,
+                progress: Callable[[str], None] | None = None) -> None:
         """Replace the engine with one built from `config` (new flags), then resume serving.
 
         The old engine is released before the new one loads, so a GPU never holds two KV pools. Requests that
         arrive meanwhile are refused with HostStopped (a 503). If the new flags fail to load, the old
-        configuration is loaded again and the error is raised.
+        configuration is loaded again and the error is raised. `progress` hears each phase as it starts.
         """
         import gc
 
         import torch
 
+        progress = progress or (lambda phase: None)
+        progress("draining running requests" if drain else "stopping the engine")
         self.shutdown(drain=drain, timeout=timeout)
         old_config = self.engine.config
         self.engine = None
@@ -96,9 +99,10 @@ class EngineHost:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         try:
-            self.engine = Engine(config)
-        except Exception:
-            self.engine = Engine(old_config)
+            self.engine = Engine(config, progress=progress)
+        except Exception as e:
+            progress(f"the new flags failed ({e}); restoring the previous flags")
+            self.engine = Engine(old_config, progress=progress)
             raise
         finally:
             self._stats = self.engine.stats()

@@ -20,10 +20,12 @@ class Server:
     """An engine host plus a uvicorn server; usable in the foreground (run) or from a thread (start/stop)."""
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, served_model_name: str | None = None, max_waiting: int = 256):
-        self.engine = Engine(config)
-        self.host = EngineHost(self.engine).start()
-        self.model_name = served_model_name or self.engine.loaded.name
+                 api_key: str | None = None, served_model_name: str | None = None, max_waiting: int = 256,
+                 progress=None):
+        """`progress` (a callable taking a phase name) hears the engine's start-up phases."""
+        engine = Engine(config, progress=progress)
+        self.host = EngineHost(engine).start()
+        self.model_name = served_model_name or engine.loaded.name
         self.app = build_app(self.host, self.model_name, api_key=api_key, max_waiting=max_waiting)
         if port == 0:
             port = _free_port(host)
@@ -31,6 +33,11 @@ class Server:
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                                      timeout_graceful_shutdown=5))
         self._thread: threading.Thread | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine serving now (a restart replaces it)."""
+        return self.host.engine
 
     @property
     def url(self) -> str:

@@ -17,8 +17,9 @@ class HelpScreen(ModalScreen):
         self.listed = bindings
 
     def compose(self) -> ComposeResult:
-        lines = [f"{b.key:<14} {b.description}" for b in self.listed]
+        lines = [f"{b.key_display or b.key:<10} {b.description:<14} id {b.id}" for b in self.listed]
         with Vertical(id="help"):
             yield Static("nanoserve console: keys", id="help-title")
-            yield Static("\n".join(lines + ["", "escape / ?      close this help"]), markup=False,
+            yield Static("\n".join(lines + ["", "escape / ?  close this help", "ctrl+p      command palette: every action by name",
+                                         "Remap a key: nanoserve-console --keymap ID=KEY"]), markup=False,
                          id="help-keys")

@@ -1,0 +1,1 @@
+"""Console screens: one module per screen; each is a Textual mode the app switches between."""

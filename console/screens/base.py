@@ -1,0 +1,40 @@
+"""ConsoleScreen: what every console screen shows around its body (the flags in force, the engine's state, keys)."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from console.panels.header import EngineHeader
+
+
+class ConsoleScreen(Screen):
+    """Header (model, device, flags in force) and status line on top, footer below, `compose_body` between.
+
+    The header and status follow the app's engine on the app's refresh interval, so the flags in force stay
+    visible on every screen, through restarts.
+    """
+
+    def compose(self) -> ComposeResult:
+        yield EngineHeader(id="header")
+        yield Static("", markup=False, id="status")
+        yield from self.compose_body()
+        yield Footer()
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()
+
+    def on_mount(self) -> None:
+        """Textual runs every class's on_mount, so subclasses add their own without calling this one."""
+        self.refresh_header()
+        self.set_interval(self.app.refresh_s, self.refresh_header)
+
+    def status_text(self) -> str:
+        return self.app.status_line()
+
+    def refresh_header(self) -> None:
+        self.query_one("#status", Static).update(self.status_text())
+        server = self.app.server
+        if server is not None:
+            self.query_one(EngineHeader).show(server.host.stats())

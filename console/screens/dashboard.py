@@ -1,0 +1,96 @@
+"""The dashboard: every panel refreshed from one engine snapshot per tick."""
+
+from __future__ import annotations
+
+import time
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid
+
+from console.panels.features import FeaturePanel
+from console.panels.header import EngineHeader
+from console.panels.kv import KVPanel
+from console.panels.read import ReadPanel
+from console.panels.rows import RowsPanel
+from console.panels.throughput import ThroughputPanel
+from console.screens.base import ConsoleScreen
+
+PANEL_TITLES = {"rows": "Requests", "kv": "KV cache", "throughput": "Throughput and latency",
+                "read": "Paged read", "capture": "Capture", "inputs": "Persistent inputs"}
+REFRESH_STEPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # the refresh intervals +/- step through, seconds
+
+
+class Dashboard(ConsoleScreen):
+    BINDINGS = [
+        Binding("p", "toggle_pause", "Pause", id="pause"),
+        Binding("plus,equals_sign", "refresh_faster", "Faster", key_display="+", id="refresh_faster"),
+        Binding("minus", "refresh_slower", "Slower", key_display="-", id="refresh_slower"),
+        Binding("slash", "filter_rows", "Filter", key_display="/", id="filter_rows"),
+    ]
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.paused = False
+        self.ticks = 0  # timer ticks so far, paused or not (tests wait on it instead of sleeping)
+        self._timer = None
+
+    def compose_body(self) -> ComposeResult:
+        with Grid(id="panels"):
+            yield RowsPanel(id="rows")
+            yield KVPanel(id="kv")
+            yield ThroughputPanel(id="throughput")
+            yield ReadPanel(id="read")
+            yield FeaturePanel("capture", id="capture")
+            yield FeaturePanel("inputs", id="inputs")
+
+    def on_mount(self) -> None:
+        for panel_id, title in PANEL_TITLES.items():
+            self.query_one(f"#{panel_id}").border_title = title
+        self.tick()
+        self._timer = self.set_interval(self.app.refresh_s, self.tick)
+
+    # ---- actions ------------------------------------------------------------------------------------
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self.tick()
+
+    def action_refresh_faster(self) -> None:
+        self._set_refresh(max((s for s in REFRESH_STEPS if s < self.app.refresh_s), default=REFRESH_STEPS[0]))
+
+    def action_refresh_slower(self) -> None:
+        self._set_refresh(min((s for s in REFRESH_STEPS if s > self.app.refresh_s), default=REFRESH_STEPS[-1]))
+
+    def action_filter_rows(self) -> None:
+        self.query_one(RowsPanel).open_filter()
+
+    def _set_refresh(self, seconds: float) -> None:
+        self.app.refresh_s = seconds
+        self._timer.stop()
+        self._timer = self.set_interval(seconds, self.tick)
+        self.notify(f"refreshing every {seconds:g} s", timeout=2)
+
+    # ---- the tick -----------------------------------------------------------------------------------
+    def status_text(self) -> str:
+        return self.app.status_line() + (f"  · refresh {self.app.refresh_s:g} s") + ("  [PAUSED]" if self.paused else "")
+
+    def tick(self) -> None:
+        self.ticks += 1
+        status = self.query_one("#status")
+        server = self.app.server
+        if server is None:
+            status.update(self.status_text())
+            return
+        stats = server.host.stats()
+        throughput = self.query_one(ThroughputPanel)
+        throughput.sample(time.monotonic(), stats)
+        status.update(self.status_text())
+        if self.paused:
+            return
+        self.query_one(EngineHeader).show(stats)
+        self.query_one(RowsPanel).show(stats)
+        self.query_one(KVPanel).show(stats)
+        throughput.show(stats)
+        self.query_one(ReadPanel).show(stats)
+        for panel in self.query(FeaturePanel):
+            panel.show(stats)

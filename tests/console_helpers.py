@@ -1,0 +1,52 @@
+"""Helpers shared by the console's pilot tests: waiting on the live app, reading a widget's text, background load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+
+async def wait_until(pilot, predicate, timeout: float = 15.0, what: str = "condition") -> None:
+    """Let the app run until `predicate()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.02)
+
+
+def text(app, selector: str) -> str:
+    """The rendered content of the widget `selector` on the screen in view."""
+    return str(app.screen.query_one(selector).content)
+
+
+async def started(app, pilot, timeout: float = 60.0) -> None:
+    """Wait until the console's engine and server are up and serving."""
+    await wait_until(pilot, lambda: app.server is not None or app.load_error is not None, timeout, "the server")
+    assert app.load_error is None, app.load_error
+    await wait_until(pilot, lambda: app.phase == "serving", 5, "the serving phase")
+
+
+class Requests(threading.Thread):
+    """n concurrent completions sent from a background thread; it ends when all have answered."""
+
+    def __init__(self, url: str, n: int = 4, max_tokens: int = 40):
+        super().__init__(daemon=True)
+        self.url, self.n, self.max_tokens = url, n, max_tokens
+        self.errors: list[BaseException] = []
+        self.start()
+
+    def one(self, i: int) -> None:
+        body = {"prompt": f"request {i} says hello", "max_tokens": self.max_tokens,
+                "temperature": 0.0, "ignore_eos": True}
+        try:
+            httpx.post(f"{self.url}/v1/completions", json=body, timeout=60).raise_for_status()
+        except Exception as e:
+            self.errors.append(e)
+
+    def run(self) -> None:
+        with ThreadPoolExecutor(self.n) as pool:
+            list(pool.map(self.one, range(self.n)))
