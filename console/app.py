@@ -58,6 +58,7 @@ class NanoserveConsole(App):
         self.restart_error: BaseException | None = None
         self.phase = "starting"
         self.phase_since = time.monotonic()
+        self.phases: list[tuple[float, str]] = []  # every phase with its start time, for screens that list them
         self.restarts = 0  # finished restarts, successful or not
         self.engine_log = EngineLog()
         self._closing = False
@@ -72,6 +73,7 @@ class NanoserveConsole(App):
     def set_phase(self, phase: str) -> None:
         """Called from any thread; screens read it on their next tick."""
         self.phase, self.phase_since = phase, time.monotonic()
+        self.phases.append((self.phase_since, phase))
         self.engine_log.note(f"engine: {phase}")
 
     def _start_server(self) -> None:

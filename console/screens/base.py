@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
@@ -13,8 +14,15 @@ class ConsoleScreen(Screen):
     """Header (model, device, flags in force) and status line on top, footer below, `compose_body` between.
 
     The header and status follow the app's engine on the app's refresh interval, so the flags in force stay
-    visible on every screen, through restarts.
+    visible on every screen, through restarts. Esc takes the focus off a text field, so the letter keys
+    (screens, quit, help) work again.
     """
+
+    BINDINGS = [Binding("escape", "blur", "Unfocus", show=False, id="blur")]
+    AUTO_FOCUS = ""  # nothing focused on arrival (matches no widget), so the letter keys answer until a field is chosen
+
+    def action_blur(self) -> None:
+        self.set_focus(None)
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")

@@ -1,9 +1,221 @@
-"""Placeholder while this screen is written."""
+"""The flags screen: a control for every engine flag, checked before it is applied, applied by a restart.
+
+The controls are generated from `EngineConfig.flag_specs()`, so a flag the engine gains shows up here with no
+console change. Apply builds the whole new EngineConfig first (the engine's own checks refuse a bad value
+with its message), asks for confirmation with the changes listed, then restarts the engine in a worker while
+the screen lists each start-up phase as it begins.
+"""
 
 from __future__ import annotations
 
+import time
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Checkbox, Input, Label, Select, Static, Switch
+
 from console.screens.base import ConsoleScreen
+from nanoserve.config import EngineConfig, FlagSpec
+
+FIXED = {"model": "set at launch: nanoserve-console --model PATH"}  # flags a restart cannot change
+
+
+def _shown(value) -> str:
+    return "" if value is None else str(value)
+
+
+class FlagControl:
+    """Builds the widget for one flag and reads a value back from it."""
+
+    def __init__(self, spec: FlagSpec):
+        self.spec = spec
+        self.widget_id = f"flag-{spec.name}"
+
+    def build(self, value):
+        spec = self.spec
+        if spec.kind is bool:
+            return Switch(value=bool(value), id=self.widget_id)
+        if spec.choices:
+            return Select([(c, c) for c in spec.choices], value=value if value in spec.choices else spec.choices[0],
+                          allow_blank=False, id=self.widget_id)
+        return Input(_shown(value), placeholder="unset (decided at load)" if spec.optional else "",
+                     id=self.widget_id)
+
+    def read(self, widget):
+        if isinstance(widget, Switch):
+            return widget.value
+        if isinstance(widget, Select):
+            return widget.value
+        return self.spec.parse(widget.value)
+
+    def write(self, widget, value) -> None:
+        if isinstance(widget, Input):
+            widget.value = _shown(value)
+        elif isinstance(widget, Select) and value not in self.spec.choices:
+            widget.value = self.spec.choices[0]
+        else:
+            widget.value = value
+
+
+class ConfirmRestart(ModalScreen[bool]):
+    """Lists the changes and asks before the engine restarts (running requests are aborted unless drained)."""
+
+    DEFAULT_CSS = """
+    ConfirmRestart { align: center middle; }
+    ConfirmRestart > Vertical { width: 72; height: auto; border: thick $warning; background: $surface; padding: 1 2; }
+    ConfirmRestart Horizontal { height: auto; margin-top: 1; }
+    ConfirmRestart Button { margin-right: 2; }
+    """
+    BINDINGS = [Binding("escape,n", "answer(False)", "Cancel", id="confirm_no"),
+                Binding("y", "answer(True)", "Restart", id="confirm_yes")]
+
+    def __init__(self, changes: dict, drain: bool):
+        super().__init__()
+        self.changes, self.drain = changes, drain
+
+    def compose(self) -> ComposeResult:
+        lines = [f"  {name}: {_shown(old) or 'unset'} -> {_shown(new) or 'unset'}"
+                 for name, (old, new) in self.changes.items()]
+        then = "running requests finish first" if self.drain else "running requests are aborted"
+        with Vertical():
+            yield Static("Restart the engine with these flags?\n\n" + "\n".join(lines) + f"\n\n({then})",
+                         markup=False, id="confirm-text")
+            with Horizontal():
+                yield Button("Restart (y)", variant="warning", id="confirm-yes")
+                yield Button("Cancel (n)", id="confirm-no")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "confirm-yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
 
 
 class FlagsScreen(ConsoleScreen):
-    pass
+    DEFAULT_CSS = """
+    FlagsScreen #flags-form { grid-size: 3; grid-columns: 26 28 1fr; grid-rows: 3; height: auto; padding: 0 1; }
+    FlagsScreen #flags-form Label { padding: 1 0 0 0; }
+    FlagsScreen #flags-form .flag-help { color: $text-muted; padding: 1 0 0 1; }
+    FlagsScreen #flags-actions { height: auto; padding: 1 1 0 1; }
+    FlagsScreen #flags-actions > * { margin-right: 2; }
+    FlagsScreen #flags-message, FlagsScreen #flags-progress { padding: 0 1; height: auto; }
+    """
+    BINDINGS = [
+        Binding("ctrl+s", "apply", "Apply", id="flags_apply"),
+        Binding("ctrl+r", "reset", "Reset", id="flags_reset"),
+    ]
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.controls = [FlagControl(spec) for spec in EngineConfig.flag_specs() if spec.name not in FIXED]
+        self.restart_log: list[str] = []  # the phases of the latest restart, as shown
+        self._tracking: dict | None = None  # the restart being followed: start time, last phase seen
+
+    def compose_body(self) -> ComposeResult:
+        config = self.app.config
+        with VerticalScroll():
+            with Grid(id="flags-form"):
+                for name, why in FIXED.items():
+                    yield Label(name)
+                    yield Static(_shown(getattr(config, name)) or "embedded default", markup=False)
+                    yield Static(why, classes="flag-help", markup=False)
+                for control in self.controls:
+                    yield Label(control.spec.name)
+                    yield control.build(getattr(config, control.spec.name))
+                    yield Static(control.spec.help, classes="flag-help", markup=False)
+            with Horizontal(id="flags-actions"):
+                yield Button("Apply  ctrl+s", variant="primary", id="flags-apply-button")
+                yield Button("Reset  ctrl+r", id="flags-reset-button")
+                yield Checkbox("let running requests finish first", id="flags-drain")
+            yield Static("", markup=False, id="flags-message")
+            yield Static("", markup=False, id="flags-progress")
+
+    def on_mount(self) -> None:
+        self.set_interval(0.1, self.follow_restart)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        actions = {"flags-apply-button": self.action_apply, "flags-reset-button": self.action_reset}
+        actions[event.button.id]()
+
+    # ---- reading the form ---------------------------------------------------------------------------
+    def proposed(self) -> EngineConfig:
+        """The config the form describes; raises ValueError/ConfigError naming the bad flag."""
+        values = {name: getattr(self.app.config, name) for name in FIXED}
+        for control in self.controls:
+            values[control.spec.name] = control.read(self.query_one(f"#{control.widget_id}"))
+        return EngineConfig.from_flags(**values)
+
+    def changes(self, new: EngineConfig) -> dict:
+        old = self.app.config
+        return {c.spec.name: (getattr(old, c.spec.name), getattr(new, c.spec.name)) for c in self.controls
+                if getattr(old, c.spec.name) != getattr(new, c.spec.name)}
+
+    def say(self, message: str) -> None:
+        self.query_one("#flags-message", Static).update(message)
+
+    # ---- actions ------------------------------------------------------------------------------------
+    def action_apply(self) -> None:
+        if self.app.restarting or self._tracking is not None:
+            self.say("a restart is already running; wait for it to finish")
+            return
+        try:
+            new = self.proposed()
+        except Exception as e:  # ValueError from parsing, ConfigError from the engine's checks
+            self.say(f"not applied: {e}")
+            return
+        changes = self.changes(new)
+        if not changes:
+            self.say("nothing to apply: the form matches the flags in force")
+            return
+        self.say("")
+        drain = self.query_one("#flags-drain", Checkbox).value
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.start_restart(new, drain)
+            else:
+                self.say("not applied: cancelled")
+
+        self.app.push_screen(ConfirmRestart(changes, drain), confirmed)
+
+    def action_reset(self) -> None:
+        """Put the flags in force back into the form."""
+        for control in self.controls:
+            control.write(self.query_one(f"#{control.widget_id}"), getattr(self.app.config, control.spec.name))
+        self.say("form reset to the flags in force")
+
+    # ---- the restart --------------------------------------------------------------------------------
+    def start_restart(self, config: EngineConfig, drain: bool) -> None:
+        track = {"started": time.monotonic(), "seen": len(self.app.phases), "restarts": self.app.restarts}
+        try:
+            self.app.restart_engine(config, drain=drain)
+        except RuntimeError as e:
+            self.say(f"not applied: {e}")
+            return
+        self.restart_log = []
+        self._tracking = track
+
+    def follow_restart(self) -> None:
+        """List each phase as it begins; when the worker has ended, say how it went."""
+        track = self._tracking
+        if track is None:
+            return
+        done = self.app.restarts != track["restarts"]  # read first: the phases below then include the last
+        new = self.app.phases[track["seen"]:]
+        track["seen"] += len(new)
+        for at, phase in new:
+            self.restart_log.append(f"{at - track['started']:6.1f} s  {phase}")
+        if new:
+            self.query_one("#flags-progress", Static).update("restart:\n" + "\n".join(self.restart_log))
+        elapsed = time.monotonic() - track["started"]
+        if not done:
+            return
+        self._tracking = None
+        error = self.app.restart_error
+        self.action_reset()
+        if error is None:
+            self.say(f"restarted in {elapsed:.1f} s; the flags above are in force")
+        else:
+            self.say(f"the new flags failed and the previous ones were restored: {error}")

@@ -46,16 +46,27 @@ class Result:
 
 
 def requests_for(args, vocab: int) -> list[dict]:
-    rng = random.Random(args.prompt_seed)
+    return make_bodies(args.num_prompts, args.dataset, args.input_len, args.output_len, args.prompt_seed, vocab)
+
+
+def make_bodies(num_prompts: int, dataset: str, input_len: int, output_len: int, prompt_seed: int, vocab: int,
+                sampled: bool = False) -> list[dict]:
+    """Streamed request bodies: builtin chat prompts or synthetic token prompts; greedy, or seeded sampling.
+
+    Every request runs to `output_len` tokens (ignore_eos), so runs of the same shape do the same work.
+    """
+    rng = random.Random(prompt_seed)
     bodies = []
-    for i in range(args.num_prompts):
-        if args.dataset == "builtin":
+    for i in range(num_prompts):
+        if dataset == "builtin":
             prompt = REAL_PROMPTS[i % len(REAL_PROMPTS)]
             body = {"messages": [{"role": "user", "content": prompt}]}
         else:
-            body = {"prompt": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
-        body.update(max_tokens=args.output_len, temperature=0, ignore_eos=True, stream=True,
+            body = {"prompt": [rng.randrange(100, vocab) for _ in range(input_len)]}
+        body.update(max_tokens=output_len, temperature=0, ignore_eos=True, stream=True,
                     stream_options={"include_usage": True})
+        if sampled:
+            body.update(temperature=0.8, top_p=0.95, seed=prompt_seed * 100_003 + i)
         bodies.append(body)
     return bodies
 
@@ -91,7 +102,13 @@ async def one(http: httpx.AsyncClient, url: str, body: dict) -> Result:
     return res
 
 
-async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None, headers: dict, seed: int):
+async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None, headers: dict, seed: int,
+              on_result=None):
+    """Fire `bodies` and return (results, duration, peak running rows seen on /health).
+
+    `on_result(result)` hears each request as it ends. Cancelling the caller cancels every request in
+    flight (their streams close, so the server aborts them and frees their blocks).
+    """
     limit = asyncio.Semaphore(concurrency if rate is None else len(bodies))
     peak = {"running": 0}
     done = asyncio.Event()
@@ -111,19 +128,26 @@ async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None
 
         async def guarded(body):
             async with limit:
-                return await one(http, url, body)
+                result = await one(http, url, body)
+            if on_result is not None:
+                on_result(result)
+            return result
 
         watcher = asyncio.create_task(watch())
         started = time.perf_counter()
         tasks = []
-        for body in bodies:
-            tasks.append(asyncio.create_task(guarded(body)))
-            if rate is not None:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+        try:
+            for body in bodies:
+                tasks.append(asyncio.create_task(guarded(body)))
+                if rate is not None:
+                    await asyncio.sleep(rng.expovariate(rate))
+            results = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            done.set()
+            await asyncio.gather(watcher, *tasks, return_exceptions=True)
         duration = time.perf_counter() - started
-        done.set()
-        await watcher
     return results, duration, peak["running"]
 
 

@@ -1,0 +1,103 @@
+"""The flags screen against a real engine: a change restarts it, /health shows the new flags, bad values never apply."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytest.importorskip("textual")
+
+from console.app import NanoserveConsole  # noqa: E402
+from console.screens.flags import ConfirmRestart, FlagsScreen  # noqa: E402
+from nanoserve.config import EngineConfig  # noqa: E402
+from tests.console_helpers import Requests, started, text, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def config(tiny_checkpoint):
+    return EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01, device="cpu")
+
+
+async def open_flags(app, pilot):
+    await started(app, pilot)
+    await pilot.press("f")
+    await wait_until(pilot, lambda: isinstance(app.screen, FlagsScreen), 5, "the flags screen")
+    return app.screen
+
+
+def health(app) -> dict:
+    return httpx.get(app.server.url + "/health", timeout=10).json()
+
+
+async def test_flag_change_restarts_engine_and_health_shows_it(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_flags(app, pilot)
+        url = app.server.url
+        screen.query_one("#flag-max_num_seqs").value = "4"
+        screen.query_one("#flag-max_num_batched_tokens").value = "96"
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmRestart), 5, "the confirmation")
+        assert "max_num_seqs: 64 -> 4" in str(app.screen.query_one("#confirm-text").content)
+        await pilot.press("y")
+        await wait_until(pilot, lambda: app.restarts == 1, 60, "the restart")
+        await wait_until(pilot, lambda: "restarted in" in text(app, "#flags-message"), 5, "the result line")
+        progress = text(app, "#flags-progress")
+        assert "stopping the engine" in progress and "loading weights" in progress and "ready" in progress
+        assert app.server.url == url  # same server, same port: clients keep their address
+        flags = health(app)["flags"]
+        assert flags["max_num_seqs"] == 4 and flags["max_num_batched_tokens"] == 96
+        assert app.config.max_num_seqs == 4
+        await wait_until(pilot, lambda: "max_num_seqs=4" in text(app, "#header"), 5, "the header's flags")
+        requests = Requests(app.server.url, n=6, max_tokens=8)  # the new engine serves, with at most 4 rows
+        await wait_until(pilot, lambda: not requests.is_alive(), 60, "requests on the new engine")
+        assert not requests.errors
+        assert health(app)["scheduler"]["peak_running"] <= 4
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_num_seqs", "many", "max_num_seqs must be an integer"),
+    ("block_size", "24", "block_size must be a power of two"),
+    ("max_num_batched_tokens", "8", "must be >= max_num_seqs"),
+])
+async def test_bad_values_are_refused_before_anything_restarts(config, field, value, message):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_flags(app, pilot)
+        screen.query_one(f"#flag-{field}").value = value
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: "not applied" in text(app, "#flags-message"), 5, "the refusal")
+        assert message in text(app, "#flags-message")
+        assert not isinstance(app.screen, ConfirmRestart) and app.restarts == 0
+        await pilot.press("ctrl+r")  # reset puts the flags in force back
+        assert screen.query_one(f"#flag-{field}").value == str(getattr(config, field))
+
+
+async def test_flags_that_fail_to_load_restore_the_previous_engine(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_flags(app, pilot)
+        screen.query_one("#flag-max_model_len").value = "100000"  # valid flag, but the model has 512 positions
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmRestart), 5, "the confirmation")
+        await pilot.press("y")
+        await wait_until(pilot, lambda: app.restarts == 1, 60, "the restart attempt")
+        await wait_until(pilot, lambda: "previous ones were restored" in text(app, "#flags-message"), 5, "the result")
+        assert "512 positions" in text(app, "#flags-message")
+        assert health(app)["max_model_len"] == 128 and app.config.max_model_len == 128
+        assert screen.query_one("#flag-max_model_len").value == "128"
+        requests = Requests(app.server.url, n=2, max_tokens=4)
+        await wait_until(pilot, lambda: not requests.is_alive(), 30, "requests on the restored engine")
+        assert not requests.errors
+
+
+async def test_cancelled_confirmation_changes_nothing(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_flags(app, pilot)
+        screen.query_one("#flag-seed").value = "7"
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmRestart), 5, "the confirmation")
+        await pilot.press("n")
+        await wait_until(pilot, lambda: "cancelled" in text(app, "#flags-message"), 5, "the cancel line")
+        assert app.restarts == 0 and health(app)["flags"]["seed"] == 0
