@@ -48,9 +48,11 @@ class NanoserveConsole(App):
         *(Binding(key, f"switch_mode('{name}')", title, id=f"screen_{name}") for name, (_, key, title) in SCREENS.items()),
     ]
 
-    def __init__(self, config: EngineConfig, port: int = 0, refresh_s: float = 0.5):
+    def __init__(self, config: EngineConfig, port: int = 0, refresh_s: float = 0.5, attach=None):
+        """`attach`: a running Server to watch instead of starting one (it outlives the app)."""
         super().__init__()
         self.config = config
+        self.attached = attach
         self.port = port
         self.refresh_s = refresh_s
         self.server = None  # a nanoserve.server.serve.Server once loaded
@@ -86,7 +88,7 @@ class NanoserveConsole(App):
         from nanoserve.server.serve import Server
 
         try:
-            server = Server(self.config, port=self.port, progress=self.set_phase).start()
+            server = self.attached or Server(self.config, port=self.port, progress=self.set_phase).start()
         except Exception as e:  # shown on every screen's status line
             self.load_error = e
             self.set_phase(f"failed to load: {e}")
@@ -96,7 +98,7 @@ class NanoserveConsole(App):
             if not closing:
                 self.server = server
                 self.set_phase("serving")
-        if closing:  # the app quit while the model loaded
+        if closing and server is not self.attached:  # the app quit while the model loaded
             server.stop()
 
     @property
@@ -136,7 +138,7 @@ class NanoserveConsole(App):
         with self._lock:
             self._closing = True
             server, self.server = self.server, None
-        if server is not None:
+        if server is not None and server is not self.attached:
             await asyncio.to_thread(server.stop)
         self.engine_log.detach()
 

@@ -68,6 +68,7 @@ class Dashboard(ConsoleScreen):
         self.app.refresh_s = seconds
         self._timer.stop()
         self._timer = self.set_interval(seconds, self.tick)
+        self.tick()
         self.notify(f"refreshing every {seconds:g} s", timeout=2)
 
     # ---- the tick -----------------------------------------------------------------------------------

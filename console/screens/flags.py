@@ -119,7 +119,8 @@ class FlagsScreen(ConsoleScreen):
             with Grid(id="flags-form"):
                 for name, why in FIXED.items():
                     yield Label(name)
-                    yield Static(_shown(getattr(config, name)) or "embedded default", markup=False)
+                    yield Static(self.app.server.model_name if self.app.server else _shown(getattr(config, name)),
+                                 markup=False)
                     yield Static(why, classes="flag-help", markup=False)
                 for control in self.controls:
                     yield Label(control.spec.name)

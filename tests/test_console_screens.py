@@ -1,0 +1,110 @@
+"""Console plumbing on a real engine: the log screen, command palette, help with binding ids, keymap, refresh, filter."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("textual")
+
+from textual.command import CommandPalette  # noqa: E402
+
+from console.app import SCREENS, NanoserveConsole, main  # noqa: E402
+from console.screens.dashboard import Dashboard  # noqa: E402
+from console.screens.help import HelpScreen  # noqa: E402
+from console.screens.log import LogScreen  # noqa: E402
+from nanoserve.config import EngineConfig  # noqa: E402
+from tests.console_helpers import Requests, started, text, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def config(tiny_checkpoint):
+    return EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01, device="cpu")
+
+
+def log_lines(app) -> str:
+    return "\n".join(strip.text for strip in app.screen.query_one("#log").lines)
+
+
+async def test_every_screen_key_switches_and_keeps_header(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        for name, (screen_class, key, _) in SCREENS.items():
+            await pilot.press("escape", key)  # Esc first: a screen may have put the focus in a text field
+            await wait_until(pilot, lambda cls=screen_class: isinstance(app.screen, cls), 5, f"the {name} screen")
+            await wait_until(pilot, lambda: "max_model_len 128" in text(app, "#header"), 5, f"{name}'s header")
+            assert "serving" in text(app, "#status")
+
+
+async def test_log_screen_shows_engine_log_and_phases(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        await wait_until(pilot, lambda: isinstance(app.screen, LogScreen), 5, "the log screen")
+        await wait_until(pilot, lambda: "engine ready" in log_lines(app), 5, "the engine's own log record")
+        lines = log_lines(app)
+        assert "INFO    nanoserve.engine" in lines and "CONSOLE engine: loading weights" in lines
+        await pilot.press("x")
+        await wait_until(pilot, lambda: log_lines(app) == "", 5, "the cleared log")
+        app.set_phase("a phase from a worker thread")
+        await wait_until(pilot, lambda: "a phase from a worker thread" in log_lines(app), 5, "a new line")
+
+
+async def test_command_palette_runs_screen_actions(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for _, _, title in SCREENS.values():
+            assert f"Go to {title}" in titles
+        assert "Pause" in titles and "Help" in titles
+        await pilot.press("ctrl+p")
+        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette), 5, "the palette")
+        await pilot.press(*"go to engine log", "enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, LogScreen), 5, "the palette's choice")
+
+
+async def test_help_lists_binding_ids_and_keymap_remaps(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    app.set_keymap({"pause": "z"})
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), 5, "the help")
+        keys = text(app, "#help-keys")
+        assert "id pause" in keys and "id screen_flags" in keys and "--keymap" in keys
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
+        await pilot.press("z")
+        assert app.screen.paused
+
+
+async def test_refresh_keys_and_row_filter(config):
+    app = NanoserveConsole(config, refresh_s=0.5)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("plus")
+        assert app.refresh_s == 0.25 and "refresh 0.25 s" in text(app, "#status")
+        await pilot.press("minus", "minus")
+        assert app.refresh_s == 1.0
+        await pilot.press("plus", "plus", "plus")
+        assert app.refresh_s == 0.1
+        table = app.screen.query_one("#rows-table")
+        await pilot.press("slash")
+        await pilot.press(*"no-such-request")
+        requests = Requests(app.server.url, n=3, max_tokens=60)
+        seen = []
+        await wait_until(pilot, lambda: seen.append(table.row_count) or not requests.is_alive(), 60, "the load")
+        assert max(seen) == 0  # every row filtered out
+        await pilot.press("escape")
+        requests = Requests(app.server.url, n=3, max_tokens=60)
+        await wait_until(pilot, lambda: table.row_count > 0 or not requests.is_alive(), 60, "unfiltered rows")
+        assert table.row_count > 0
+        await wait_until(pilot, lambda: not requests.is_alive(), 60, "the second load")
+
+
+def test_keymap_flag_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        main(["--keymap", "quit"])
+    assert "--keymap takes ID=KEYS" in capsys.readouterr().err
