@@ -53,8 +53,10 @@ def arrive(mode: str, *keys: str):
     ("dashboard", ()),
     ("flags", ()),
     ("load", ()),
+    ("chat", ()),
+    ("ab", ()),
     ("log", ("x",)),
     ("dashboard", ("question_mark",)),
-], ids=["dashboard", "flags", "load", "log", "help"])
+], ids=["dashboard", "flags", "load", "chat", "ab", "log", "help"])
 def test_screen_snapshot(snap_compare, model_dir, mode, keys):
     assert snap_compare(console(model_dir), terminal_size=SIZE, run_before=arrive(mode, *keys))

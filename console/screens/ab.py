@@ -1,9 +1,187 @@
-"""Placeholder while this screen is written."""
+"""The A/B screen: two flag sets over the flags in force, the same requests at both, a verdict per request.
+
+The run itself is `nanoserve.bench.ab.ABRun` in a thread worker (it loads engines, which blocks); this screen
+only reads its phase and counts on a timer, so nothing crosses threads but plain attribute reads, and Stop
+is `ABRun.cancel()`, which hangs up the clients and stops whichever server is up.
+"""
 
 from __future__ import annotations
 
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Button, DataTable, Input, ProgressBar, Static
+from textual.worker import Worker, WorkerState
+
 from console.screens.base import ConsoleScreen
+from nanoserve.bench.ab import (
+    DEFAULT_B,
+    ABCancelled,
+    ABResult,
+    ABRun,
+    ab_requests,
+    pick_prompts,
+    show,
+    snippet,
+    variant,
+)
+
+# input id -> (border title, default value, placeholder)
+FIELDS = {
+    "flags-a": ("A flags", "", "the flags in force, e.g. max_num_seqs=8"),
+    "flags-b": ("B flags", DEFAULT_B, "overrides on top of the flags in force"),
+    "num-prompts": ("prompts", "8", "requests"),
+    "max-tokens": ("max tokens", "32", "per request"),
+    "concurrency": ("concurrency", "6", "clients at once"),
+}
 
 
 class ABScreen(ConsoleScreen):
-    pass
+    """State tests read: `ab` (the ABRun, None before the first), `running`, `result`, `verdicts`, `error`."""
+
+    AUTO_FOCUS = "#run"
+    BINDINGS = [
+        Binding("r", "run_ab", "Run", id="ab_run"),
+        Binding("s", "stop_ab", "Stop", id="ab_stop"),
+    ]
+    DEFAULT_CSS = """
+    ABScreen #ab-form { height: auto; }
+    ABScreen #ab-form Input { width: 16; border-title-color: $accent; }
+    ABScreen #ab-form #flags-a, ABScreen #ab-form #flags-b { width: 1fr; }
+    ABScreen #ab-form Button { margin: 0 0 0 1; min-width: 8; }
+    ABScreen #ab-progress-line { height: 1; padding: 0 1; }
+    ABScreen #ab-progress { width: 50; }
+    ABScreen #ab-phase { width: 1fr; color: $text-muted; }
+    ABScreen #ab-summary { height: auto; padding: 0 1; text-style: bold; }
+    ABScreen #ab-tables { height: 1fr; }
+    ABScreen #ab-tables DataTable { border: round $primary; border-title-color: $accent; height: 100%; }
+    ABScreen #verdicts { width: 1fr; }
+    ABScreen #counters { width: 62; }
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ab: ABRun | None = None
+        self.running = False
+        self.result: ABResult | None = None
+        self.verdicts: list = []
+        self.error: str | None = None  # why the last Run was refused or failed
+
+    def compose_body(self) -> ComposeResult:
+        with Horizontal(id="ab-form"):
+            for field_id, (_, value, placeholder) in FIELDS.items():
+                kind = "text" if field_id.startswith("flags") else "integer"
+                yield Input(value, placeholder=placeholder, type=kind, id=field_id)
+            yield Button("Run", id="run", variant="primary")
+            yield Button("Stop", id="stop", variant="error", disabled=True)
+        with Horizontal(id="ab-progress-line"):
+            yield ProgressBar(id="ab-progress", show_eta=False)
+            yield Static("set two flag sets and press r to run", markup=False, id="ab-phase")
+        yield Static("", markup=False, id="ab-summary")
+        with Horizontal(id="ab-tables"):
+            yield DataTable(id="verdicts", zebra_stripes=True, cursor_type="row")
+            yield DataTable(id="counters", zebra_stripes=True, cursor_type="row")
+
+    def on_mount(self) -> None:
+        for field_id, (title, _, _) in FIELDS.items():
+            self.query_one(f"#{field_id}").border_title = title
+        self.query_one("#verdicts").border_title = "Verdicts (A vs B, byte for byte)"
+        self.query_one("#counters").border_title = "Counters"
+        self.query_one("#verdicts", DataTable).add_columns("#", "kind", "verdict", "A text", "B text")
+        self.query_one("#counters", DataTable).add_columns("counter", "A", "B")
+        self.set_interval(0.1, self.show_progress)
+
+    def on_unmount(self) -> None:
+        if self.ab is not None:  # the app is closing: take down whatever the run has up
+            self.ab.cancel()
+
+    # ---- actions ------------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Run while idle, Stop while running (None: the footer greys the other out)."""
+        return {"run_ab": not self.running, "stop_ab": self.running}.get(action, True) or None
+
+    @on(Button.Pressed, "#run")
+    @on(Input.Submitted)
+    def action_run_ab(self) -> None:
+        if self.running:
+            return
+        try:
+            config_a = variant(self.app.config, self.query_one("#flags-a", Input).value)
+            config_b = variant(self.app.config, self.query_one("#flags-b", Input).value)
+            num_prompts, max_tokens, concurrency = map(self.count, ("num-prompts", "max-tokens", "concurrency"))
+        except ValueError as e:  # ConfigError is a ValueError too
+            self.refuse(str(e))
+            return
+        self.error, self.result, self.verdicts = None, None, []
+        self.query_one("#verdicts", DataTable).clear()
+        self.query_one("#counters", DataTable).clear()
+        self.query_one("#ab-summary", Static).update("")
+        self.ab = ABRun(config_a, config_b, ab_requests(pick_prompts(num_prompts), max_tokens), concurrency)
+        self.set_running(True)
+        self.run_worker(self.ab.run, thread=True, name="ab", group="ab", exit_on_error=False)
+
+    @on(Button.Pressed, "#stop")
+    def action_stop_ab(self) -> None:
+        if self.running and self.ab is not None:
+            self.ab.cancel()
+            self.query_one("#ab-phase", Static).update(f"stopping ({self.ab.phase})…")
+
+    def count(self, field_id: str) -> int:
+        text, title = self.query_one(f"#{field_id}", Input).value.strip(), FIELDS[field_id][0]
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{title} must be a whole number >= 1, got {text!r}")
+        return int(text)
+
+    def refuse(self, message: str) -> None:
+        self.error = message
+        self.query_one("#ab-phase", Static).update(f"not started: {message}")
+        self.notify(message, title="A/B not started", severity="error")
+
+    def set_running(self, running: bool) -> None:
+        """Enable the button that applies and focus it (a disabled button would pass focus to an input, where
+        the r and s keys would be typed rather than bound)."""
+        self.running = running
+        run, stop = self.query_one("#run", Button), self.query_one("#stop", Button)
+        wanted, other = (stop, run) if running else (run, stop)
+        wanted.disabled, other.disabled = False, True
+        wanted.focus()
+        self.refresh_bindings()
+
+    # ---- the run ------------------------------------------------------------------------------------
+    def show_progress(self) -> None:
+        ab = self.ab
+        if ab is None or not self.running:
+            return
+        self.query_one("#ab-progress", ProgressBar).update(total=ab.total, progress=ab.done)
+        self.query_one("#ab-phase", Static).update(f"{ab.phase}… {ab.done}/{ab.total} requests answered")
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.name != "ab" or not event.worker.is_finished:
+            return
+        self.set_running(False)
+        phase = self.query_one("#ab-phase", Static)
+        if event.state == WorkerState.SUCCESS:
+            self.show_result(event.worker.result)
+            phase.update(f"done: {self.ab.total} requests answered, both servers stopped")
+        elif isinstance(event.worker.error, ABCancelled):
+            phase.update(f"stopped ({self.ab.phase}); every server the run started is down")
+        elif event.state == WorkerState.ERROR:
+            self.error = f"{type(event.worker.error).__name__}: {event.worker.error}"
+            phase.update(f"failed: {self.error}")
+
+    def show_result(self, result: ABResult) -> None:
+        self.result, self.verdicts = result, result.verdicts
+        self.query_one("#ab-progress", ProgressBar).update(total=self.ab.total, progress=self.ab.done)
+        verdicts = self.query_one("#verdicts", DataTable)
+        for v in result.verdicts:
+            style = "green" if v.identical else "bold red"
+            verdicts.add_row(Text(str(v.index)), Text(v.kind), Text(v.label, style=style),
+                             Text(snippet(v.text_a)), Text(snippet(v.text_b)), key=str(v.index))
+        counters = self.query_one("#counters", DataTable)
+        for name, value_a, value_b in result.counter_rows():
+            counters.add_row(Text(name), Text(show(value_a)), Text(show(value_b)), key=name)
+        summary = self.query_one("#ab-summary", Static)
+        summary.update(result.summary())
+        summary.styles.color = "green" if result.all_identical and result.crowded else "red"

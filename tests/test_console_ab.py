@@ -1,0 +1,89 @@
+"""The A/B screen in Textual's pilot: a real run on the tiny checkpoint, Stop midway, and a refused flag."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("textual")
+
+from textual.widgets import DataTable, Input  # noqa: E402
+
+from console.app import NanoserveConsole  # noqa: E402
+from console.screens.ab import ABScreen  # noqa: E402
+from nanoserve.config import EngineConfig  # noqa: E402
+from tests.console_helpers import started, text, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def config(tiny_checkpoint):
+    return EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.01, device="cpu")
+
+
+async def open_ab(app, pilot, **values) -> ABScreen:
+    """Serving, on the A/B screen, with `values` typed into its inputs (by input id, '_' for '-')."""
+    await started(app, pilot)
+    await pilot.press("a")
+    await wait_until(pilot, lambda: isinstance(app.screen, ABScreen), 5, "the A/B screen")
+    for field_id, value in values.items():
+        app.screen.query_one(f"#{field_id.replace('_', '-')}", Input).value = value
+    return app.screen
+
+
+def engine_threads() -> int:
+    return sum(t.name == "nanoserve-engine" for t in threading.enumerate())
+
+
+async def test_default_ab_run_is_identical_and_shows_both_sides(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(160, 50)) as pilot:
+        screen = await open_ab(app, pilot, num_prompts="6", max_tokens="16")
+        assert screen.query_one("#flags-b", Input).value == "max_num_seqs=4 max_num_batched_tokens=64"
+        await pilot.press("r")
+        assert screen.running
+        await wait_until(pilot, lambda: not screen.running, 120, "the A/B run")
+        assert screen.error is None, screen.error
+        assert len(screen.verdicts) == 6 and all(v.identical for v in screen.verdicts)
+        assert text(app, "#ab-summary").startswith("6/6 identical")
+        assert "done" in text(app, "#ab-phase")
+        counters = screen.query_one("#counters", DataTable)
+        assert [str(c.label) for c in counters.columns.values()] == ["counter", "A", "B"]
+        assert [str(cell) for cell in counters.get_row("flag max_num_seqs")] == ["flag max_num_seqs", "64", "4"]
+        assert [str(cell) for cell in counters.get_row("scheduler.generation_tokens_total")][1:] == ["96", "96"]
+        assert screen.query_one("#verdicts", DataTable).row_count == 6
+        assert screen.ab.live == [] and engine_threads() == 1  # only the console's own engine is left
+
+
+async def test_stop_midway_takes_the_servers_down(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(160, 50)) as pilot:
+        screen = await open_ab(app, pilot, num_prompts="8", max_tokens="200", concurrency="4")
+        await pilot.press("r")
+        await wait_until(pilot, lambda: screen.ab.phase == "firing A", 60, "engine A to take requests")
+        engine_a = screen.ab.live[0].host
+        await wait_until(pilot, lambda: engine_a.stats().kv.blocks_used > 0, 30, "rows holding blocks on A")
+        await pilot.press("s")
+        await wait_until(pilot, lambda: not screen.running, 30, "the stop")
+        assert screen.result is None and "stopped" in text(app, "#ab-phase")
+        assert screen.ab.live == [] and screen.ab.a.blocks_held_after_stop == 0
+        assert engine_threads() == 1
+
+
+async def test_a_bad_flag_refuses_to_start(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(160, 50)) as pilot:
+        screen = await open_ab(app, pilot, flags_b="max_num_seqs=lots")
+        await pilot.click("#run")
+        assert not screen.running and screen.ab is None
+        assert "max_num_seqs must be an integer" in screen.error
+        assert "not started" in text(app, "#ab-phase")
+        flags_b = screen.query_one("#flags-b", Input)
+        flags_b.value = "no_such_flag=1"
+        flags_b.focus()
+        await pilot.press("enter")
+        assert screen.ab is None and "unknown engine flag 'no_such_flag'" in screen.error
+        screen.query_one("#concurrency", Input).value = "0"
+        flags_b.value = ""
+        await pilot.press("enter")
+        assert screen.ab is None and "concurrency must be a whole number >= 1" in screen.error
