@@ -77,7 +77,7 @@ class ABScreen(ConsoleScreen):
             yield Button("Run", id="run", variant="primary")
             yield Button("Stop", id="stop", variant="error", disabled=True)
         with Horizontal(id="ab-progress-line"):
-            yield ProgressBar(id="ab-progress", show_eta=False)
+            yield ProgressBar(total=1, id="ab-progress", show_eta=False)  # determinate: an idle bar never animates
             yield Static("set two flag sets and press r to run", markup=False, id="ab-phase")
         yield Static("", markup=False, id="ab-summary")
         with Horizontal(id="ab-tables"):

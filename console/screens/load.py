@@ -59,7 +59,7 @@ class LoadScreen(ConsoleScreen):
         with Horizontal(id="load-buttons"):
             yield Button("Run  ctrl+r", id="load-run-button", variant="primary")
             yield Button("Stop  ctrl+x", id="load-stop-button", variant="error", disabled=True)
-        yield ProgressBar(id="load-progress", show_eta=False)
+        yield ProgressBar(total=1, id="load-progress", show_eta=False)  # determinate: an idle bar never animates
         yield Static("no run yet", markup=False, id="load-phase")
         yield Static("", markup=False, id="load-summary")
 
