@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from textual.widgets import Static
-
+from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
 
-class EngineHeader(Static):
+class EngineHeader(TextPanel):
     def __init__(self, **kwargs):
-        super().__init__("", markup=False, **kwargs)
+        super().__init__(**kwargs)
 
     def show(self, stats: EngineStats) -> None:
         flags = " ".join(f"{k}={v}" for k, v in stats.flags.items() if k != "model")
-        self.update(f"{stats.model} · {stats.device} · {stats.dtype} · max_model_len {stats.max_model_len}\n"
+        self.set_text(f"{stats.model} · {stats.device} · {stats.dtype} · max_model_len {stats.max_model_len}\n"
                     f"flags: {flags}")

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from textual.widgets import Static
-
+from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
 
-class KVPanel(Static):
+class KVPanel(TextPanel):
     def __init__(self, **kwargs):
-        super().__init__("", markup=False, **kwargs)
+        super().__init__(**kwargs)
 
     def show(self, stats: EngineStats) -> None:
         kv, sched = stats.kv, stats.scheduler
-        self.update(
+        self.set_text(
             f"blocks used  {kv.blocks_used} / {kv.blocks_total}  (free {kv.blocks_free})\n"
             f"usage        {kv.usage:.1%}\n"
             f"block size   {kv.block_size} tokens, {kv.bytes / 2**20:.1f} MiB\n"

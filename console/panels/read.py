@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from textual.widgets import Static
-
+from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
 
-class ReadPanel(Static):
+class ReadPanel(TextPanel):
     def __init__(self, **kwargs):
-        super().__init__("", markup=False, **kwargs)
+        super().__init__(**kwargs)
 
     def show(self, stats: EngineStats) -> None:
         read = stats.paged_read
         block = "-" if read.block is None else read.block
-        self.update(
+        self.set_text(
             f"mode         {read.mode}  block {block}\n"
             f"calls        {read.calls}  rows {read.rows}\n"
             f"score cells  {read.score_cells}\n"

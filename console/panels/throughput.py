@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
+from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
 HISTORY = 60  # sparkline points (one per sample)
@@ -48,7 +49,7 @@ class ThroughputPanel(Vertical):
         self.rates = TokenRates(window_s)
 
     def compose(self) -> ComposeResult:
-        yield Static("", markup=False, id="throughput-text")
+        yield TextPanel(id="throughput-text")
         yield Static("prompt tok/s", classes="spark-label")
         yield Sparkline(list(self.rates.prompt_history), id="prompt-spark")
         yield Static("generation tok/s", classes="spark-label")
@@ -62,7 +63,7 @@ class ThroughputPanel(Vertical):
         prompt_rate, generation_rate = self.rates.rates()
         sched = stats.scheduler
         lat = stats.latency
-        self.query_one("#throughput-text", Static).update(
+        self.query_one("#throughput-text", TextPanel).set_text(
             f"prompt      {prompt_rate:8.1f} tok/s  total {sched.prompt_tokens_total}\n"
             f"generation  {generation_rate:8.1f} tok/s  total {sched.generation_tokens_total}\n"
             f"finished    {sum(sched.finished.values())}  {dict(sched.finished)}\n"

@@ -35,6 +35,10 @@ class ConsoleScreen(Screen):
 
     def on_mount(self) -> None:
         """Textual runs every class's on_mount, so subclasses add their own without calling this one."""
+        self.start_refresh()
+
+    def start_refresh(self) -> None:
+        """Follow the engine on the app's refresh interval (the dashboard replaces this with its own tick)."""
         self.refresh_header()
         self.set_interval(self.app.refresh_s, self.refresh_header)
 
@@ -42,7 +46,10 @@ class ConsoleScreen(Screen):
         return self.app.status_line()
 
     def refresh_header(self) -> None:
-        self.query_one("#status", Static).update(self.status_text())
+        status = self.query_one("#status", Static)
+        text = self.status_text()
+        if text != str(status.content):  # an unchanged line costs no repaint
+            status.update(text)
         server = self.app.server
         if server is not None:
             self.query_one(EngineHeader).show(server.host.stats())

@@ -47,6 +47,9 @@ class Dashboard(ConsoleScreen):
     def on_mount(self) -> None:
         for panel_id, title in PANEL_TITLES.items():
             self.query_one(f"#{panel_id}").border_title = title
+
+    def start_refresh(self) -> None:
+        """One timer drives header, status and panels together."""
         self.tick()
         self._timer = self.set_interval(self.app.refresh_s, self.tick)
 
@@ -72,20 +75,24 @@ class Dashboard(ConsoleScreen):
         self.notify(f"refreshing every {seconds:g} s", timeout=2)
 
     # ---- the tick -----------------------------------------------------------------------------------
+    def refresh_header_line(self) -> None:
+        status = self.query_one("#status")
+        text = self.status_text()
+        if text != str(status.content):
+            status.update(text)
+
     def status_text(self) -> str:
         return self.app.status_line() + (f"  · refresh {self.app.refresh_s:g} s") + ("  [PAUSED]" if self.paused else "")
 
     def tick(self) -> None:
         self.ticks += 1
-        status = self.query_one("#status")
+        self.refresh_header_line()
         server = self.app.server
         if server is None:
-            status.update(self.status_text())
             return
         stats = server.host.stats()
         throughput = self.query_one(ThroughputPanel)
         throughput.sample(time.monotonic(), stats)
-        status.update(self.status_text())
         if self.paused:
             return
         self.query_one(EngineHeader).show(stats)
