@@ -48,7 +48,7 @@ class NanoserveConsole(App):
         *(Binding(key, f"switch_mode('{name}')", title, id=f"screen_{name}") for name, (_, key, title) in SCREENS.items()),
     ]
 
-    def __init__(self, config: EngineConfig, port: int = 0, refresh_s: float = 0.5, attach=None):
+    def __init__(self, config: EngineConfig, port: int = 0, refresh_s: float = 1.0, attach=None):
         """`attach`: a running Server to watch instead of starting one (it outlives the app)."""
         super().__init__()
         self.config = config
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanoserve-console", description=__doc__)
     add_engine_flags(parser)
     parser.add_argument("--port", type=int, default=0, help="OpenAI server port on 127.0.0.1 (0: a free port)")
-    parser.add_argument("--refresh", type=float, default=0.5, help="dashboard refresh interval, seconds")
+    parser.add_argument("--refresh", type=float, default=1.0,
+                        help="refresh interval, seconds (+/- on the dashboard change it while running)")
     parser.add_argument("--keymap", action="append", default=[], metavar="ID=KEYS",
                         help="rebind a key by its binding id, e.g. --keymap quit=ctrl+q (repeatable; ids in ?)")
     args = parser.parse_args(argv)

@@ -4,8 +4,8 @@
 
 Both arms run in this process on one loaded model: arm "headless" fires the load at the server alone; arm
 "console" fires the same load while the console hosts that server, renders the dashboard at its refresh
-interval (Textual's headless driver: every frame is composed, none is written to a terminal) and, twice a
-second, answers a key press whose round trip is timed. Arms alternate (headless, console, headless, ...) so
+interval (Textual's headless driver: every frame is composed, none is written to a terminal) and, every
+`--key-every` seconds, answers a key press whose round trip is timed. Arms alternate (headless, console, headless, ...) so
 drift on a noisy machine lands on both. Prints a table and writes bench-results/console-cost.{json,csv}.
 """
 
@@ -45,7 +45,7 @@ async def console_arm(server: Server, args) -> dict:
         load = asyncio.create_task(fire(server, args))
         key_ms = []
         while not load.done():
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(args.key_every)
             key_ms.append(await key_round_trip(app))
         rate = await load
     return {"arm": "console", "output_tok_per_s": rate, "key_ms_p50": statistics.median(key_ms),
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--refresh", type=float, default=0.5, help="the console's refresh interval in the console arm")
+    p.add_argument("--refresh", type=float, default=1.0, help="the console's refresh interval in the console arm")
+    p.add_argument("--key-every", type=float, default=2.0, help="seconds between timed key presses")
     p.add_argument("--out", default="bench-results")
     args = p.parse_args(argv)
     rows = asyncio.run(main_async(args))

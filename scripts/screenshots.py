@@ -82,8 +82,9 @@ async def flags(app, pilot, out):
 async def ab(app, pilot, out):
     await go(pilot, "ab")
     screen = app.screen
-    await pilot.press("ctrl+r")
-    await wait_until(pilot, lambda: not screen.running and screen.verdicts, 600, "the A/B run")
+    await pilot.press("r")
+    await wait_until(pilot, lambda: screen.running, 10, "the A/B run to start")
+    await wait_until(pilot, lambda: not screen.running, 600, "the A/B run")
     await pilot.pause(0.5)
     save(app, out, "ab")
 
