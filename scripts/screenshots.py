@@ -33,7 +33,6 @@ def save(app, out: Path, name: str) -> None:
     import cairosvg
 
     svg = app.export_screenshot(title=f"nanoserve console: {name}")
-    (out / f"{name}.svg").write_text(svg)
     cairosvg.svg2png(bytestring=svg.encode(), write_to=str(out / f"{name}.png"))
     print(f"wrote {out / name}.png", flush=True)
 

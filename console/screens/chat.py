@@ -120,7 +120,7 @@ class ChatScreen(ConsoleScreen):
         self._prompt, event.input.value = prompt, ""
         log = self.query_one("#chat-log", VerticalScroll)
         await log.mount(exchange)
-        log.anchor()
+        log.scroll_end(animate=False)
         self.show_stats(None, 0, None, "waiting for the first token…")
         self._worker = self.run_worker(self.answer(f"{server.url}/v1/chat/completions", body, exchange, answer),
                                        exclusive=True, group="chat", name="chat")
@@ -169,6 +169,7 @@ class ChatScreen(ConsoleScreen):
                             tokens += 1  # a chunk per token, near enough until usage arrives at the end
                             text += delta
                             await stream.write(delta)
+                            self.query_one("#chat-log").scroll_end(animate=False)  # follow the answer
                     if first is not None:
                         self.show_stats(first - started, tokens, decode_rate(tokens, first), finish or "streaming…")
         self.show_stats(first - started if first else None, tokens, decode_rate(tokens, first), finish)

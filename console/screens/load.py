@@ -31,7 +31,7 @@ class LoadScreen(ConsoleScreen):
     LoadScreen #load-form Label { padding: 1 1 0 0; }
     LoadScreen #load-buttons { height: auto; padding: 0 1; }
     LoadScreen #load-buttons Button { margin-right: 2; }
-    LoadScreen #load-progress { padding: 1 1 0 1; }
+    LoadScreen #load-progress { margin: 1 1 0 1; }
     LoadScreen #load-phase, LoadScreen #load-summary { padding: 0 1; }
     """
     BINDINGS = [
