@@ -91,6 +91,12 @@ async def test_refresh_keys_and_row_filter(config):
         await pilot.press("plus", "plus", "plus")
         assert app.refresh_s == 0.1
         table = app.screen.query_one("#rows-table")
+        await pilot.press("s", "s")  # the keyboard's sort: id, then state
+        assert table.sort_column == "state"
+        await pilot.press(*"s" * 5)  # past the last column: arrival order again
+        assert table.sort_column is None
+        await pilot.press("s", "s", "s", "s")
+        assert (table.sort_column, table.sort_reverse) == ("generated", True)
         await pilot.press("slash")
         await pilot.press(*"no-such-request")
         requests = Requests(app.server.url, n=3, max_tokens=60)

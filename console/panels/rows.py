@@ -40,6 +40,17 @@ class RowsTable(DataTable):
         self.sort_column = column
         self._sort()
 
+    def cycle_sort(self) -> str:
+        """The keyboard's way to sort: the next column (numbers largest first); after the last, arrival order."""
+        keys = [key for key, _ in COLUMNS]
+        at = keys.index(self.sort_column) + 1 if self.sort_column in keys else 0
+        self.sort_column = keys[at] if at < len(keys) else None
+        self.sort_reverse = self.sort_column in ("prompt", "generated", "rate", "blocks")
+        self._sort()
+        if self.sort_column is None:  # back to arrival order: the next snapshot refills the table
+            self.set_filter(self.filter_text)
+        return dict(COLUMNS).get(self.sort_column, "arrival order")
+
     def set_filter(self, text: str) -> None:
         """Show only rows whose id or state contains `text`; the next snapshot refills the table."""
         self.filter_text = text
@@ -107,3 +118,6 @@ class RowsPanel(Vertical):
 
     def show(self, stats: EngineStats) -> None:
         self.query_one(RowsTable).show(stats)
+
+    def cycle_sort(self) -> str:
+        return self.query_one(RowsTable).cycle_sort()

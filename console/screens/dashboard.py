@@ -27,6 +27,7 @@ class Dashboard(ConsoleScreen):
         Binding("plus,equals_sign", "refresh_faster", "Faster", key_display="+", id="refresh_faster"),
         Binding("minus", "refresh_slower", "Slower", key_display="-", id="refresh_slower"),
         Binding("slash", "filter_rows", "Filter", key_display="/", id="filter_rows"),
+        Binding("s", "sort_rows", "Sort", id="sort_rows"),
     ]
 
     def __init__(self, **kwargs):
@@ -66,6 +67,9 @@ class Dashboard(ConsoleScreen):
 
     def action_filter_rows(self) -> None:
         self.query_one(RowsPanel).open_filter()
+
+    def action_sort_rows(self) -> None:
+        self.notify(f"requests sorted by {self.query_one(RowsPanel).cycle_sort()}", timeout=2)
 
     def _set_refresh(self, seconds: float) -> None:
         self.app.refresh_s = seconds
