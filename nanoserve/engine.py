@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, RequestError
 from nanoserve.kv.cache import KVCache, blocks_from_budget
 from nanoserve.kv.pool import BlockPool
@@ -51,6 +52,11 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = self._resolve_max_model_len()
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.decode_path = None
+        if config.decode_buckets or config.persistent_inputs or config.row_compaction:
+            self.decode_path = DecodePath(
+                config.max_num_seqs, -(-self.max_model_len // config.block_size), config.block_size, self.device,
+                buckets=config.decode_buckets, persistent=config.persistent_inputs, compaction=config.row_compaction)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
@@ -198,7 +204,10 @@ class Engine:
             return outputs
         self._steps += 1
         step_started = time.perf_counter()
-        batch, sampled = self._build_batch(sched)
+        if self.decode_path is not None and not sched.prefills:  # decode-only: the planned fast path
+            batch, sampled = self.decode_path.build([c.request for c in sched.decodes])
+        else:
+            batch, sampled = self._build_batch(sched)
         with torch.inference_mode():
             logits = self.model(batch, self.cache, self.read)
         for chunk in (*sched.decodes, *sched.prefills):
@@ -329,6 +338,7 @@ class Engine:
                        self.cache.nbytes),
             paged_read=self.read.stats(),
             rows=rows,
+            sections=self.decode_path.sections() if self.decode_path is not None else {},
             latency=LatencyStats(
                 window=len(self._ttfts),
                 ttft_p50=percentile(self._ttfts, 0.5), ttft_p99=percentile(self._ttfts, 0.99),

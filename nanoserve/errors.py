@@ -15,3 +15,7 @@ class RequestError(NanoserveError):
 
 class ConfigError(NanoserveError):
     """An engine flag or combination of flags that cannot work."""
+
+
+class GateError(NanoserveError):
+    """A precondition of the decode fast path does not hold (a stale plan, a moved buffer, a shape too many)."""

@@ -5,7 +5,7 @@ Readers format these numbers; none computes a counter of its own.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from nanoserve.reads.dispatch import ReadStats
 
@@ -80,6 +80,7 @@ class EngineStats:
     paged_read: ReadStats
     rows: tuple[RowStats, ...]
     latency: LatencyStats = LatencyStats(window=0)
+    sections: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
 
     def as_dict(self) -> dict:
         """JSON-ready: the shape /health publishes."""
@@ -93,4 +94,5 @@ class EngineStats:
             "kv": {**asdict(self.kv), "usage": self.kv.usage},
             "paged_read": self.paged_read.as_dict(),
             "latency": asdict(self.latency),
+            **self.sections,
         }

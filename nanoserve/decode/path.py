@@ -1,0 +1,95 @@
+"""DecodePath: plans a decode-only step with the switches in force (buckets, persistent inputs, compaction).
+
+Mixed steps (decodes beside prefill chunks) keep the engine's general builder; a decode-only step, the steady
+state of serving, comes here. Every switch changes where the numbers live, never what they are, so outputs are
+identical with any combination on or off; the counters say what each switch did.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.decode.buckets import DecodeBuckets
+from nanoserve.decode.inputs import DecodeInputs, InputStats
+from nanoserve.decode.plan import DecodePlan, check_plan_current, check_window_intact
+from nanoserve.decode.slots import SlotTable
+from nanoserve.model.batch import StepBatch
+
+FRESH_PER_STEP = 6  # tensors the general builder allocates for a decode-only step (ids, positions, slots,
+#                     table, lengths, logits rows)
+
+
+class DecodePath:
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device, *,
+                 buckets: bool, persistent: bool, compaction: bool, verify: bool = False):
+        self.block_size, self.device, self.verify = block_size, device, verify
+        self.buckets = DecodeBuckets(max_rows, max_blocks) if buckets else None
+        self.inputs = DecodeInputs(max_rows, device) if persistent else None
+        self.table = SlotTable(max_rows, max_blocks, device, compaction) if (persistent or compaction) else None
+        self.stats = InputStats(persistent=persistent, sets=1 if persistent else 0,
+                                buffer_bytes=(self.inputs.nbytes + self.table.table.numel() * 8) if persistent else 0)
+        self.last_plan: DecodePlan | None = None
+
+    def build(self, requests: list) -> tuple[StepBatch, list]:
+        """The StepBatch for one decode token per request, and the requests in row order (the sampling order)."""
+        bs = self.block_size
+        if self.table is not None:
+            requests = self.table.arrange(requests)
+        rows = len(requests)
+        positions = [r.num_computed for r in requests]
+        ids = [r.tokens(p, p + 1)[0] for r, p in zip(requests, positions)]
+        slots = [r.blocks[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
+        lens = [p + 1 for p in positions]
+        width = max(-(-n // bs) for n in lens)
+        shape = self.buckets.shape_for(rows, width) if self.buckets else (rows, width)
+        if self.buckets:
+            self.buckets.record(rows, width, shape)
+        pad = shape[0] - rows  # padded rows: token 0 at position 0, writing the null block's slot 0, length 1
+        ids, positions, slots, lens = ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lens + [1] * pad
+        if self.inputs is not None:
+            tensors = {name: self.inputs[name].write(values) for name, values in
+                       (("input_ids", ids), ("positions", positions), ("write_slots", slots), ("context_lens", lens))}
+            tensors["logits_rows"] = self.inputs["logits_rows"].window(rows)
+            self.stats.buffered_windows += 5
+        else:
+            dev = self.device
+            tensors = {"input_ids": torch.tensor(ids, device=dev), "positions": torch.tensor(positions, device=dev),
+                       "write_slots": torch.tensor(slots, device=dev), "context_lens": torch.tensor(lens, device=dev),
+                       "logits_rows": torch.arange(rows, device=dev)}
+        table = self.table.window(*shape) if self.table is not None else self._fresh_table(requests, shape)
+        self.stats.steps += 1
+        self.stats.fresh_allocations += (0 if self.inputs is not None else 5) + (0 if self.table is not None else 1)
+        if self.inputs is not None:
+            self.stats.writes, self.stats.bytes_written = self.inputs.writes, self.inputs.bytes_written
+        if self.table is not None:
+            self.stats.row_moves = self.table.row_moves
+        plan = DecodePlan(
+            rows=rows, shape=shape, request_keys=tuple(SlotTable.key(r) for r in requests),
+            positions=tensors["positions"], write_slots=tensors["write_slots"], context_lens=tensors["context_lens"],
+            block_table=table, shared=self.inputs is not None,
+            context_snapshot=tuple(lens[:rows]) if self.inputs is not None else None,
+            write_snapshot=tuple(slots[:rows]) if self.inputs is not None else None,
+        )
+        if self.verify:
+            check_plan_current(plan, requests)
+            check_window_intact(plan, bs)
+        self.last_plan = plan
+        batch = StepBatch(
+            input_ids=tensors["input_ids"], positions=tensors["positions"], slots=tensors["write_slots"],
+            num_decode=shape[0], decode_block_table=table, decode_context_lens=tensors["context_lens"],
+            prefills=(), logits_indices=tensors["logits_rows"],
+        )
+        return batch, requests
+
+    def _fresh_table(self, requests: list, shape: tuple[int, int]) -> torch.Tensor:
+        rows, width = shape
+        cells = [r.blocks[:width] + [0] * (width - len(r.blocks[:width])) for r in requests]
+        cells += [[0] * width] * (rows - len(requests))
+        return torch.tensor(cells, dtype=torch.int64, device=self.device).view(rows, width)
+
+    def sections(self) -> dict:
+        """What this path publishes in the stats snapshot: `inputs`, and `buckets` when bucketing is on."""
+        out = {"inputs": self.stats.as_dict()}
+        if self.buckets is not None:
+            out["buckets"] = self.buckets.as_dict()
+        return out

@@ -1,0 +1,93 @@
+"""SlotTable: one persistent block-table rectangle [max_rows, blocks for max_model_len].
+
+A decode step reads `window(rows, width)`: the same storage at the same address every step, so a captured
+graph's table never moves. Its width covers max_model_len, so the longest legal request never overflows it.
+Unused cells hold 0, the null block, which is legal everywhere (a padded row reads and writes only there).
+
+Rows are kept a dense prefix. With compaction, a row keeps its index while it decodes and only the blocks it
+gained are written; when it leaves, the last row moves into its place (one row copied). Without compaction the
+window is rewritten in the scheduler's order every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotTable:
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device, compaction: bool):
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int64, device=device)
+        self.address = self.table.data_ptr()
+        self.compaction = compaction
+        self._keys: list[tuple] = []  # row -> the request occupying it (id, preemptions)
+        self._written: list[int] = []  # row -> block entries written
+        self._high_water = 0  # rows [0, high_water) may hold non-zero cells
+        self.cells_written = 0
+        self.row_moves = 0
+
+    @staticmethod
+    def key(request) -> tuple:
+        """A request's identity for the table: a preempted request comes back with new blocks, so a new key."""
+        return (request.request_id, request.num_preemptions)
+
+    def arrange(self, requests: list) -> list:
+        """Fit the table to this step's decode rows; returns them in row order (row i is requests[i])."""
+        if self.compaction:
+            return self._compact(requests)
+        for row, req in enumerate(requests):
+            self._write_row(row, req.blocks, 0)
+        self._clear_rows(len(requests))
+        self._keys = [self.key(r) for r in requests]
+        return list(requests)
+
+    def _compact(self, requests: list) -> list:
+        by_key = {self.key(r): r for r in requests}
+        row = 0
+        while row < len(self._keys):  # release rows whose request is gone: the last row fills the hole
+            if self._keys[row] in by_key:
+                row += 1
+                continue
+            last = len(self._keys) - 1
+            if row != last:
+                width = self._written[last]
+                self.table[row, :width] = self.table[last, :width]
+                if self._written[row] > width:
+                    self.table[row, width:self._written[row]] = 0
+                self._keys[row], self._written[row] = self._keys[last], width
+                self.row_moves += 1
+            self.table[last, :self._written[last]] = 0
+            self._keys.pop()
+            self._written.pop()
+        placed = set(self._keys)
+        for req in requests:
+            if self.key(req) not in placed:
+                self._keys.append(self.key(req))
+                self._written.append(0)
+        ordered = [by_key[k] for k in self._keys]
+        for row, req in enumerate(ordered):
+            if len(req.blocks) > self._written[row]:
+                self._write_row(row, req.blocks, self._written[row])
+        return ordered
+
+    def _write_row(self, row: int, blocks: list[int], start: int) -> None:
+        fresh = blocks[start:]
+        if fresh:
+            self.table[row, start:len(blocks)] = torch.tensor(fresh, dtype=torch.int64)
+            self.cells_written += len(fresh)
+        if not self.compaction:
+            self.table[row, len(blocks):] = 0
+        elif row < len(self._written):
+            self._written[row] = len(blocks)
+        self._high_water = max(self._high_water, row + 1)
+
+    def _clear_rows(self, rows: int) -> None:
+        if self._high_water > rows:
+            self.table[rows:self._high_water] = 0
+            self._high_water = rows
+
+    def window(self, rows: int, width: int) -> torch.Tensor:
+        return self.table[:rows, :width]
+
+    def row_blocks(self, row: int, width: int) -> list[int]:
+        return self.table[row, :width].tolist()

@@ -1,0 +1,119 @@
+"""The decode fast path on the CPU: each switch changes where numbers live, never the output; the counters and
+the gates say what happened."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.decode.inputs import check_addresses_stable, check_step_inputs_persistent
+from tests.test_engine_crowd import BLOCK_BYTES, MIXED, assert_same, make
+
+SWITCHES = ("decode_buckets", "persistent_inputs", "row_compaction")
+COMBOS = [dict(zip(SWITCHES, bits)) for bits in itertools.product((False, True), repeat=3) if any(bits)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    """The crowd with every switch off: the reference each combination must equal token for token."""
+    return make(ckpt).generate([p for p, _ in MIXED], [s for _, s in MIXED])
+
+
+def verified(llm: LLM) -> LLM:
+    llm.engine.decode_path.verify = True  # run check_plan_current and check_window_intact on every plan
+    return llm
+
+
+@pytest.mark.parametrize("flags", COMBOS, ids=lambda f: "+".join(k for k, v in f.items() if v))
+def test_every_switch_combination_equals_switches_off(ckpt, plain, flags):
+    llm = verified(make(ckpt, **flags))
+    crowd = llm.generate([p for p, _ in MIXED], [s for _, s in MIXED])
+    assert_same(crowd, plain)
+    llm.engine.audit()
+    inputs = llm.engine.stats().as_dict()["inputs"]
+    assert inputs["steps"] > 20  # the crowd's decode-only steps went through the path
+    if flags["persistent_inputs"]:
+        assert inputs["fresh_allocations"] == 0 and inputs["sets"] == 1 and inputs["writes"] > 0
+    else:
+        assert inputs["fresh_per_step"] > 0
+    buckets = llm.engine.stats().as_dict().get("buckets")
+    assert (buckets is not None) == flags["decode_buckets"]
+    if buckets:
+        assert buckets["padded_rows"] > 0  # 10 rows ran in the 16-row bucket
+
+
+def test_preemption_and_arrivals_with_every_switch(ckpt, plain):
+    llm = verified(make(ckpt, kv_cache_gib=17 * BLOCK_BYTES / 2**30, max_num_seqs=10, decode_buckets=True,
+                        persistent_inputs=True, row_compaction=True))
+    crowd = llm.generate([p for p, _ in MIXED], [s for _, s in MIXED])
+    assert llm.engine.stats().scheduler.preemptions > 0
+    assert_same(crowd, plain)
+    llm.engine.audit()
+    assert llm.engine.stats().as_dict()["inputs"]["row_moves"] > 0  # rows left mid-batch and were compacted
+
+
+def test_long_decode_allocates_no_input_and_never_moves_a_buffer(ckpt):
+    llm = verified(make(ckpt, decode_buckets=True, persistent_inputs=True, row_compaction=True))
+    engine = llm.engine
+    path = engine.decode_path
+    addresses, table_address = path.inputs.addresses(), path.table.table.data_ptr()
+    for i, n in enumerate((150, 120, 90, 60)):
+        engine.add_request(f"row {i} says", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        if path.last_plan is not None and steps < path.stats.steps:
+            steps = path.stats.steps
+            check_addresses_stable(path.inputs, addresses)
+            assert path.table.table.data_ptr() == table_address
+    inputs = engine.stats().as_dict()["inputs"]
+    assert inputs["steps"] >= 140 and inputs["fresh_allocations"] == 0
+    assert inputs["buffered_windows"] == 5 * inputs["steps"]
+
+
+def test_step_inputs_are_windows_of_the_buffers(ckpt):
+    llm = make(ckpt, persistent_inputs=True)
+    engine = llm.engine
+    engine.add_request("hello there", SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # prefill: the general builder
+    batch, _ = engine.decode_path.build([r for r in engine.scheduler.running])
+    check_step_inputs_persistent(batch, engine.decode_path.inputs)
+    assert batch.decode_block_table.data_ptr() == engine.decode_path.table.table.data_ptr()
+
+
+def test_stats_sections_absent_while_off(ckpt):
+    stats = make(ckpt).engine.stats().as_dict()
+    assert "inputs" not in stats and "buckets" not in stats
+
+
+def test_flags_reach_the_cli():
+    from nanoserve.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "x", "--persistent-inputs", "--decode-buckets", "--row-compaction"])
+    assert args.persistent_inputs and args.decode_buckets and args.row_compaction
+    assert not build_parser().parse_args(["generate", "x"]).persistent_inputs
+
+
+def test_padded_rows_touch_only_the_null_block(ckpt):
+    """Three rows in a four-row bucket: the padded row writes block 0 and nothing else moves."""
+    llm = make(ckpt, decode_buckets=True, persistent_inputs=True)
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"prompt {i}", SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # the three prefills
+    before = engine.cache.k.clone()
+    engine.step()  # one decode-only step: 3 rows padded to 4
+    assert engine.decode_path.last_plan.shape[0] == 4
+    changed = (engine.cache.k != before).flatten(2).any(-1)  # [layers, blocks]
+    held = sorted({b for r in engine.scheduler.running for b in r.blocks})
+    touched = sorted(set(changed.nonzero()[:, 1].tolist()))
+    assert set(touched) <= set(held) | {0}
+    assert torch.equal(engine.cache.k[:, 0, 1:], before[:, 0, 1:])  # only slot 0 of the null block
