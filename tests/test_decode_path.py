@@ -117,3 +117,31 @@ def test_padded_rows_touch_only_the_null_block(ckpt):
     touched = sorted(set(changed.nonzero()[:, 1].tolist()))
     assert set(touched) <= set(held) | {0}
     assert torch.equal(engine.cache.k[:, 0, 1:], before[:, 0, 1:])  # only slot 0 of the null block
+
+
+def test_sections_reach_metrics(ckpt):
+    from nanoserve.server.metrics import Metrics
+
+    llm = make(ckpt, persistent_inputs=True, decode_buckets=True)
+    llm.generate(["a b c"], SamplingParams(max_tokens=5, ignore_eos=True))
+    text = Metrics(llm.engine.stats, "tiny").render().decode()
+    assert 'nanoserve:inputs_fresh_allocations{model_name="tiny"} 0.0' in text
+    assert 'nanoserve:inputs_steps{model_name="tiny"} 4.0' in text
+    assert "nanoserve:buckets_shapes" in text
+    assert "nanoserve:inputs_persistent" not in text  # booleans are not gauges
+    plain = Metrics(make(ckpt).engine.stats, "tiny").render().decode()
+    assert "nanoserve:inputs_" not in plain
+
+
+def test_two_live_servers_switches_off_and_on_send_identical_bytes(ckpt):
+    """Through the OpenAI API: six clients, greedy and seeded, one server plain and one with every switch."""
+    from nanoserve.bench.ab import ab_requests, pick_prompts, run_ab, variant
+    from nanoserve.config import EngineConfig
+
+    base = EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01, device="cpu", max_num_seqs=4)
+    switched = variant(base, "decode_buckets=on persistent_inputs=on row_compaction=on")
+    result = run_ab(base, switched, ab_requests(pick_prompts(8), 24), concurrency=6)
+    assert result.all_identical, [v.label for v in result.verdicts]
+    assert result.crowded and result.b.peak_running >= 2
+    rows = {name: (a, b) for name, a, b in result.counter_rows()}
+    assert rows["inputs.fresh_allocations"][1] == 0 and rows["inputs.steps"][1] > 0

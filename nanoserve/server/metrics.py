@@ -47,6 +47,10 @@ class _SnapshotCollector:
         for reason, n in sorted(s.scheduler.finished.items()):
             success.add_metric([self.model, reason], n)
         yield success
+        for section, values in sorted(s.sections.items()):  # optional features (inputs, buckets, capture)
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield gauge(f"{section}_{key}", f"{section}.{key} from the stats snapshot.", value)
 
 
 class Metrics:
