@@ -91,3 +91,17 @@ async def test_quit_while_loading_stops_the_server(config):
     assert await asyncio.to_thread(app.load_done.wait, 30)  # the load goes on, then stops what it started
     assert app.server is None
     assert not [t for t in threading.enumerate() if t.name in ("nanoserve-engine", "nanoserve-http")]
+
+
+async def test_inputs_panel_picks_up_the_published_section(config):
+    import dataclasses
+
+    app = NanoserveConsole(dataclasses.replace(config, persistent_inputs=True, decode_buckets=True), refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        requests = Requests(app.server.url, n=3, max_tokens=12)
+        await wait_until(pilot, lambda: not requests.is_alive(), 30, "the requests")
+        await wait_until(pilot, lambda: "fresh_allocations  0" in text(app, "#inputs"), 5, "the inputs section")
+        shown = text(app, "#inputs")
+        assert "inputs:" in shown and "buckets:" in shown and "padded_rows" in shown
+        assert text(app, "#capture") == OFF

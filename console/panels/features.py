@@ -1,4 +1,4 @@
-"""Capture and persistent-input panels: they show whatever section the engine publishes under their name."""
+"""Capture and persistent-input panels: they show whatever sections the engine publishes under their names."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ OFF = "off (not published by this engine)"
 
 
 class FeaturePanel(TextPanel):
-    """Shows `stats.as_dict()[section]` key by key, or OFF while the engine publishes no such section."""
+    """Shows `stats.as_dict()[section]` key by key for each of its sections, or OFF while none is published."""
 
-    def __init__(self, section: str, **kwargs):
+    def __init__(self, *sections: str, **kwargs):
         super().__init__(OFF, **kwargs)
-        self.section = section
+        self.sections = sections
 
     def show(self, stats: EngineStats) -> None:
-        published = stats.as_dict().get(self.section)
-        if published is None:
-            self.set_text(OFF)
-        elif isinstance(published, dict):
-            self.set_text("\n".join(f"{k:<12} {v}" for k, v in published.items()) or "(empty)")
-        else:
-            self.set_text(str(published))
+        published = stats.as_dict()
+        lines = []
+        for section in self.sections:
+            values = published.get(section)
+            if isinstance(values, dict):
+                lines += [f"{section}:" if len(self.sections) > 1 else ""] + [f"{k:<18} {v}" for k, v in values.items()]
+            elif values is not None:
+                lines.append(f"{section}: {values}")
+        self.set_text("\n".join(line for line in lines if line) or OFF)

@@ -43,7 +43,7 @@ class Dashboard(ConsoleScreen):
             yield ThroughputPanel(id="throughput")
             yield ReadPanel(id="read")
             yield FeaturePanel("capture", id="capture")
-            yield FeaturePanel("inputs", id="inputs")
+            yield FeaturePanel("inputs", "buckets", id="inputs")
 
     def on_mount(self) -> None:
         for panel_id, title in PANEL_TITLES.items():
