@@ -57,6 +57,10 @@ class EngineConfig:
     decode_buckets: bool = _flag(False, "pad decode-only steps up to a closed set of shapes (rows x table width)")
     persistent_inputs: bool = _flag(False, "decode inputs and block table live in buffers written in place")
     row_compaction: bool = _flag(False, "decode rows keep their table row; a leaving row's place takes the last row")
+    capture_graphs: bool = _flag(False, "record a CUDA graph per decode bucket and replay it (CUDA only; needs "
+                                        "decode_buckets and persistent_inputs)")
+    cuda_graphs: bool = _flag(False, "the whole decode fast path: buckets, persistent inputs, compaction and "
+                                     "capture (CUDA only)")
 
     def __post_init__(self) -> None:
         checks = (
@@ -80,6 +84,13 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(message)
         self.torch_device()  # refuses cuda on a machine without it
+        switches = self.decode_switches()
+        if switches["capture"] and not (switches["buckets"] and switches["persistent"]):
+            raise ConfigError("capture_graphs replays fixed shapes from fixed addresses: turn on decode_buckets and "
+                              "persistent_inputs too, or use cuda_graphs, which bundles them")
+        if switches["capture"] and self.torch_device().type != "cuda":
+            raise ConfigError("CUDA-graph capture (capture_graphs / cuda_graphs) needs a CUDA device; turn it off "
+                              "here: decode_buckets, persistent_inputs and row_compaction work on the CPU")
         if self.dtype != "auto" and _ALIASES.get(self.dtype, self.dtype) not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; choose auto, {', '.join(DTYPES)}")
 
@@ -105,6 +116,12 @@ class EngineConfig:
         if self.torch_device().type == "cpu":
             return torch.float32
         return {"float16": torch.float16}.get(str(checkpoint_dtype), torch.bfloat16)
+
+    def decode_switches(self) -> dict[str, bool]:
+        """The decode fast path's switches in force, with the cuda_graphs bundle applied."""
+        bundle = self.cuda_graphs
+        return {"buckets": self.decode_buckets or bundle, "persistent": self.persistent_inputs or bundle,
+                "compaction": self.row_compaction or bundle, "capture": self.capture_graphs or bundle}
 
     @classmethod
     def flag_specs(cls) -> list[FlagSpec]:

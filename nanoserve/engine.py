@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.decode.capture import CapturedDecode
 from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, RequestError
 from nanoserve.kv.cache import KVCache, blocks_from_budget
@@ -52,11 +53,10 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = self._resolve_max_model_len()
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.decode_path = None
-        if config.decode_buckets or config.persistent_inputs or config.row_compaction:
-            self.decode_path = DecodePath(
-                config.max_num_seqs, -(-self.max_model_len // config.block_size), config.block_size, self.device,
-                buckets=config.decode_buckets, persistent=config.persistent_inputs, compaction=config.row_compaction)
+        self.decode_path, self.captured = self._decode_fast_path(self.cache, self.max_model_len)
+        if self.captured is not None:
+            self._progress("capturing CUDA graphs")
+            self.captured.capture()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
@@ -92,7 +92,9 @@ class Engine:
         self._warm_up()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        return total * self.config.gpu_memory_utilization - (total - free) - (peak - torch.cuda.memory_allocated(self.device))
+        graphs = self._graph_reserve()
+        return (total * self.config.gpu_memory_utilization - (total - free)
+                - (peak - torch.cuda.memory_allocated(self.device)) - graphs)
 
     def _warm_up(self) -> None:
         n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
@@ -106,6 +108,35 @@ class Engine:
         with torch.inference_mode():
             self.model(batch, cache, PagedRead("gathered"))
         del cache
+
+    def _decode_fast_path(self, cache: KVCache, max_model_len: int):
+        """The DecodePath for the switches in force (None when all are off), and its CapturedDecode if capturing."""
+        sw, cfg = self.config.decode_switches(), self.config
+        if not any(sw.values()):
+            return None, None
+        path = DecodePath(cfg.max_num_seqs, -(-max_model_len // cfg.block_size), cfg.block_size, self.device,
+                          buckets=sw["buckets"], persistent=sw["persistent"], compaction=sw["compaction"],
+                          full_logits=sw["capture"])
+        captured = None
+        if sw["capture"]:
+            mc = self.model_config
+            captured = CapturedDecode(self.model, cache, self.read, path, heads=mc.num_heads, layers=mc.num_layers)
+        return path, captured
+
+    def _graph_reserve(self) -> int:
+        """Device bytes the captured graphs will hold, measured by capturing the largest shape on a scratch cache."""
+        if not self.config.decode_switches()["capture"]:
+            return 0
+        self._progress("measuring the CUDA-graph pool")
+        longest = min(self.config.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        scratch = KVCache(self.model_config, 2, self.config.block_size, self.dtype, self.device)
+        path, captured = self._decode_fast_path(scratch, longest)
+        captured.capture(shapes=[max(path.buckets.shapes)])
+        reserve = captured.stats.pool_bytes
+        del path, captured, scratch
+        torch.cuda.empty_cache()
+        return reserve
 
     def _resolve_max_model_len(self) -> int:
         capacity = self.pool.num_usable * self.config.block_size
@@ -204,12 +235,16 @@ class Engine:
             return outputs
         self._steps += 1
         step_started = time.perf_counter()
+        logits = None
         if self.decode_path is not None and not sched.prefills:  # decode-only: the planned fast path
             batch, sampled = self.decode_path.build([c.request for c in sched.decodes])
+            if self.captured is not None:
+                logits = self.captured.replay(self.decode_path.last_plan.shape, len(sampled))
         else:
             batch, sampled = self._build_batch(sched)
-        with torch.inference_mode():
-            logits = self.model(batch, self.cache, self.read)
+        if logits is None:
+            with torch.inference_mode():
+                logits = self.model(batch, self.cache, self.read)[: len(sampled)]
         for chunk in (*sched.decodes, *sched.prefills):
             chunk.request.num_computed += chunk.length
             if not chunk.request.output_ids and chunk.completes:  # a prompt's first completion
@@ -338,7 +373,8 @@ class Engine:
                        self.cache.nbytes),
             paged_read=self.read.stats(),
             rows=rows,
-            sections=self.decode_path.sections() if self.decode_path is not None else {},
+            sections={**(self.decode_path.sections() if self.decode_path is not None else {}),
+                      **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {})},
             latency=LatencyStats(
                 window=len(self._ttfts),
                 ttft_p50=percentile(self._ttfts, 0.5), ttft_p99=percentile(self._ttfts, 0.99),

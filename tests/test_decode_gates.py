@@ -126,3 +126,29 @@ def test_capture_budget_and_bucket_shapes():
     assert len(DecodeBuckets(64, 128, width_axis=False).shapes) == 7  # a read without a width axis
     with pytest.raises(GateError, match="outside the bucket set"):
         buckets.shape_for(65, 1)
+
+
+def test_capture_is_refused_without_cuda_with_the_way_out():
+    from nanoserve.config import EngineConfig
+    from nanoserve.errors import ConfigError
+
+    for flags in ({"cuda_graphs": True}, {"capture_graphs": True, "decode_buckets": True,
+                                          "persistent_inputs": True}):
+        with pytest.raises(ConfigError, match="needs a CUDA device.*work on the CPU"):
+            EngineConfig(device="cpu", **flags)
+    with pytest.raises(ConfigError, match="turn on decode_buckets and persistent_inputs"):
+        EngineConfig(device="cpu", capture_graphs=True)  # the pairing is checked too
+
+
+def test_captured_decode_refuses_a_path_it_cannot_replay(decoding):
+    from nanoserve.decode.capture import CapturedDecode, check_capture_possible
+    from nanoserve.decode.path import DecodePath
+    from nanoserve.errors import ConfigError
+
+    engine, _ = decoding
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        CapturedDecode(engine.model, engine.cache, engine.read, engine.decode_path, heads=4, layers=2)
+    bare = DecodePath(4, 8, 16, CPU, buckets=False, persistent=False, compaction=False)
+    if torch.cuda.is_available():
+        with pytest.raises(GateError, match="needs persistent inputs, decode buckets"):
+            check_capture_possible(bare, torch.device("cuda"))

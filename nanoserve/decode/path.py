@@ -21,8 +21,10 @@ FRESH_PER_STEP = 6  # tensors the general builder allocates for a decode-only st
 
 class DecodePath:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device, *,
-                 buckets: bool, persistent: bool, compaction: bool, verify: bool = False):
-        self.block_size, self.device, self.verify = block_size, device, verify
+                 buckets: bool, persistent: bool, compaction: bool, verify: bool = False,
+                 full_logits: bool = False):
+        """`full_logits`: logits for every row of the shape, padded ones too (a captured graph's fixed output)."""
+        self.block_size, self.device, self.verify, self.full_logits = block_size, device, verify, full_logits
         self.buckets = DecodeBuckets(max_rows, max_blocks) if buckets else None
         self.inputs = DecodeInputs(max_rows, device) if persistent else None
         self.table = SlotTable(max_rows, max_blocks, device, compaction) if (persistent or compaction) else None
@@ -49,7 +51,7 @@ class DecodePath:
         if self.inputs is not None:
             tensors = {name: self.inputs[name].write(values) for name, values in
                        (("input_ids", ids), ("positions", positions), ("write_slots", slots), ("context_lens", lens))}
-            tensors["logits_rows"] = self.inputs["logits_rows"].window(rows)
+            tensors["logits_rows"] = self.inputs["logits_rows"].window(shape[0] if self.full_logits else rows)
             self.stats.buffered_windows += 5
         else:
             dev = self.device
@@ -80,6 +82,21 @@ class DecodePath:
             prefills=(), logits_indices=tensors["logits_rows"],
         )
         return batch, requests
+
+    def placeholder(self, shape: tuple[int, int]) -> StepBatch:
+        """A batch of padded rows only, on the persistent buffers: what a capture records against.
+
+        Every row reads and writes the null block, so warming up and recording disturb no sequence.
+        """
+        rows = shape[0]
+        tensors = {name: self.inputs[name].write(values) for name, values in
+                   (("input_ids", [0] * rows), ("positions", [0] * rows), ("write_slots", [0] * rows),
+                    ("context_lens", [1] * rows))}
+        return StepBatch(
+            input_ids=tensors["input_ids"], positions=tensors["positions"], slots=tensors["write_slots"],
+            num_decode=rows, decode_block_table=self.table.window(*shape), decode_context_lens=tensors["context_lens"],
+            prefills=(), logits_indices=self.inputs["logits_rows"].window(rows),
+        )
 
     def _fresh_table(self, requests: list, shape: tuple[int, int]) -> torch.Tensor:
         rows, width = shape

@@ -74,13 +74,23 @@ class PagedRead:
                 f"read got {rows} query rows but {block_table.shape[0]} table rows and "
                 f"{context_lens.shape[0]} lengths"
             )
-        width = block_table.shape[1] * k_cache.shape[1]
-        cells = rows * heads * width
-        self._calls += 1
-        self._rows += rows
-        self._score += cells
-        self._held += cells
+        self.charge(rows, heads, block_table.shape[1] * k_cache.shape[1])
         return gathered_decode(q, k_cache, v_cache, block_table, context_lens, scale)
+
+    def reset(self) -> None:
+        """Forget what was counted (reads during warm-up or capture are not serving reads)."""
+        self._calls = self._rows = self._score = self._held = 0
+
+    def charge(self, rows: int, heads: int, width: int, calls: int = 1) -> None:
+        """Count `calls` reads of `rows` rows x `heads` heads over `width` cached positions (shapes only).
+
+        A replayed CUDA graph runs its reads without calling `decode`, so the replay charges them here.
+        """
+        cells = rows * heads * width
+        self._calls += calls
+        self._rows += rows * calls
+        self._score += cells * calls
+        self._held += cells * calls
 
     def stats(self) -> ReadStats:
         return ReadStats(self.mode, self.block, self._calls, self._rows, self._score, self._held)
