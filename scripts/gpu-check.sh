@@ -17,4 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   python3 -m pytest -q -m gpu tests 2>&1 | tail -25
   python3 -m nanoserve.cli bench throughput --num-requests 64 --out "$out" 2>&1 | grep -v -i warn | tail -20
+  python3 -m nanoserve.cli bench graphs --out "$out" 2>&1 | grep -v -i warn | tail -20
+  python3 -m nanoserve.cli bench graphs --random-big --batches 1 2 4 8 32 128 --out "$out" 2>&1 | grep -v -i warn | tail -16
+  python3 -m nanoserve.cli bench inputs --out "$out" 2>&1 | tail -12
 } | tee "$out/gpu-check.txt"
