@@ -12,7 +12,7 @@ import bisect
 
 from nanoserve.errors import GateError
 
-DEFAULT_CAPTURE_BUDGET = 64  # shapes; each captured graph costs capture time and pool memory
+DEFAULT_CAPTURE_BUDGET = 128  # shapes; each captured graph costs capture time (the shared pool is sized by the largest)
 
 
 def _ladder(top: int) -> list[int]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.decode.buckets import check_capture_budget
+from nanoserve.decode.buckets import DEFAULT_CAPTURE_BUDGET, check_capture_budget
 from nanoserve.decode.inputs import check_addresses_stable, check_one_set_covers, check_step_inputs_persistent
 from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, GateError
@@ -50,7 +50,8 @@ def check_capture_possible(path: DecodePath, device: torch.device) -> None:
 
 
 class CapturedDecode:
-    def __init__(self, model, cache, read, path: DecodePath, heads: int, layers: int, capture_budget: int = 64):
+    def __init__(self, model, cache, read, path: DecodePath, heads: int, layers: int,
+                 capture_budget: int = DEFAULT_CAPTURE_BUDGET):
         check_capture_possible(path, cache.k.device)
         check_capture_budget(path.buckets, capture_budget)
         check_one_set_covers(path.inputs, path.buckets.shapes)
