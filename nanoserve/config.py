@@ -57,6 +57,9 @@ class EngineConfig:
     decode_buckets: bool = _flag(False, "pad decode-only steps up to a closed set of shapes (rows x table width)")
     persistent_inputs: bool = _flag(False, "decode inputs and block table live in buffers written in place")
     row_compaction: bool = _flag(False, "decode rows keep their table row; a leaving row's place takes the last row")
+    streamed_read: bool = _flag(False, "decode attention walks KV tiles in a Triton kernel instead of gathering a "
+                                       "rectangle (slow under the CPU interpreter)")
+    read_block: int = _flag(64, "the streamed read's tile width in tokens (a power of two >= 16)")
     capture_graphs: bool = _flag(False, "record a CUDA graph per decode bucket and replay it (CUDA only; needs "
                                         "decode_buckets and persistent_inputs)")
     cuda_graphs: bool = _flag(False, "the whole decode fast path: buckets, persistent inputs, compaction and "
@@ -84,6 +87,9 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(message)
         self.torch_device()  # refuses cuda on a machine without it
+        if self.read_block < 16 or self.read_block & (self.read_block - 1):
+            raise ConfigError(f"read_block must be a power of two >= 16 (tl.dot's smallest operand), "
+                              f"got {self.read_block}")
         switches = self.decode_switches()
         if switches["capture"] and not (switches["buckets"] and switches["persistent"]):
             raise ConfigError("capture_graphs replays fixed shapes from fixed addresses: turn on decode_buckets and "

@@ -46,7 +46,7 @@ class Engine:
         self.loaded = loaded
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.dtype = next(self.model.parameters()).dtype
-        self.read = PagedRead("gathered")
+        self.read = PagedRead("streamed", config.read_block) if config.streamed_read else PagedRead("gathered")
         self._progress("sizing the KV pool")
         num_blocks = self._size_pool()
         self.cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
@@ -116,7 +116,7 @@ class Engine:
             return None, None
         path = DecodePath(cfg.max_num_seqs, -(-max_model_len // cfg.block_size), cfg.block_size, self.device,
                           buckets=sw["buckets"], persistent=sw["persistent"], compaction=sw["compaction"],
-                          full_logits=sw["capture"])
+                          full_logits=sw["capture"], width_axis=not cfg.streamed_read)
         captured = None
         if sw["capture"]:
             mc = self.model_config

@@ -22,10 +22,11 @@ FRESH_PER_STEP = 6  # tensors the general builder allocates for a decode-only st
 class DecodePath:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device, *,
                  buckets: bool, persistent: bool, compaction: bool, verify: bool = False,
-                 full_logits: bool = False):
+                 full_logits: bool = False, width_axis: bool = True):
         """`full_logits`: logits for every row of the shape, padded ones too (a captured graph's fixed output)."""
         self.block_size, self.device, self.verify, self.full_logits = block_size, device, verify, full_logits
-        self.buckets = DecodeBuckets(max_rows, max_blocks) if buckets else None
+        # the streamed read holds one tile whatever the width, so its shapes need no width axis
+        self.buckets = DecodeBuckets(max_rows, max_blocks, width_axis=width_axis) if buckets else None
         self.inputs = DecodeInputs(max_rows, device) if persistent else None
         self.table = SlotTable(max_rows, max_blocks, device, compaction) if (persistent or compaction) else None
         self.stats = InputStats(persistent=persistent, sets=1 if persistent else 0,

@@ -13,7 +13,7 @@ import torch
 
 from nanoserve.reads.gathered import gathered_decode
 
-READ_MODES = ("gathered",)
+READ_MODES = ("gathered", "streamed")
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,10 @@ class PagedRead:
     def __init__(self, mode: str = "gathered", block: int | None = None):
         if mode not in READ_MODES:
             raise ValueError(f"read mode {mode!r} is not available; choose one of {READ_MODES}")
+        if mode == "streamed" and (block is None or block < 16 or block & (block - 1)):
+            raise ValueError(f"the streamed read's tile width must be a power of two >= 16, got {block}")
         self.mode = mode
-        self.block = block
+        self.block = block if mode == "streamed" else None
         self._calls = self._rows = self._score = self._held = 0
 
     def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
@@ -75,6 +77,10 @@ class PagedRead:
                 f"{context_lens.shape[0]} lengths"
             )
         self.charge(rows, heads, block_table.shape[1] * k_cache.shape[1])
+        if self.mode == "streamed":
+            from nanoserve.reads.streamed import streamed_decode  # Triton, imported only when chosen
+
+            return streamed_decode(q, k_cache, v_cache, block_table, context_lens, scale, self.block)
         return gathered_decode(q, k_cache, v_cache, block_table, context_lens, scale)
 
     def reset(self) -> None:
@@ -87,10 +93,11 @@ class PagedRead:
         A replayed CUDA graph runs its reads without calling `decode`, so the replay charges them here.
         """
         cells = rows * heads * width
+        held = rows * heads * min(width, self.block) if self.mode == "streamed" else cells  # one tile alive
         self._calls += calls
         self._rows += rows * calls
         self._score += cells * calls
-        self._held += cells * calls
+        self._held += held * calls
 
     def stats(self) -> ReadStats:
         return ReadStats(self.mode, self.block, self._calls, self._rows, self._score, self._held)
