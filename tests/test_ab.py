@@ -9,7 +9,7 @@ import pytest
 
 from nanoserve.bench import ab
 from nanoserve.bench.ab import (
-    DEFAULT_B,
+    SCHEDULING_B,
     Reply,
     ab_requests,
     first_difference,
@@ -71,7 +71,7 @@ def test_requests_alternate_greedy_and_seeded_sampled():
 
 
 def test_another_scheduling_changes_no_text(base):
-    result = run_ab(base, variant(base, DEFAULT_B), ab_requests(pick_prompts(8), 16), concurrency=6)
+    result = run_ab(base, variant(base, SCHEDULING_B), ab_requests(pick_prompts(8), 16), concurrency=6)
     assert len(result.verdicts) == 8 and {v.kind for v in result.verdicts} == {"greedy", "sampled"}
     assert all(v.identical for v in result.verdicts), [v.label for v in result.verdicts]
     assert all(len(v.text_a) > 0 and v.finish_a == "length" for v in result.verdicts)

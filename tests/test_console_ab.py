@@ -35,11 +35,11 @@ def engine_threads() -> int:
     return sum(t.name == "nanoserve-engine" for t in threading.enumerate())
 
 
-async def test_default_ab_run_is_identical_and_shows_both_sides(config):
+async def test_default_ab_run_gathered_vs_streamed_is_identical_and_shows_both_sides(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(160, 50)) as pilot:
         screen = await open_ab(app, pilot, num_prompts="6", max_tokens="16")
-        assert screen.query_one("#flags-b", Input).value == "max_num_seqs=4 max_num_batched_tokens=64"
+        assert screen.query_one("#flags-b", Input).value == "streamed_read=on"
         await pilot.press("r")
         assert screen.running
         await wait_until(pilot, lambda: not screen.running, 120, "the A/B run")
@@ -49,7 +49,8 @@ async def test_default_ab_run_is_identical_and_shows_both_sides(config):
         assert "done" in text(app, "#ab-phase")
         counters = screen.query_one("#counters", DataTable)
         assert [str(c.label) for c in counters.columns.values()] == ["counter", "A", "B"]
-        assert [str(cell) for cell in counters.get_row("flag max_num_seqs")] == ["flag max_num_seqs", "64", "4"]
+        assert [str(cell) for cell in counters.get_row("flag streamed_read")] == ["flag streamed_read", "False", "True"]
+        assert [str(cell) for cell in counters.get_row("paged_read.mode")][1:] == ["gathered", "streamed"]
         assert [str(cell) for cell in counters.get_row("scheduler.generation_tokens_total")][1:] == ["96", "96"]
         assert screen.query_one("#verdicts", DataTable).row_count == 6
         assert screen.ab.live == [] and engine_threads() == 1  # only the console's own engine is left

@@ -27,7 +27,8 @@ from nanoserve.bench.prompts import REAL_PROMPTS
 from nanoserve.config import EngineConfig, FlagSpec
 from nanoserve.errors import ConfigError
 
-DEFAULT_B = "max_num_seqs=4 max_num_batched_tokens=64"  # another scheduling: must change no output
+DEFAULT_B = "streamed_read=on"  # the other read: must change no output
+SCHEDULING_B = "max_num_seqs=4 max_num_batched_tokens=64"  # another scheduling: must change no output either
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 _TRUE, _FALSE = ("true", "on", "1", "yes"), ("false", "off", "0", "no")
 Progress = Callable[[str, int, int], None]  # (phase, requests done, requests in all)

@@ -16,7 +16,10 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():  # the interpreter must be chosen before any kernel is defined
+from nanoserve import TRITON_COMPILED_EARLY
+from nanoserve.errors import ConfigError
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before Triton is imported (nanoserve does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
@@ -76,6 +79,14 @@ def _streamed_decode(
     tl.store(Sum + base + g, total)
 
 
+def check_runnable(device: torch.device) -> None:
+    """Refuse, with the fix, a CPU process whose Triton was imported outside the interpreter."""
+    if device.type != "cuda" and not (INTERPRETED and not TRITON_COMPILED_EARLY):
+        raise ConfigError("the streamed read on a CPU runs under Triton's interpreter, which must be chosen before "
+                          "Triton is first imported: set TRITON_INTERPRET=1 in the environment (importing "
+                          "nanoserve first also does it), or use the gathered read")
+
+
 def choose_splits(rows: int, kv_heads: int, tiles: int) -> int:
     """Context splits from shapes only: enough programs to cover the device's SMs twice, never a split without a
     tile. On the CPU (the interpreter runs programs one by one) one split."""
@@ -90,6 +101,7 @@ def streamed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     context_lens: torch.Tensor, scale: float, block: int, splits: int | None = None) -> torch.Tensor:
     """Same contract as `gathered_decode`: q [rows, heads, D], caches [blocks, block_size, kv_heads, D],
     block_table [rows, width], context_lens [rows] (each >= 1) -> [rows, heads, D] in q's dtype."""
+    check_runnable(q.device)
     rows, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
