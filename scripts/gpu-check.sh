@@ -20,4 +20,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python3 -m nanoserve.cli bench graphs --out "$out" 2>&1 | grep -v -i warn | tail -20
   python3 -m nanoserve.cli bench graphs --random-big --batches 1 2 4 8 32 128 --out "$out" 2>&1 | grep -v -i warn | tail -16
   python3 -m nanoserve.cli bench inputs --out "$out" 2>&1 | tail -12
+  python3 -m nanoserve.cli bench reads --out "$out" 2>&1 | tail -24
+  python3 -m nanoserve.cli bench wire --out "$out" 2>&1 | tail -14
 } | tee "$out/gpu-check.txt"
