@@ -81,6 +81,8 @@ async def flags(app, pilot, out):
 async def ab(app, pilot, out):
     await go(pilot, "ab")
     screen = app.screen
+    for field, value in {"#num-prompts": "6", "#max-tokens": "16"}.items():  # the interpreted B read is slow
+        screen.query_one(field).value = value
     await pilot.press("r")
     await wait_until(pilot, lambda: screen.running, 10, "the A/B run to start")
     await wait_until(pilot, lambda: not screen.running, 600, "the A/B run")

@@ -30,17 +30,17 @@ class DecodePlan:
     @property
     def context_list(self) -> list[int]:
         """The lengths as planned: the snapshot when the tensor is shared, else the tensor itself."""
-        if self.shared:
-            check_snapshots_present(self)
-            return list(self.context_snapshot)
-        return self.context_lens[: self.rows].tolist()
+        return self._planned(self.context_snapshot, self.context_lens)
 
     @property
     def write_list(self) -> list[int]:
+        return self._planned(self.write_snapshot, self.write_slots)
+
+    def _planned(self, snapshot: tuple[int, ...] | None, tensor: torch.Tensor) -> list[int]:
         if self.shared:
             check_snapshots_present(self)
-            return list(self.write_snapshot)
-        return self.write_slots[: self.rows].tolist()
+            return list(snapshot)
+        return tensor[: self.rows].tolist()
 
 
 def check_snapshots_present(plan: DecodePlan) -> None:
