@@ -10,6 +10,7 @@ import torch
 from nanoserve.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -30,10 +31,18 @@ class FlagSpec:
     choices: tuple[str, ...] | None
 
     def parse(self, text: str):
-        """Turn a typed value into the flag's value ('' is None for optional flags); ValueError names the flag."""
+        """Turn a typed value into the flag's value ('' is None for optional flags); ValueError names the flag.
+
+        Bools take true/false/on/off/yes/no/1/0 (bool('false') would be True).
+        """
         text = text.strip()
         if text == "" and self.optional:
             return None
+        if self.kind is bool:
+            word = text.lower()
+            if word not in _TRUE + _FALSE:
+                raise ValueError(f"{self.name} must be true/false/on/off/yes/no/1/0, got {text!r}")
+            return word in _TRUE
         try:
             return self.kind(text)
         except ValueError:

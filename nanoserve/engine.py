@@ -23,7 +23,7 @@ from nanoserve.reads.dispatch import PagedRead
 from nanoserve.request import Request
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
 from nanoserve.scheduler import Chunk, Scheduler, SchedulerOutput
-from nanoserve.stats import EngineStats, KVStats, LatencyStats, RowStats, SchedulerStats, percentile
+from nanoserve.stats import EngineStats, KVStats, LatencyStats, RowStats, SchedulerStats, percentiles
 from nanoserve.streaming import TextStream
 
 log = logging.getLogger("nanoserve.engine")
@@ -70,6 +70,7 @@ class Engine:
         self._prompt_tokens = self._generation_tokens = self._steps = 0
         self._ttfts: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._tpots: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._request_latency: tuple | None = None  # (ttft p50, p99, tpot p50, p99); recomputed after a finish
         self._step_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._progress("ready")
         log.info(
@@ -329,6 +330,7 @@ class Engine:
             self.scheduler.finish(req, reason)
             req.finished_time = now
             self._ttfts.append(req.first_token_time - req.arrival_time)
+            self._request_latency = None
             if len(req.output_ids) > 1:
                 self._tpots.append((now - req.first_token_time) / (len(req.output_ids) - 1))
         req.text += delta
@@ -352,6 +354,12 @@ class Engine:
     def audit(self) -> None:
         """Assert every KV block is free or held by a live request (see BlockPool.audit)."""
         self.pool.audit(self.scheduler.owners())
+
+    def _latency_percentiles(self) -> tuple:
+        """TTFT and TPOT p50/p99, sorted only when a request has finished since the last snapshot."""
+        if self._request_latency is None:
+            self._request_latency = (*percentiles(self._ttfts, 0.5, 0.99), *percentiles(self._tpots, 0.5, 0.99))
+        return self._request_latency
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -379,12 +387,8 @@ class Engine:
             rows=rows,
             sections={**(self.decode_path.sections() if self.decode_path is not None else {}),
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {})},
-            latency=LatencyStats(
-                window=len(self._ttfts),
-                ttft_p50=percentile(self._ttfts, 0.5), ttft_p99=percentile(self._ttfts, 0.99),
-                tpot_p50=percentile(self._tpots, 0.5), tpot_p99=percentile(self._tpots, 0.99),
-                step_p50=percentile(self._step_times, 0.5), step_p99=percentile(self._step_times, 0.99),
-            ),
+            latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),
+                                 *percentiles(self._step_times, 0.5, 0.99)),
         )
 
 

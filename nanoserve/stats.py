@@ -60,12 +60,12 @@ class LatencyStats:
     step_p99: float | None = None
 
 
-def percentile(values, q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 1]) of a small sample; None for an empty one."""
+def percentiles(values, *qs: float) -> tuple[float | None, ...]:
+    """Nearest-rank percentiles (each q in [0, 1]) of a small sample, sorted once; Nones for an empty one."""
     if not values:
-        return None
+        return (None,) * len(qs)
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+    return tuple(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] for q in qs)
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,14 @@ class ConsoleScreen(Screen):
     def status_text(self) -> str:
         return self.app.status_line()
 
-    def refresh_header(self) -> None:
+    def show_status(self) -> None:
         status = self.query_one("#status", Static)
         text = self.status_text()
         if text != str(status.content):  # an unchanged line costs no repaint
             status.update(text)
+
+    def refresh_header(self) -> None:
+        self.show_status()
         server = self.app.server
         if server is not None:
             self.query_one(EngineHeader).show(server.host.stats())

@@ -79,18 +79,12 @@ class Dashboard(ConsoleScreen):
         self.notify(f"refreshing every {seconds:g} s", timeout=2)
 
     # ---- the tick -----------------------------------------------------------------------------------
-    def refresh_header_line(self) -> None:
-        status = self.query_one("#status")
-        text = self.status_text()
-        if text != str(status.content):
-            status.update(text)
-
     def status_text(self) -> str:
         return self.app.status_line() + (f"  · refresh {self.app.refresh_s:g} s") + ("  [PAUSED]" if self.paused else "")
 
     def tick(self) -> None:
         self.ticks += 1
-        self.refresh_header_line()
+        self.show_status()
         server = self.app.server
         if server is None:
             return

@@ -30,7 +30,6 @@ from nanoserve.errors import ConfigError
 DEFAULT_B = "streamed_read=on"  # the other read: must change no output
 SCHEDULING_B = "max_num_seqs=4 max_num_batched_tokens=64"  # another scheduling: must change no output either
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
-_TRUE, _FALSE = ("true", "on", "1", "yes"), ("false", "off", "0", "no")
 Progress = Callable[[str, int, int], None]  # (phase, requests done, requests in all)
 
 
@@ -40,12 +39,7 @@ class ABCancelled(Exception):
 
 # ---- flag overrides ---------------------------------------------------------------------------------
 def parse_value(spec: FlagSpec, text: str):
-    """One flag's value from text; bool flags take true/false/on/off/1/0 (bool('false') would be True)."""
-    if spec.kind is bool:
-        word = text.strip().lower()
-        if word in _TRUE or word in _FALSE:
-            return word in _TRUE
-        raise ConfigError(f"{spec.name} must be true/false/on/off/1/0, got {text!r}")
+    """One flag's value from text (FlagSpec.parse), refused as a ConfigError."""
     try:
         return spec.parse(text)
     except ValueError as e:

@@ -105,9 +105,7 @@ def main(args) -> int:
     flags = {**engine_flags(args), "cuda_graphs": True, "max_num_seqs": max(args.batches)}
     if args.random_big:
         flags["model"] = random_big_checkpoint()
-    flags.setdefault("max_model_len", None)
-    if flags["max_model_len"] is None:
-        flags["max_model_len"] = 1024
+    flags["max_model_len"] = flags["max_model_len"] or 1024
     engine = Engine(EngineConfig.from_flags(**flags))
     rows = [one_batch(engine, b, args) for b in args.batches]
     capture = engine.stats().as_dict()["capture"]

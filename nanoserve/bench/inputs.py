@@ -67,8 +67,8 @@ def plan_run(buffered: bool, steps: int, args) -> dict:
         path.build(rows.requests)
         rows.advance()
     seconds = time.perf_counter() - started
-    s = path.stats
-    return {"allocations": s.fresh_allocations, "writes": s.writes, "cells": s.bytes_written // 8,
+    s = path.sections()["inputs"]
+    return {"allocations": s["fresh_allocations"], "writes": s["writes"], "cells": s["bytes_written"] // 8,
             "table_cells": path.table.cells_written if path.table else None, "ms": seconds * 1000}
 
 

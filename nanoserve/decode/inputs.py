@@ -75,24 +75,21 @@ class DecodeInputs:
 
 @dataclass
 class InputStats:
-    """What the decode-only steps handed the forward: tensors allocated fresh vs windows on the buffers."""
+    """What the decode-only steps handed the forward: tensors allocated fresh vs windows on the buffers.
+
+    Only what the path itself decides is counted here; writes, bytes and row moves are read off the buffers
+    and the slot table when the snapshot is taken (DecodePath.sections).
+    """
 
     persistent: bool
     steps: int = 0  # decode-only steps planned by the fast path
     fresh_allocations: int = 0  # input tensors built for those steps (0 when persistent)
     buffered_windows: int = 0  # inputs handed over as windows of a persistent buffer
-    writes: int = 0
-    bytes_written: int = 0
-    sets: int = 0
-    buffer_bytes: int = 0
-    row_moves: int = 0  # rows compaction moved to keep the batch a dense prefix
 
     def as_dict(self) -> dict:
         per_step = self.fresh_allocations / self.steps if self.steps else 0.0
         return {"persistent": self.persistent, "steps": self.steps, "fresh_allocations": self.fresh_allocations,
-                "fresh_per_step": per_step, "buffered_windows": self.buffered_windows, "writes": self.writes,
-                "bytes_written": self.bytes_written, "sets": self.sets, "buffer_bytes": self.buffer_bytes,
-                "row_moves": self.row_moves}
+                "fresh_per_step": per_step, "buffered_windows": self.buffered_windows}
 
 
 # ---- gates ----------------------------------------------------------------------------------------------

@@ -15,9 +15,6 @@ from nanoserve.decode.plan import DecodePlan, check_plan_current, check_window_i
 from nanoserve.decode.slots import SlotTable
 from nanoserve.model.batch import StepBatch
 
-FRESH_PER_STEP = 6  # tensors the general builder allocates for a decode-only step (ids, positions, slots,
-#                     table, lengths, logits rows)
-
 
 class DecodePath:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device, *,
@@ -29,8 +26,7 @@ class DecodePath:
         self.buckets = DecodeBuckets(max_rows, max_blocks, width_axis=width_axis) if buckets else None
         self.inputs = DecodeInputs(max_rows, device) if persistent else None
         self.table = SlotTable(max_rows, max_blocks, device, compaction) if (persistent or compaction) else None
-        self.stats = InputStats(persistent=persistent, sets=1 if persistent else 0,
-                                buffer_bytes=(self.inputs.nbytes + self.table.table.numel() * 8) if persistent else 0)
+        self.stats = InputStats(persistent=persistent)
         self.last_plan: DecodePlan | None = None
 
     def build(self, requests: list) -> tuple[StepBatch, list]:
@@ -62,10 +58,6 @@ class DecodePath:
         table = self.table.window(*shape) if self.table is not None else self._fresh_table(requests, shape)
         self.stats.steps += 1
         self.stats.fresh_allocations += (0 if self.inputs is not None else 5) + (0 if self.table is not None else 1)
-        if self.inputs is not None:
-            self.stats.writes, self.stats.bytes_written = self.inputs.writes, self.inputs.bytes_written
-        if self.table is not None:
-            self.stats.row_moves = self.table.row_moves
         plan = DecodePlan(
             rows=rows, shape=shape, request_keys=tuple(SlotTable.key(r) for r in requests),
             positions=tensors["positions"], write_slots=tensors["write_slots"], context_lens=tensors["context_lens"],
@@ -107,7 +99,15 @@ class DecodePath:
 
     def sections(self) -> dict:
         """What this path publishes in the stats snapshot: `inputs`, and `buckets` when bucketing is on."""
-        out = {"inputs": self.stats.as_dict()}
+        persistent = self.inputs is not None
+        out = {"inputs": {
+            **self.stats.as_dict(),
+            "writes": self.inputs.writes if persistent else 0,
+            "bytes_written": self.inputs.bytes_written if persistent else 0,
+            "sets": 1 if persistent else 0,
+            "buffer_bytes": self.inputs.nbytes + self.table.table.numel() * 8 if persistent else 0,
+            "row_moves": self.table.row_moves if self.table is not None else 0,
+        }}
         if self.buckets is not None:
             out["buckets"] = self.buckets.as_dict()
         return out

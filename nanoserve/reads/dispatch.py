@@ -8,6 +8,7 @@ already has, never from a device sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -67,6 +68,11 @@ class PagedRead:
             raise ValueError(f"the streamed read's tile width must be a power of two >= 16, got {block}")
         self.mode = mode
         self.block = block if mode == "streamed" else None
+        self._kernel = gathered_decode
+        if mode == "streamed":
+            from nanoserve.reads.streamed import streamed_decode  # Triton, imported only when chosen
+
+            self._kernel = partial(streamed_decode, block=block)
         self._calls = self._rows = self._score = self._held = 0
 
     def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
@@ -77,11 +83,7 @@ class PagedRead:
                 f"{context_lens.shape[0]} lengths"
             )
         self.charge(rows, heads, block_table.shape[1] * k_cache.shape[1])
-        if self.mode == "streamed":
-            from nanoserve.reads.streamed import streamed_decode  # Triton, imported only when chosen
-
-            return streamed_decode(q, k_cache, v_cache, block_table, context_lens, scale, self.block)
-        return gathered_decode(q, k_cache, v_cache, block_table, context_lens, scale)
+        return self._kernel(q, k_cache, v_cache, block_table, context_lens, scale)
 
     def reset(self) -> None:
         """Forget what was counted (reads during warm-up or capture are not serving reads)."""
