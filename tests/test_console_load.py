@@ -50,7 +50,7 @@ async def test_load_run_summarises_and_moves_the_dashboard(config):
 async def test_stop_midway_aborts_the_rest_and_frees_blocks(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
-        screen = await open_load(app, pilot, load_n="12", load_concurrency="4", load_output="200",
+        screen = await open_load(app, pilot, load_n="12", load_concurrency="4", load_output="240",
                                  load_input="16", load_dataset="synthetic")
         await pilot.press("ctrl+r")
         stats = app.server.host.stats
@@ -60,7 +60,12 @@ async def test_stop_midway_aborts_the_rest_and_frees_blocks(config):
         assert "stopped after" in text(app, "#load-phase") and screen.summary is None
         await wait_until(pilot, lambda: stats().scheduler.running == 0 and stats().kv.blocks_used == 0, 10,
                          "the aborted requests to release their blocks")
-        assert stats().scheduler.finished.get("abort", 0) >= 4
+        # How many requests ended on their own before the stop landed depends on the machine's speed; what
+        # the stop guarantees is that the run ended early, that the ones in flight were aborted, and that
+        # none is left waiting or holding blocks.
+        scheduler = stats().scheduler
+        assert screen.done < 12 and scheduler.waiting == 0
+        assert scheduler.finished.get("abort", 0) >= 1
 
 
 async def test_bad_field_refuses_to_start(config):
