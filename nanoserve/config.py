@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.errors import ConfigError
+from nanoserve.reads.dispatch import check_read_block
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
@@ -96,9 +97,7 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(message)
         self.torch_device()  # refuses cuda on a machine without it
-        if self.read_block < 16 or self.read_block & (self.read_block - 1):
-            raise ConfigError(f"read_block must be a power of two >= 16 (tl.dot's smallest operand), "
-                              f"got {self.read_block}")
+        check_read_block(self.read_block)
         switches = self.decode_switches()
         if switches["capture"] and not (switches["buckets"] and switches["persistent"]):
             raise ConfigError("capture_graphs replays fixed shapes from fixed addresses: turn on decode_buckets and "

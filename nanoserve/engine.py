@@ -16,7 +16,7 @@ from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, RequestError
 from nanoserve.kv.cache import KVCache, blocks_from_budget
 from nanoserve.kv.pool import BlockPool
-from nanoserve.model.batch import PrefillSegment, StepBatch
+from nanoserve.model.batch import PrefillSegment, StepBatch, decode_rows
 from nanoserve.model.loader import LoadedModel, load_model
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.reads.dispatch import PagedRead
@@ -265,21 +265,14 @@ class Engine:
 
     def _build_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Request]]:
         bs = self.config.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         logits_at: list[int] = []
         sampled: list[Request] = []
         decodes = sched.decodes + [c for c in sched.prefills if c.length == 1]
         prefills = [c for c in sched.prefills if c.length > 1]
-        lens = []
-        for c in decodes:
-            req, pos = c.request, c.start
-            ids.append(req.tokens(pos, pos + 1)[0])
-            positions.append(pos)
-            slots.append(req.blocks[pos // bs] * bs + pos % bs)
-            lens.append(pos + 1)
-            self._mark(c, len(ids) - 1, logits_at, sampled)
+        positions = [c.start for c in decodes]
+        ids, slots, lens = decode_rows([c.request for c in decodes], positions, bs)
+        for row, c in enumerate(decodes):
+            self._mark(c, row, logits_at, sampled)
         width = max((-(-n // bs) for n in lens), default=0)
         table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
         segments = []

@@ -50,7 +50,7 @@ class DecodeBuckets:
         self.padded_cells += shape[0] * shape[1] - rows * width
 
     def as_dict(self) -> dict:
-        return {"shapes": len(self.shapes), "row_buckets": len(self.rows), "width_buckets": len(self.widths),
+        return {"shapes": len(self.rows) * len(self.widths), "row_buckets": len(self.rows), "width_buckets": len(self.widths),
                 "shapes_used": len(self.steps_by_shape), "padded_rows": self.padded_rows,
                 "padded_cells": self.padded_cells}
 

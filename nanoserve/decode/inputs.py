@@ -77,19 +77,25 @@ class DecodeInputs:
 class InputStats:
     """What the decode-only steps handed the forward: tensors allocated fresh vs windows on the buffers.
 
-    Only what the path itself decides is counted here; writes, bytes and row moves are read off the buffers
-    and the slot table when the snapshot is taken (DecodePath.sections).
+    Only the step count is kept; the rest follows from the switches (each step of a configuration builds the same
+    tensors). Writes, bytes and row moves are read off the buffers and the slot table when the snapshot is taken
+    (DecodePath.sections).
     """
 
     persistent: bool
+    table: bool  # the block table lives in a SlotTable (persistent inputs or compaction)
     steps: int = 0  # decode-only steps planned by the fast path
-    fresh_allocations: int = 0  # input tensors built for those steps (0 when persistent)
-    buffered_windows: int = 0  # inputs handed over as windows of a persistent buffer
+
+    @property
+    def fresh_per_step(self) -> int:
+        """Input tensors built per step: the four value inputs and the logits rows, plus the block table."""
+        return (0 if self.persistent else 5) + (0 if self.table else 1)
 
     def as_dict(self) -> dict:
-        per_step = self.fresh_allocations / self.steps if self.steps else 0.0
-        return {"persistent": self.persistent, "steps": self.steps, "fresh_allocations": self.fresh_allocations,
-                "fresh_per_step": per_step, "buffered_windows": self.buffered_windows}
+        return {"persistent": self.persistent, "steps": self.steps,
+                "fresh_allocations": self.fresh_per_step * self.steps,
+                "fresh_per_step": float(self.fresh_per_step) if self.steps else 0.0,
+                "buffered_windows": (5 if self.persistent else 0) * self.steps}
 
 
 # ---- gates ----------------------------------------------------------------------------------------------
@@ -101,7 +107,7 @@ def check_inputs_fit(buffer: InputBuffer, rows: int) -> None:
 
 def check_addresses_stable(inputs: DecodeInputs, recorded: dict[str, int]) -> None:
     """Every buffer is still where it was when `recorded` was taken (a replay reads those addresses)."""
-    moved = [n for n, a in inputs.addresses().items() if recorded.get(n) != a or inputs[n].buffer.data_ptr() != a]
+    moved = [n for n, b in inputs.buffers.items() if b.buffer.data_ptr() != recorded.get(n)]
     if moved:
         raise GateError(f"input buffer(s) {moved} moved since they were recorded; a replay would read freed "
                         "memory: allocate DecodeInputs once and only ever write into it")

@@ -13,20 +13,21 @@ from nanoserve.decode.buckets import DecodeBuckets
 from nanoserve.decode.inputs import DecodeInputs, InputStats
 from nanoserve.decode.plan import DecodePlan, check_plan_current, check_window_intact
 from nanoserve.decode.slots import SlotTable
-from nanoserve.model.batch import StepBatch
+from nanoserve.model.batch import StepBatch, decode_rows
 
 
 class DecodePath:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device, *,
-                 buckets: bool, persistent: bool, compaction: bool, verify: bool = False,
+                 buckets: bool, persistent: bool, compaction: bool,
                  full_logits: bool = False, width_axis: bool = True):
         """`full_logits`: logits for every row of the shape, padded ones too (a captured graph's fixed output)."""
-        self.block_size, self.device, self.verify, self.full_logits = block_size, device, verify, full_logits
+        self.block_size, self.device, self.full_logits = block_size, device, full_logits
+        self.verify = False  # run the plan gates every step (tests turn it on)
         # the streamed read holds one tile whatever the width, so its shapes need no width axis
         self.buckets = DecodeBuckets(max_rows, max_blocks, width_axis=width_axis) if buckets else None
         self.inputs = DecodeInputs(max_rows, device) if persistent else None
         self.table = SlotTable(max_rows, max_blocks, device, compaction) if (persistent or compaction) else None
-        self.stats = InputStats(persistent=persistent)
+        self.stats = InputStats(persistent=persistent, table=self.table is not None)
         self.last_plan: DecodePlan | None = None
 
     def build(self, requests: list) -> tuple[StepBatch, list]:
@@ -36,32 +37,29 @@ class DecodePath:
             requests = self.table.arrange(requests)
         rows = len(requests)
         positions = [r.num_computed for r in requests]
-        ids = [r.tokens(p, p + 1)[0] for r, p in zip(requests, positions)]
-        slots = [r.blocks[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
-        lens = [p + 1 for p in positions]
+        ids, slots, lens = decode_rows(requests, positions, bs)
         width = max(-(-n // bs) for n in lens)
         shape = self.buckets.shape_for(rows, width) if self.buckets else (rows, width)
         if self.buckets:
             self.buckets.record(rows, width, shape)
         pad = shape[0] - rows  # padded rows: token 0 at position 0, writing the null block's slot 0, length 1
         ids, positions, slots, lens = ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lens + [1] * pad
+        self.stats.steps += 1
         if self.inputs is not None:
-            tensors = {name: self.inputs[name].write(values) for name, values in
-                       (("input_ids", ids), ("positions", positions), ("write_slots", slots), ("context_lens", lens))}
-            tensors["logits_rows"] = self.inputs["logits_rows"].window(shape[0] if self.full_logits else rows)
-            self.stats.buffered_windows += 5
+            batch = self._persistent_batch(ids, positions, slots, lens, shape,
+                                           logits_rows=shape[0] if self.full_logits else rows)
         else:
             dev = self.device
-            tensors = {"input_ids": torch.tensor(ids, device=dev), "positions": torch.tensor(positions, device=dev),
-                       "write_slots": torch.tensor(slots, device=dev), "context_lens": torch.tensor(lens, device=dev),
-                       "logits_rows": torch.arange(rows, device=dev)}
-        table = self.table.window(*shape) if self.table is not None else self._fresh_table(requests, shape)
-        self.stats.steps += 1
-        self.stats.fresh_allocations += (0 if self.inputs is not None else 5) + (0 if self.table is not None else 1)
+            table = self.table.window(*shape) if self.table is not None else self._fresh_table(requests, shape)
+            batch = StepBatch(
+                input_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
+                slots=torch.tensor(slots, device=dev), num_decode=shape[0], decode_block_table=table,
+                decode_context_lens=torch.tensor(lens, device=dev), prefills=(),
+                logits_indices=torch.arange(rows, device=dev))
         plan = DecodePlan(
             rows=rows, shape=shape, request_keys=tuple(SlotTable.key(r) for r in requests),
-            positions=tensors["positions"], write_slots=tensors["write_slots"], context_lens=tensors["context_lens"],
-            block_table=table, shared=self.inputs is not None,
+            positions=batch.positions, write_slots=batch.slots, context_lens=batch.decode_context_lens,
+            block_table=batch.decode_block_table, shared=self.inputs is not None,
             context_snapshot=tuple(lens[:rows]) if self.inputs is not None else None,
             write_snapshot=tuple(slots[:rows]) if self.inputs is not None else None,
         )
@@ -69,11 +67,6 @@ class DecodePath:
             check_plan_current(plan, requests)
             check_window_intact(plan, bs)
         self.last_plan = plan
-        batch = StepBatch(
-            input_ids=tensors["input_ids"], positions=tensors["positions"], slots=tensors["write_slots"],
-            num_decode=shape[0], decode_block_table=table, decode_context_lens=tensors["context_lens"],
-            prefills=(), logits_indices=tensors["logits_rows"],
-        )
         return batch, requests
 
     def placeholder(self, shape: tuple[int, int]) -> StepBatch:
@@ -82,13 +75,16 @@ class DecodePath:
         Every row reads and writes the null block, so warming up and recording disturb no sequence.
         """
         rows = shape[0]
-        tensors = {name: self.inputs[name].write(values) for name, values in
-                   (("input_ids", [0] * rows), ("positions", [0] * rows), ("write_slots", [0] * rows),
-                    ("context_lens", [1] * rows))}
+        return self._persistent_batch([0] * rows, [0] * rows, [0] * rows, [1] * rows, shape, logits_rows=rows)
+
+    def _persistent_batch(self, ids, positions, slots, lens, shape: tuple[int, int], logits_rows: int) -> StepBatch:
+        """The step's values written into the persistent buffers; the batch holds windows of them."""
+        inputs = self.inputs
         return StepBatch(
-            input_ids=tensors["input_ids"], positions=tensors["positions"], slots=tensors["write_slots"],
-            num_decode=rows, decode_block_table=self.table.window(*shape), decode_context_lens=tensors["context_lens"],
-            prefills=(), logits_indices=self.inputs["logits_rows"].window(rows),
+            input_ids=inputs["input_ids"].write(ids), positions=inputs["positions"].write(positions),
+            slots=inputs["write_slots"].write(slots), num_decode=shape[0],
+            decode_block_table=self.table.window(*shape), decode_context_lens=inputs["context_lens"].write(lens),
+            prefills=(), logits_indices=inputs["logits_rows"].window(logits_rows),
         )
 
     def _fresh_table(self, requests: list, shape: tuple[int, int]) -> torch.Tensor:

@@ -7,6 +7,11 @@ Unused cells hold 0, the null block, which is legal everywhere (a padded row rea
 Rows are kept a dense prefix. With compaction, a row keeps its index while it decodes and only the blocks it
 gained are written; when it leaves, the last row moves into its place (one row copied). Without compaction the
 window is rewritten in the scheduler's order every step.
+
+Block numbers are written through a host mirror (pinned on CUDA; on the CPU the mirror is the table), the way
+InputBuffer writes its values: a numpy slice assignment and one non-blocking copy per written span, so a step
+allocates nothing and never waits on the device. (A step's sampled tokens come back to the host before the
+next step writes, so the mirror is never rewritten under a copy still in flight.)
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import torch
 
 class SlotTable:
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device, compaction: bool):
-        self.max_rows, self.max_blocks = max_rows, max_blocks
         self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int64, device=device)
+        on_cuda = self.table.device.type == "cuda"
+        self.staging = torch.zeros(max_rows, max_blocks, dtype=torch.int64, pin_memory=True) if on_cuda else self.table
+        self._cells = self.staging.numpy()
         self.address = self.table.data_ptr()
         self.compaction = compaction
         self._keys: list[tuple] = []  # row -> the request occupying it (id, preemptions)
@@ -71,14 +78,16 @@ class SlotTable:
         return ordered
 
     def _write_row(self, row: int, blocks: list[int], start: int) -> None:
-        fresh = blocks[start:]
-        if fresh:
-            self.table[row, start:len(blocks)] = torch.tensor(fresh, dtype=torch.int64)
-            self.cells_written += len(fresh)
-        if not self.compaction:
-            self.table[row, len(blocks):] = 0
+        end = stop = len(blocks)
+        self._cells[row, start:end] = blocks[start:]
+        if not self.compaction:  # rewritten whole: the row's previous occupant may have been longer
+            self._cells[row, end:] = 0
+            stop = self._cells.shape[1]
         elif row < len(self._written):
-            self._written[row] = len(blocks)
+            self._written[row] = end
+        if self.staging is not self.table and stop > start:
+            self.table[row, start:stop].copy_(self.staging[row, start:stop], non_blocking=True)
+        self.cells_written += end - start
         self._high_water = max(self._high_water, row + 1)
 
     def _clear_rows(self, rows: int) -> None:
@@ -88,6 +97,3 @@ class SlotTable:
 
     def window(self, rows: int, width: int) -> torch.Tensor:
         return self.table[:rows, :width]
-
-    def row_blocks(self, row: int, width: int) -> list[int]:
-        return self.table[row, :width].tolist()

@@ -35,3 +35,11 @@ class StepBatch:
     decode_context_lens: torch.Tensor  # [num_decode]
     prefills: tuple[PrefillSegment, ...]
     logits_indices: torch.Tensor  # [sampled rows] which tokens' hidden states become logits
+
+
+def decode_rows(requests: list, positions: list[int], block_size: int) -> tuple[list[int], list[int], list[int]]:
+    """One decode token per request at `positions`: its input token, the KV slot it writes, and the context
+    length it attends over (everything up to and including itself). Shared by the general and fast builders."""
+    ids = [r.tokens(p, p + 1)[0] for r, p in zip(requests, positions)]
+    slots = [r.blocks[p // block_size] * block_size + p % block_size for r, p in zip(requests, positions)]
+    return ids, slots, [p + 1 for p in positions]

@@ -12,9 +12,16 @@ from functools import partial
 
 import torch
 
+from nanoserve.errors import ConfigError
 from nanoserve.reads.gathered import gathered_decode
 
 READ_MODES = ("gathered", "streamed")
+
+
+def check_read_block(block: int | None) -> None:
+    """The streamed read's tile width: a power of two (a Triton block shape) of at least tl.dot's 16."""
+    if block is None or block < 16 or block & (block - 1):
+        raise ConfigError(f"read_block must be a power of two >= 16 (tl.dot's smallest operand), got {block}")
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,8 @@ class PagedRead:
     def __init__(self, mode: str = "gathered", block: int | None = None):
         if mode not in READ_MODES:
             raise ValueError(f"read mode {mode!r} is not available; choose one of {READ_MODES}")
-        if mode == "streamed" and (block is None or block < 16 or block & (block - 1)):
-            raise ValueError(f"the streamed read's tile width must be a power of two >= 16, got {block}")
+        if mode == "streamed":
+            check_read_block(block)
         self.mode = mode
         self.block = block if mode == "streamed" else None
         self._kernel = gathered_decode

@@ -6,24 +6,21 @@ online softmax. The [rows, heads, 1, ctx] score rectangle never exists: the wide
 [G, block] tile. When rows x kv heads are too few to fill the device, the context is split across programs and
 the partial results merged (flash-decoding), so one long request still occupies the GPU.
 
-On a machine without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1), set here before
-Triton is imported: correct, and far slower than the gathered read.
+On a machine without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, which importing
+nanoserve sets before Triton can be imported): correct, and far slower than the gathered read.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from nanoserve import TRITON_COMPILED_EARLY
 from nanoserve.errors import ConfigError
-
-if not torch.cuda.is_available():  # the interpreter must be chosen before Triton is imported (nanoserve does)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 MIN_DOT = 16  # tl.dot needs operands of at least 16 along every axis
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -87,12 +84,17 @@ def check_runnable(device: torch.device) -> None:
                           "nanoserve first also does it), or use the gathered read")
 
 
-def choose_splits(rows: int, kv_heads: int, tiles: int) -> int:
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(rows: int, kv_heads: int, tiles: int, device: torch.device) -> int:
     """Context splits from shapes only: enough programs to cover the device's SMs twice, never a split without a
     tile. On the CPU (the interpreter runs programs one by one) one split."""
-    if not torch.cuda.is_available() or tiles <= 1:
+    if device.type != "cuda" or tiles <= 1:
         return 1
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = _multiprocessors(device)
     programs = rows * kv_heads
     return max(1, min(tiles, -(-2 * sms // programs))) if programs < 2 * sms else 1
 
@@ -107,7 +109,7 @@ def streamed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = heads // kv_heads
     g_pad = max(MIN_DOT, triton.next_power_of_2(group))
     tiles = -(-(block_table.shape[1] * block_size) // block)
-    splits = splits or choose_splits(rows, kv_heads, tiles)
+    splits = splits or choose_splits(rows, kv_heads, tiles, q.device)
     tiles_per_split = -(-tiles // splits)
     acc = torch.empty(rows, kv_heads, splits, g_pad, dim, dtype=torch.float32, device=q.device)
     mx = torch.empty(rows, kv_heads, splits, g_pad, dtype=torch.float32, device=q.device)
@@ -126,6 +128,8 @@ def streamed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def merge_splits(acc: torch.Tensor, mx: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
     """Combine per-split (acc, max, sum) into the softmax-weighted output: [rows, kv_heads, group, D]."""
+    if acc.shape[2] == 1:  # one split: its weight is exactly 1 (every row has at least one token)
+        return acc[:, :, 0, :group] / sm[:, :, 0, :group, None]
     top = mx.amax(dim=2, keepdim=True)
     weight = torch.exp(torch.where(mx == float("-inf"), float("-inf"), mx - top.clamp_min(-3.0e38)))
     out = (acc * weight[..., None]).sum(2) / (sm * weight).sum(2)[..., None]
