@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
+from itertools import islice
 
 KEEP = 2000  # lines kept; older ones drop off
 
@@ -55,4 +56,10 @@ class EngineLog(logging.Handler):
     def since(self, seen: int) -> tuple[int, list[str]]:
         """Lines numbered after `seen`, and the newest number (pass it back next time)."""
         with self._guard:
-            return self._count, [line for n, line in self._lines if n > seen]
+            new = min(self._count - seen, len(self._lines))  # more new lines than kept: the kept ones
+            if new <= 0:
+                return self._count, []
+            lines = [line for _, line in islice(reversed(self._lines), new)]  # only the new ones, newest first
+            count = self._count
+        lines.reverse()
+        return count, lines

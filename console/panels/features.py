@@ -9,17 +9,16 @@ OFF = "off (not published by this engine)"
 
 
 class FeaturePanel(TextPanel):
-    """Shows `stats.as_dict()[section]` key by key for each of its sections, or OFF while none is published."""
+    """Shows `stats.sections[section]` key by key for each of its sections, or OFF while none is published."""
 
     def __init__(self, *sections: str, **kwargs):
         super().__init__(OFF, **kwargs)
         self.sections = sections
 
     def show(self, stats: EngineStats) -> None:
-        published = stats.as_dict()
         lines = []
         for section in self.sections:
-            values = published.get(section)
+            values = stats.sections.get(section)
             if isinstance(values, dict):
                 lines += [f"{section}:" if len(self.sections) > 1 else ""] + [f"{k:<18} {v}" for k, v in values.items()]
             elif values is not None:

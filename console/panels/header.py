@@ -7,9 +7,6 @@ from nanoserve.stats import EngineStats
 
 
 class EngineHeader(TextPanel):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-
     def show(self, stats: EngineStats) -> None:
         flags = " ".join(f"{k}={v}" for k, v in stats.flags.items() if k != "model")
         self.set_text(f"{stats.model} · {stats.device} · {stats.dtype} · max_model_len {stats.max_model_len}\n"

@@ -7,9 +7,6 @@ from nanoserve.stats import EngineStats
 
 
 class KVPanel(TextPanel):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-
     def show(self, stats: EngineStats) -> None:
         kv, sched = stats.kv, stats.scheduler
         self.set_text(

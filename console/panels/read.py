@@ -7,9 +7,6 @@ from nanoserve.stats import EngineStats
 
 
 class ReadPanel(TextPanel):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-
     def show(self, stats: EngineStats) -> None:
         read = stats.paged_read
         block = "-" if read.block is None else read.block

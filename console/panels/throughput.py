@@ -44,9 +44,11 @@ class TokenRates:
 
 
 class ThroughputPanel(Vertical):
-    def __init__(self, window_s: float = 5.0, **kwargs):
+    """The rates and their sparklines; the dashboard adds a sample to `rates` every tick, shown or not."""
+
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.rates = TokenRates(window_s)
+        self.rates = TokenRates()
 
     def compose(self) -> ComposeResult:
         yield TextPanel(id="throughput-text")
@@ -54,10 +56,6 @@ class ThroughputPanel(Vertical):
         yield Sparkline(list(self.rates.prompt_history), id="prompt-spark")
         yield Static("generation tok/s", classes="spark-label")
         yield Sparkline(list(self.rates.generation_history), id="generation-spark")
-
-    def sample(self, now: float, stats: EngineStats) -> None:
-        """Record the counters; called on every tick, paused or not, so the window has no gap."""
-        self.rates.add(now, stats)
 
     def show(self, stats: EngineStats) -> None:
         prompt_rate, generation_rate = self.rates.rates()

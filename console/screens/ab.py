@@ -15,7 +15,7 @@ from textual.containers import Horizontal
 from textual.widgets import Button, DataTable, Input, ProgressBar, Static
 from textual.worker import Worker, WorkerState
 
-from console.screens.base import ConsoleScreen
+from console.screens.base import ConsoleScreen, positive_int
 from nanoserve.bench.ab import (
     DEFAULT_B,
     ABCancelled,
@@ -91,7 +91,7 @@ class ABScreen(ConsoleScreen):
         self.query_one("#counters").border_title = "Counters"
         self.query_one("#verdicts", DataTable).add_columns("#", "kind", "verdict", "A text", "B text")
         self.query_one("#counters", DataTable).add_columns("counter", "A", "B")
-        self.set_interval(0.1, self.show_progress)
+        self.every_while_shown(0.1, self.show_progress)
 
     def on_unmount(self) -> None:
         if self.ab is not None:  # the app is closing: take down whatever the run has up
@@ -129,10 +129,7 @@ class ABScreen(ConsoleScreen):
             self.query_one("#ab-phase", Static).update(f"stopping ({self.ab.phase})…")
 
     def count(self, field_id: str) -> int:
-        text, title = self.query_one(f"#{field_id}", Input).value.strip(), FIELDS[field_id][0]
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{title} must be a whole number >= 1, got {text!r}")
-        return int(text)
+        return positive_int(self.query_one(f"#{field_id}", Input), FIELDS[field_id][0])
 
     def refuse(self, message: str) -> None:
         self.error = message

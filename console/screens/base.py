@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.timer import Timer
+from textual.widgets import Footer, Input
 
 from console.panels.header import EngineHeader
+from console.panels.text import TextPanel
+
+
+def positive_int(field: Input | str, label: str) -> int:
+    """A whole number >= 1 from a text field (or its text); ValueError naming `label` otherwise."""
+    text = (field if isinstance(field, str) else field.value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{label} must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 class ConsoleScreen(Screen):
@@ -16,17 +28,24 @@ class ConsoleScreen(Screen):
     The header and status follow the app's engine on the app's refresh interval, so the flags in force stay
     visible on every screen, through restarts. Esc takes the focus off a text field, so the letter keys
     (screens, quit, help) work again.
+
+    Every screen is an app mode, and switching modes only suspends the screen left, so its timers would keep
+    firing: screens poll with `every_while_shown`, whose timers pause while the screen is out of view.
     """
 
     BINDINGS = [Binding("escape", "blur", "Unfocus", show=False, id="blur")]
     AUTO_FOCUS = ""  # nothing focused on arrival (matches no widget), so the letter keys answer until a field is chosen
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._shown_timers: list[tuple[Timer, Callable[[], object]]] = []
 
     def action_blur(self) -> None:
         self.set_focus(None)
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")
-        yield Static("", markup=False, id="status")
+        yield TextPanel(id="status")
         yield from self.compose_body()
         yield Footer()
 
@@ -37,19 +56,36 @@ class ConsoleScreen(Screen):
         """Textual runs every class's on_mount, so subclasses add their own without calling this one."""
         self.start_refresh()
 
+    # ---- timers that run only while the screen is in view -------------------------------------------
+    def every_while_shown(self, interval: float, callback: Callable[[], object]) -> Timer:
+        """`set_interval` for polling the screen's view: paused while the screen is out of view (another mode
+        is shown; a modal over it leaves it in view), and on return restarted and called at once."""
+        timer = self.set_interval(interval, callback)
+        self._shown_timers.append((timer, callback))
+        return timer
+
+    def on_screen_suspend(self) -> None:
+        if not self.is_current:
+            for timer, _ in self._shown_timers:
+                timer.pause()
+
+    def on_screen_resume(self) -> None:
+        for timer, callback in self._shown_timers:
+            timer.resume()
+            timer.reset()  # a full interval from now, rather than the tick held back while paused
+            callback()
+
+    # ---- header and status --------------------------------------------------------------------------
     def start_refresh(self) -> None:
         """Follow the engine on the app's refresh interval (the dashboard replaces this with its own tick)."""
         self.refresh_header()
-        self.set_interval(self.app.refresh_s, self.refresh_header)
+        self.every_while_shown(self.app.refresh_s, self.refresh_header)
 
     def status_text(self) -> str:
         return self.app.status_line()
 
     def show_status(self) -> None:
-        status = self.query_one("#status", Static)
-        text = self.status_text()
-        if text != str(status.content):  # an unchanged line costs no repaint
-            status.update(text)
+        self.query_one("#status", TextPanel).set_text(self.status_text())  # an unchanged line costs no repaint
 
     def refresh_header(self) -> None:
         self.show_status()

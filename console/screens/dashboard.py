@@ -15,6 +15,7 @@ from console.panels.read import ReadPanel
 from console.panels.rows import RowsPanel
 from console.panels.throughput import ThroughputPanel
 from console.screens.base import ConsoleScreen
+from nanoserve.stats import EngineStats
 
 PANEL_TITLES = {"rows": "Requests", "kv": "KV cache", "throughput": "Throughput and latency",
                 "read": "Paged read", "capture": "Capture", "inputs": "Persistent inputs"}
@@ -83,20 +84,31 @@ class Dashboard(ConsoleScreen):
         return self.app.status_line() + (f"  · refresh {self.app.refresh_s:g} s") + ("  [PAUSED]" if self.paused else "")
 
     def tick(self) -> None:
+        """Sample the engine's counters on every tick, in view or not, paused or not, so the rates window has
+        no gap; redraw only while the screen is in view."""
         self.ticks += 1
-        self.show_status()
+        stats = self.engine_stats()
+        if stats is not None:
+            self.query_one(ThroughputPanel).rates.add(time.monotonic(), stats)
+        if self.is_current:
+            self.redraw(stats)
+
+    def on_screen_resume(self) -> None:
+        if self._timer is not None:  # back in view: show what happened while away at once
+            self.redraw(self.engine_stats())
+
+    def engine_stats(self) -> EngineStats | None:
         server = self.app.server
-        if server is None:
-            return
-        stats = server.host.stats()
-        throughput = self.query_one(ThroughputPanel)
-        throughput.sample(time.monotonic(), stats)
-        if self.paused:
+        return None if server is None else server.host.stats()
+
+    def redraw(self, stats: EngineStats | None) -> None:
+        self.show_status()
+        if stats is None or self.paused:
             return
         self.query_one(EngineHeader).show(stats)
         self.query_one(RowsPanel).show(stats)
         self.query_one(KVPanel).show(stats)
-        throughput.show(stats)
+        self.query_one(ThroughputPanel).show(stats)
         self.query_one(ReadPanel).show(stats)
         for panel in self.query(FeaturePanel):
             panel.show(stats)

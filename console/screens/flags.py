@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
@@ -44,9 +45,7 @@ class FlagControl:
                      id=self.widget_id)
 
     def read(self, widget):
-        if isinstance(widget, Switch):
-            return widget.value
-        if isinstance(widget, Select):
+        if isinstance(widget, (Switch, Select)):
             return widget.value
         return self.spec.parse(widget.value)
 
@@ -134,11 +133,7 @@ class FlagsScreen(ConsoleScreen):
             yield Static("", markup=False, id="flags-progress")
 
     def on_mount(self) -> None:
-        self.set_interval(0.1, self.follow_restart)
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        actions = {"flags-apply-button": self.action_apply, "flags-reset-button": self.action_reset}
-        actions[event.button.id]()
+        self.every_while_shown(0.1, self.follow_restart)
 
     # ---- reading the form ---------------------------------------------------------------------------
     def proposed(self) -> EngineConfig:
@@ -157,6 +152,7 @@ class FlagsScreen(ConsoleScreen):
         self.query_one("#flags-message", Static).update(message)
 
     # ---- actions ------------------------------------------------------------------------------------
+    @on(Button.Pressed, "#flags-apply-button")
     def action_apply(self) -> None:
         if self.app.restarting or self._tracking is not None:
             self.say("a restart is already running; wait for it to finish")
@@ -181,6 +177,7 @@ class FlagsScreen(ConsoleScreen):
 
         self.app.push_screen(ConfirmRestart(changes, drain), confirmed)
 
+    @on(Button.Pressed, "#flags-reset-button")
     def action_reset(self) -> None:
         """Put the flags in force back into the form."""
         for control in self.controls:
@@ -210,9 +207,9 @@ class FlagsScreen(ConsoleScreen):
             self.restart_log.append(f"{at - track['started']:6.1f} s  {phase}")
         if new:
             self.query_one("#flags-progress", Static).update("restart:\n" + "\n".join(self.restart_log))
-        elapsed = time.monotonic() - track["started"]
         if not done:
             return
+        elapsed = self.app.phases[-1][0] - track["started"]  # the restart's last phase: right even if seen late
         self._tracking = None
         error = self.app.restart_error
         self.action_reset()

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import Button, Input, Label, ProgressBar, Select, Static
 
-from console.screens.base import ConsoleScreen
+from console.screens.base import ConsoleScreen, positive_int
 from nanoserve.bench import serve as bench_serve
 
 FIELDS = (  # id, label, default
@@ -63,21 +64,12 @@ class LoadScreen(ConsoleScreen):
         yield Static("no run yet", markup=False, id="load-phase")
         yield Static("", markup=False, id="load-summary")
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        actions = {"load-run-button": self.action_run_load, "load-stop-button": self.action_stop_load}
-        actions[event.button.id]()
-
     # ---- actions ------------------------------------------------------------------------------------
     def read_form(self) -> dict:
         """The run's settings; ValueError names the field that is wrong."""
-        values = {}
-        for field_id, label, _ in FIELDS:
-            text = self.query_one(f"#{field_id}", Input).value
-            if not text.isdigit() or int(text) < 1:
-                raise ValueError(f"{label} must be a whole number >= 1, got {text!r}")
-            values[field_id] = int(text)
-        return values
+        return {field_id: positive_int(self.query_one(f"#{field_id}", Input), label) for field_id, label, _ in FIELDS}
 
+    @on(Button.Pressed, "#load-run-button")
     def action_run_load(self) -> None:
         if self.running:
             self.notify("a run is already going; stop it first (ctrl+x)", severity="warning")
@@ -97,6 +89,7 @@ class LoadScreen(ConsoleScreen):
             sampled=self.query_one("#load-sampling", Select).value == "sampled")
         self.run_worker(self._fire(server.url, bodies, form["load-concurrency"]), exclusive=True, group="load")
 
+    @on(Button.Pressed, "#load-stop-button")
     def action_stop_load(self) -> None:
         self.workers.cancel_group(self, "load")
 

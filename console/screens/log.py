@@ -6,6 +6,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import RichLog
 
+from console.logs import KEEP
 from console.screens.base import ConsoleScreen
 
 
@@ -17,12 +18,12 @@ class LogScreen(ConsoleScreen):
         self.seen = 0
 
     def compose_body(self) -> ComposeResult:
-        yield RichLog(id="log", max_lines=2000, markup=False, highlight=False, wrap=True)
+        yield RichLog(id="log", max_lines=KEEP, markup=False, highlight=False, wrap=True)
 
     def on_mount(self) -> None:
         self.query_one("#log").border_title = "Engine log"
         self.drain()
-        self.set_interval(0.25, self.drain)
+        self.every_while_shown(0.25, self.drain)
 
     def drain(self) -> None:
         self.seen, lines = self.app.engine_log.since(self.seen)
