@@ -31,7 +31,7 @@ async def fire(server: Server, args) -> float:
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
-    return sum(r.output_tokens for r in results) / duration
+    return bench_serve.summarise(results, duration)["output_tok_per_s"]
 
 
 async def headless_arm(server: Server, args) -> dict:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"headless_tok_per_s": med["headless"], "console_tok_per_s": med["console"],
                "console_over_headless": med["console"] / med["headless"], "worst_key_ms": max(keys)}
     print_table("medians", [summary], list(summary))
-    print(f"wrote {write_results(args.out, 'console-cost', {'args': vars(args), 'summary': summary}, rows)}")
+    print(f"wrote {write_results(args.out, 'console-cost', {'summary': summary}, rows, args)}")
     return 0
 
 

@@ -8,7 +8,6 @@ server abort the request and free its blocks, and gives the prompt back.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -21,6 +20,7 @@ from textual.widgets import Input, Label, Markdown, Static
 from textual.worker import WorkerState
 
 from console.screens.base import ConsoleScreen
+from nanoserve.bench.common import error_message, sse_events
 
 CONTROLS = {  # control id -> (label, default, validator, empty allowed)
     "chat-temperature": ("temperature", "0.7", Number(minimum=0), False),
@@ -155,10 +155,7 @@ class ChatScreen(ConsoleScreen):
             async with client.stream("POST", url, json=body) as response:
                 if response.status_code != 200:
                     raise ChatError(error_message(response.status_code, await response.aread()))
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_events(response):
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
                     for choice in chunk.get("choices", []):
@@ -219,10 +216,3 @@ def decode_rate(tokens: int, first: float | None) -> float | None:
     """Tokens per second after the first one: the decode speed, without the prefill in TTFT."""
     elapsed = time.monotonic() - first if first is not None else 0.0
     return (tokens - 1) / elapsed if tokens > 1 and elapsed > 0 else None
-
-
-def error_message(status: int, raw: bytes) -> str:
-    try:
-        return f"HTTP {status}: {json.loads(raw)['error']['message']}"
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {status}: {raw.decode(errors='replace')[:200]}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import json
 import shlex
 import sys
 import threading
@@ -22,14 +21,13 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from nanoserve.bench.common import print_table, write_results
-from nanoserve.bench.prompts import REAL_PROMPTS
+from nanoserve.bench import serve
+from nanoserve.bench.common import SAMPLED, pick_prompts, print_table, write_results
 from nanoserve.config import EngineConfig, FlagSpec
 from nanoserve.errors import ConfigError
 
 DEFAULT_B = "streamed_read=on"  # the other read: must change no output
 SCHEDULING_B = "max_num_seqs=4 max_num_batched_tokens=64"  # another scheduling: must change no output either
-SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 Progress = Callable[[str, int, int], None]  # (phase, requests done, requests in all)
 
 
@@ -71,10 +69,6 @@ def variant(base: EngineConfig, text: str) -> EngineConfig:
 
 
 # ---- requests and verdicts --------------------------------------------------------------------------
-def pick_prompts(n: int) -> list[str]:
-    return [REAL_PROMPTS[i % len(REAL_PROMPTS)] for i in range(n)]
-
-
 def ab_requests(prompts, max_tokens: int, sampled_seed: int = 1234, chat: bool = True) -> list[dict]:
     """Streamed bodies alternating greedy and seeded-sampled; ignore_eos keeps every text max_tokens long."""
     bodies = []
@@ -135,61 +129,34 @@ def judge(index: int, body: dict, a: Reply, b: Reply) -> Verdict:
 @dataclass
 class Fired:
     replies: list[Reply]
-    peak_running: int  # the most rows /health showed running at once while the requests ran
     duration_s: float
 
 
-async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> Reply:
-    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    reply, parts = Reply(), []
-    try:
-        async with http.stream("POST", url + route, json=body) as r:
-            if r.status_code != 200:
-                return Reply(error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                for choice in json.loads(line[6:]).get("choices") or []:
-                    parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-                    reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
-    except httpx.HTTPError as e:
-        reply.error = repr(e)
-    reply.text = "".join(parts)
-    return reply
-
-
 async def fire(url: str, bodies: list[dict], concurrency: int,
-               on_done: Callable[[int, Reply], None] | None = None, cancel=None) -> Fired:
-    """Stream every body at `url`, `concurrency` clients at once, polling /health for the peak running rows.
+               on_done: Callable[[Reply], None] | None = None, cancel=None) -> Fired:
+    """Stream every body at `url`, `concurrency` clients at once (bench serve's `run`, /health left alone).
 
     `cancel` is anything with is_set() (an asyncio.Event, or a threading.Event set from another thread):
     once set, the clients hang up, which aborts their requests and frees their blocks, and ABCancelled rises.
     """
-    limit = asyncio.Semaphore(concurrency)
-    peak = 0
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as http:
 
-        async def client(index: int, body: dict) -> Reply:
-            async with limit:
-                reply = await stream_one(http, url, body)
-            if on_done is not None:
-                on_done(index, reply)
-            return reply
+    def heard(result: serve.Result) -> None:
+        if on_done is not None:
+            on_done(as_reply(result))
 
-        started = time.perf_counter()
-        tasks = [asyncio.create_task(client(i, body)) for i, body in enumerate(bodies)]
-        everything = asyncio.gather(*tasks)
-        while not everything.done():
-            if cancel is not None and cancel.is_set():
-                everything.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise ABCancelled("stopped while firing")
-            try:
-                peak = max(peak, (await http.get(url + "/health")).json()["scheduler"]["running"])
-            except httpx.HTTPError:
-                pass
-            await asyncio.wait([everything], timeout=0.05)
-        return Fired(everything.result(), peak, time.perf_counter() - started)
+    firing = asyncio.create_task(serve.run(url, bodies, concurrency, None, {}, 0, heard, watch_health=False))
+    while not firing.done():
+        if cancel is not None and cancel.is_set():
+            firing.cancel()  # run cancels every request in flight, closing their streams
+            await asyncio.gather(firing, return_exceptions=True)
+            raise ABCancelled("stopped while firing")
+        await asyncio.wait([firing], timeout=0.05)
+    results, duration, _ = firing.result()
+    return Fired([as_reply(result) for result in results], duration)
+
+
+def as_reply(result: serve.Result) -> Reply:
+    return Reply(result.text, result.finish_reason, result.error)
 
 
 def settled_health(url: str, timeout: float = 30.0) -> dict:
@@ -215,9 +182,8 @@ class Side:
 
     @property
     def peak_running(self) -> int:
-        """The engine's own peak, or the polled one if higher: both count rows decoding at once."""
-        engine_peak = self.health_after.get("scheduler", {}).get("peak_running", 0)
-        return max(engine_peak, self.fired.peak_running if self.fired else 0)
+        """The most rows its engine ran at once: the engine is fresh, so its own peak is this run's."""
+        return self.health_after.get("scheduler", {}).get("peak_running", 0)
 
 
 @dataclass
@@ -315,7 +281,7 @@ class ABRun:
             side.health_before = settled_health(server.url)
             self._report(f"firing {side.name}")
             side.fired = asyncio.run(fire(server.url, self.bodies, self.concurrency,
-                                          lambda index, reply: self._report(self.phase, 1), self._cancel))
+                                          lambda reply: self._report(self.phase, 1), self._cancel))
             side.health_after = settled_health(server.url)
         finally:
             server.stop()
@@ -380,10 +346,9 @@ def main(args) -> int:
                 f"{args.max_tokens} tokens", rows, ["#", "kind", "verdict", "A", "B"])
     counters = [{"counter": name, "A": show(va), "B": show(vb)} for name, va, vb in result.counter_rows()]
     print_table("counters", counters, ["counter", "A", "B"])
-    payload = {"args": {k: v for k, v in vars(args).items() if k not in ("func", "bench_main")},
-               "summary": result.summary(), "all_identical": result.all_identical,
+    payload = {"summary": result.summary(), "all_identical": result.all_identical,
                "peak_running": {side.name: side.peak_running for side in result.sides},
                **dataclasses.asdict(result)}  # both sides' configs, /health before and after, every reply
-    path = write_results(args.out, "ab", payload, [dataclasses.asdict(v) for v in result.verdicts])
+    path = write_results(args.out, "ab", payload, [dataclasses.asdict(v) for v in result.verdicts], args)
     print(f"\n{result.summary()}\nwrote {path}")
     return 0 if result.all_identical else 1

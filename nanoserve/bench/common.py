@@ -1,4 +1,5 @@
-"""Helpers every benchmark shares: printing a table and writing its rows as JSON and CSV."""
+"""Helpers every benchmark shares: printing a table, writing its rows as JSON and CSV, the prompts and sampling
+of its requests, reading a streamed response, and timing a buffer read."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import json
 import os
 import platform
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
+
+from nanoserve.bench.prompts import REAL_PROMPTS
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # a sampled request's settings (plus its own seed)
 
 
 def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
@@ -26,10 +32,14 @@ def _fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
-def write_results(out_dir: str | os.PathLike, name: str, payload: dict, rows: list[dict]) -> Path:
+def write_results(out_dir: str | os.PathLike, name: str, payload: dict, rows: list[dict], args=None) -> Path:
+    """`name`.json (when, machine, the command's `args` without its handlers, then `payload`) and `name`.csv."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **payload}
+    header = {"benchmark": name, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine()}
+    if args is not None:
+        header["args"] = {k: v for k, v in vars(args).items() if not callable(v)}
+    payload = {**header, **payload}
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
     if rows:
         with open(out / f"{name}.csv", "w", newline="") as f:
@@ -51,3 +61,48 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth as this process sees it: the best of a few sums over a `mib` MiB buffer (beyond cache)."""
+    x = torch.ones(mib * 2**18, dtype=torch.float32)
+    return x.nbytes / best_seconds(x.sum, repeats) / 1e9
+
+
+def pick_prompts(n: int) -> list[str]:
+    """`n` chat prompts, the builtin ones in turn."""
+    return [REAL_PROMPTS[i % len(REAL_PROMPTS)] for i in range(n)]
+
+
+async def sse_events(response) -> AsyncIterator[dict]:
+    """Each `data: {...}` event of a streamed (server-sent events) response, parsed, until `data: [DONE]`.
+
+    What follows [DONE] is read and dropped, so the connection ends cleanly and can serve the next request.
+    """
+    lines = response.aiter_lines()
+    async for line in lines:
+        if line == "data: [DONE]":
+            async for _ in lines:
+                pass
+            return
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
+
+
+def error_message(status: int, raw: bytes) -> str:
+    """A refused request as text: the status and the OpenAI error's message (or the start of the body)."""
+    try:
+        return f"HTTP {status}: {json.loads(raw)['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}: {raw.decode(errors='replace')[:200]}"

@@ -124,5 +124,5 @@ def main(args) -> int:
                 rows, ["batch", "eager_ms", "captured_ms", "speedup", "hbm_bound_ms", "captured_over_bound"])
     print_table("capture", [summary], list(summary))
     name = "graphs-big" if args.random_big else "graphs"
-    print(f"wrote {write_results(args.out, name, {'summary': summary}, rows)}")
+    print(f"wrote {write_results(args.out, name, {'summary': summary}, rows, args)}")
     return 0

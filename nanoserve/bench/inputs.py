@@ -99,7 +99,6 @@ def main(args) -> int:
                 f"(median of {args.repeats}, arms interleaved)", rows, list(rows[0]))
     memory = memory_rows()
     print_table("input memory at 256 rows and 8192 tokens", memory, ["what", "bytes", "vs_one_set"])
-    path = write_results(args.out, "inputs", {"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                              "memory": memory}, rows)
+    path = write_results(args.out, "inputs", {"memory": memory}, rows, args)
     print(f"wrote {path}")
     return 0

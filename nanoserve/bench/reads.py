@@ -79,5 +79,5 @@ def main(args) -> int:
                 f"(copy bandwidth {peak:.0f} GB/s)", rows,
                 ["batch", "context", "gathered_ms", "streamed_ms", "streamed_over_gathered", "streamed_gbs",
                  "share_of_copy_bw"])
-    print(f"wrote {write_results(args.out, 'reads', {'copy_bandwidth_gbs': peak}, rows)}")
+    print(f"wrote {write_results(args.out, 'reads', {'copy_bandwidth_gbs': peak}, rows, args)}")
     return 0

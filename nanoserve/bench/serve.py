@@ -8,7 +8,6 @@ arm that was never crowded: a serving figure from one request at a time measures
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -16,8 +15,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from nanoserve.bench.common import print_table, write_results
-from nanoserve.bench.prompts import REAL_PROMPTS
+from nanoserve.bench.common import (
+    SAMPLED,
+    error_message,
+    pick_prompts,
+    print_table,
+    sse_events,
+    write_results,
+)
+from nanoserve.stats import percentiles
 
 
 def add_parser(sub, add_engine_flags) -> None:
@@ -43,10 +49,8 @@ class Result:
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
     error: str = ""
-
-
-def requests_for(args, vocab: int) -> list[dict]:
-    return make_bodies(args.num_prompts, args.dataset, args.input_len, args.output_len, args.prompt_seed, vocab)
+    text: str = ""  # the streamed deltas joined
+    finish_reason: str | None = None
 
 
 def make_bodies(num_prompts: int, dataset: str, input_len: int, output_len: int, prompt_seed: int, vocab: int,
@@ -56,17 +60,17 @@ def make_bodies(num_prompts: int, dataset: str, input_len: int, output_len: int,
     Every request runs to `output_len` tokens (ignore_eos), so runs of the same shape do the same work.
     """
     rng = random.Random(prompt_seed)
+    prompts = pick_prompts(num_prompts)
     bodies = []
     for i in range(num_prompts):
         if dataset == "builtin":
-            prompt = REAL_PROMPTS[i % len(REAL_PROMPTS)]
-            body = {"messages": [{"role": "user", "content": prompt}]}
+            body = {"messages": [{"role": "user", "content": prompts[i]}]}
         else:
             body = {"prompt": [rng.randrange(100, vocab) for _ in range(input_len)]}
         body.update(max_tokens=output_len, temperature=0, ignore_eos=True, stream=True,
                     stream_options={"include_usage": True})
         if sampled:
-            body.update(temperature=0.8, top_p=0.95, seed=prompt_seed * 100_003 + i)
+            body.update(SAMPLED, seed=prompt_seed * 100_003 + i)
         bodies.append(body)
     return bodies
 
@@ -75,20 +79,21 @@ async def one(http: httpx.AsyncClient, url: str, body: dict) -> Result:
     route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     start = time.perf_counter()
     last = None
-    res = Result(ok=False)
+    res, parts = Result(ok=False), []
     try:
         async with http.stream("POST", url + route, json=body) as r:
             if r.status_code != 200:
-                return Result(ok=False, error=f"{r.status_code} {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
+                return Result(ok=False, error=error_message(r.status_code, await r.aread()))
+            async for event in sse_events(r):
                 if event.get("usage"):
                     res.output_tokens = event["usage"]["completion_tokens"]
                 choices = event.get("choices") or []
-                text = (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")) if choices else None
+                if not choices:
+                    continue
+                res.finish_reason = choices[0].get("finish_reason") or res.finish_reason
+                text = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
                 if text:
+                    parts.append(text)
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - start
@@ -99,15 +104,17 @@ async def one(http: httpx.AsyncClient, url: str, body: dict) -> Result:
         res.ok = True
     except httpx.HTTPError as e:
         res.error = repr(e)
+    res.text = "".join(parts)
     return res
 
 
 async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None, headers: dict, seed: int,
-              on_result=None):
+              on_result=None, watch_health: bool = True):
     """Fire `bodies` and return (results, duration, peak running rows seen on /health).
 
     `on_result(result)` hears each request as it ends. Cancelling the caller cancels every request in
-    flight (their streams close, so the server aborts them and frees their blocks).
+    flight (their streams close, so the server aborts them and frees their blocks). With `watch_health`
+    off, /health is not polled (no extra requests while step times are measured) and the peak is None.
     """
     limit = asyncio.Semaphore(concurrency if rate is None else len(bodies))
     peak = {"running": 0}
@@ -133,7 +140,7 @@ async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None
                 on_result(result)
             return result
 
-        watcher = asyncio.create_task(watch())
+        watchers = [asyncio.create_task(watch())] if watch_health else []
         started = time.perf_counter()
         tasks = []
         try:
@@ -146,9 +153,9 @@ async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None
             for task in tasks:
                 task.cancel()
             done.set()
-            await asyncio.gather(watcher, *tasks, return_exceptions=True)
+            await asyncio.gather(*watchers, *tasks, return_exceptions=True)
         duration = time.perf_counter() - started
-    return results, duration, peak["running"]
+    return results, duration, peak["running"] if watch_health else None
 
 
 def summarise(results: list[Result], duration: float) -> dict:
@@ -159,8 +166,7 @@ def summarise(results: list[Result], duration: float) -> dict:
     def stats(values):
         if not values:
             return None, None, None
-        values = sorted(values)
-        p99 = values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+        (p99,) = percentiles(values, 0.99)
         return statistics.fmean(values) * ms, statistics.median(values) * ms, p99 * ms
 
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -190,7 +196,7 @@ def main(args) -> int:
         vocab = 32000
         if server is not None:
             vocab = server.engine.model_config.vocab_size
-        bodies = requests_for(args, vocab)
+        bodies = make_bodies(args.num_prompts, args.dataset, args.input_len, args.output_len, args.prompt_seed, vocab)
         results, duration, crowd = asyncio.run(
             run(url, bodies, args.concurrency, args.request_rate, headers, args.prompt_seed))
     finally:
@@ -212,7 +218,6 @@ def main(args) -> int:
     print_table(f"serving: {row['model']}, {args.num_prompts} prompts ({args.dataset}), "
                 f"{'concurrency ' + str(args.concurrency) if args.request_rate is None else 'rate ' + str(args.request_rate)}, "
                 f"{args.output_len} output tokens", [row], columns)
-    path = write_results(args.out, "serve", {"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                             "result": row, "health_before": health}, [row])
+    path = write_results(args.out, "serve", {"result": row, "health_before": health}, [row], args)
     print(f"wrote {path}")
     return 0

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from nanoserve.bench.common import peak_rss_mib, print_table, write_results
+from nanoserve.bench.common import memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
 
 
 def add_parser(sub, add_engine_flags) -> None:
@@ -35,17 +35,6 @@ def workload(n: int, prompt_len, output_len, vocab: int, seed: int = 0) -> list[
         ([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
         for _ in range(n)
     ]
-
-
-def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth as this process sees it: the best of a few sums over a buffer larger than cache."""
-    x = torch.ones(mib * 2**18, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
 
 
 def run_nanoserve_mixed(llm, work) -> dict:
@@ -132,7 +121,7 @@ def main(args) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     if not cfg.tie_word_embeddings:
         weight_bytes -= engine.model.embed_tokens.weight.nbytes  # an embedding lookup reads one row
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = memory_bandwidth_gbs(mib=512)
     bound = bandwidth * 1e9 / weight_bytes
 
     hf = None if args.skip_hf else load_hf(engine)
@@ -182,6 +171,6 @@ def main(args) -> int:
         "flags": flags, "bandwidth_gbs": bandwidth, "weight_bytes_per_step": weight_bytes, "bound_tok_s": bound,
         "single_runs": single, "mixed": mixed, "ratios": ratios, "peak_rss_mib": peak_rss_mib(),
         "rss_after_nanoserve_mib": rss_after_nanoserve,
-    }, rows)
+    }, rows, args)
     print(f"wrote {path}")
     return 0

@@ -85,5 +85,5 @@ def main(args) -> int:
     shapes = shape_counts()
     print_table("decode shapes to capture (rows x widths for the gathered read; rows only for the streamed)",
                 shapes, list(shapes[0]))
-    print(f"wrote {write_results(args.out, 'wire', {'args': {k: v for k, v in vars(args).items() if k != 'func'}, 'shapes': shapes}, rows)}")
+    print(f"wrote {write_results(args.out, 'wire', {'shapes': shapes}, rows, args)}")
     return 0
