@@ -1,4 +1,5 @@
-"""Helpers shared by the console's pilot tests: waiting on the live app, reading a widget's text, background load."""
+"""Helpers shared by the console's pilot tests: waiting on the live app, reading a widget's text or its
+notifications, background load."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ async def wait_until(pilot, predicate, timeout: float = 15.0, what: str = "condi
 def text(app, selector: str) -> str:
     """The rendered content of the widget `selector` on the screen in view."""
     return str(app.screen.query_one(selector).content)
+
+
+def notes(app) -> str:
+    """The notifications (toasts) the app is showing, joined."""
+    return " | ".join(n.message for n in app._notifications)
 
 
 async def started(app, pilot, timeout: float = 60.0) -> None:

@@ -1,4 +1,4 @@
-"""Small helpers shared by tests that watch a live engine thread or server."""
+"""Small helpers shared by tests that watch a live engine thread or server, or read what a step wrote."""
 
 from __future__ import annotations
 
@@ -13,3 +13,23 @@ def wait_until(predicate, timeout: float = 10.0, every: float = 0.02) -> bool:
             return True
         time.sleep(every)
     return False
+
+
+def counters(result) -> dict:
+    """An A/B result's counters by name: {name: (A's value, B's value)}."""
+    return {name: (a, b) for name, a, b in result.counter_rows()}
+
+
+def cells_changed(now, before) -> set[tuple[int, int, int]]:
+    """(layer, block, offset) of every KV-cache cell where `now` differs from `before`
+    (both [layers, blocks, block_size, kv_heads, head_dim])."""
+    return {tuple(cell) for cell in (now != before).flatten(3).any(-1).nonzero().tolist()}
+
+
+def decode_step_cells(requests, block_size: int, padded: bool, layers: int) -> set[tuple[int, int, int]]:
+    """The cells one decode-only step writes, read off its requests after the step: each row's newest token
+    (position num_computed - 1) in its own block, plus slot 0 of the null block when the step had padded rows."""
+    cells = {(r.blocks[(r.num_computed - 1) // block_size], (r.num_computed - 1) % block_size) for r in requests}
+    if padded:
+        cells.add((0, 0))
+    return {(layer, block, offset) for layer in range(layers) for block, offset in cells}

@@ -11,6 +11,7 @@ from nanoserve.cli import main
 def test_bench_inputs_counts(tmp_path, capsys):
     assert main(["bench", "inputs", "--steps", "8", "40", "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "inputs.csv").open()))
+    assert [int(r["steps"]) for r in rows] == [8, 40]
     for r in rows:
         steps = int(r["steps"])
         assert int(r["allocations_fresh"]) == 6 * steps  # five inputs and a table rectangle per step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -59,7 +60,9 @@ async def test_pause_freezes_display_until_unpaused(config):
         requests = Requests(app.server.url, n=2, max_tokens=20)
         await asyncio.to_thread(requests.join, 30)
         assert not requests.errors
-        assert app.server.host.stats().scheduler.generation_tokens_total == 40  # the data kept flowing
+        # the data kept flowing (the host hands a step's outputs out before it publishes that step's counters)
+        await wait_until(pilot, lambda: app.server.host.stats().scheduler.generation_tokens_total == 40, 5,
+                         "the engine's generation total")
         ticks = dashboard.ticks
         await wait_until(pilot, lambda: dashboard.ticks >= ticks + 3, 5, "refresh ticks while paused")
         assert {sel: text(app, sel) for sel in frozen} == frozen
@@ -84,12 +87,34 @@ async def test_help_opens_and_closes(config):
     assert app.return_code == 0 and not server.host.running  # q quit the app, and quitting stopped the engine
 
 
-async def test_quit_while_loading_stops_the_server(config):
+async def test_quit_while_loading_stops_the_server(config, monkeypatch):
+    """The load is held inside Server.start until the app has quit, so the load thread finds the app closing."""
+    from nanoserve.server.serve import Server
+
+    release, entered, started_servers = threading.Event(), threading.Event(), []
+    original_start = Server.start
+
+    def held_start(server):
+        entered.set()
+        if not release.wait(60):
+            raise RuntimeError("the test never released the load")
+        started_servers.append(original_start(server))
+        return started_servers[-1]
+
+    monkeypatch.setattr(Server, "start", held_start)
     app = NanoserveConsole(config, refresh_s=0.05)
-    async with app.run_test() as pilot:
-        await pilot.press("q")
+    try:
+        async with app.run_test() as pilot:
+            await wait_until(pilot, entered.is_set, 60, "the load to reach Server.start")
+            await pilot.press("q")
+        assert not app.load_done.is_set()  # the app closed while the load was still held
+    finally:
+        release.set()
     assert await asyncio.to_thread(app.load_done.wait, 30)  # the load goes on, then stops what it started
-    assert app.server is None
+    assert app.load_error is None and app.server is None
+    (server,) = started_servers  # the HTTP server did start once released...
+    assert not server.host.running  # ...and the load thread stopped it
+    assert "serving" not in [phase for _, phase in app.phases]
     assert not [t for t in threading.enumerate() if t.name in ("nanoserve-engine", "nanoserve-http")]
 
 
@@ -101,7 +126,14 @@ async def test_inputs_panel_picks_up_the_published_section(config):
         await started(app, pilot)
         requests = Requests(app.server.url, n=3, max_tokens=12)
         await wait_until(pilot, lambda: not requests.is_alive(), 30, "the requests")
-        await wait_until(pilot, lambda: "fresh_allocations  0" in text(app, "#inputs"), 5, "the inputs section")
+        assert not requests.errors
+
+        def steps_shown() -> int:
+            found = re.search(r"^steps +(\d+)$", text(app, "#inputs"), re.MULTILINE)
+            return int(found.group(1)) if found else 0
+
+        await wait_until(pilot, lambda: steps_shown() > 0, 5, "decode steps in the inputs section")
         shown = text(app, "#inputs")
         assert "inputs:" in shown and "buckets:" in shown and "padded_rows" in shown
+        assert re.search(r"^fresh_allocations +0$", shown, re.MULTILINE)  # persistent: none, however many steps
         assert text(app, "#capture") == OFF

@@ -12,7 +12,7 @@ from console.app import NanoserveConsole  # noqa: E402
 from console.screens.chat import ChatScreen  # noqa: E402
 from console.screens.dashboard import Dashboard  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from tests.console_helpers import started, text, wait_until  # noqa: E402
+from tests.console_helpers import notes, started, text, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -36,10 +36,6 @@ async def open_chat(app, pilot, **controls) -> ChatScreen:
 async def send(pilot, chat: ChatScreen, prompt: str) -> None:
     chat.query_one("#chat-input", Input).value = prompt
     await pilot.press("enter")
-
-
-def notes(app) -> str:
-    return " | ".join(n.message for n in app._notifications)
 
 
 async def test_multi_turn_chat_with_the_default_model():

@@ -10,7 +10,7 @@ from console.app import NanoserveConsole  # noqa: E402
 from console.screens.dashboard import Dashboard  # noqa: E402
 from console.screens.load import LoadScreen  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from tests.console_helpers import started, text, wait_until  # noqa: E402
+from tests.console_helpers import notes, started, text, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -39,7 +39,9 @@ async def test_load_run_summarises_and_moves_the_dashboard(config):
         assert "successful 6  failed 0" in summary
         assert "crowded: up to" in summary and screen.summary["peak_running_seen"] >= 2
         assert screen.summary["output_tok_per_s"] > 0 and screen.summary["ttft_p99_ms"] is not None
-        assert app.server.host.stats().scheduler.generation_tokens_total == 72
+        # the host hands a step's outputs out before it publishes that step's counters: wait for the last step's
+        await wait_until(pilot, lambda: app.server.host.stats().scheduler.generation_tokens_total == 72, 5,
+                         "the engine's generation total")
         await pilot.press("d")
         await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
         await wait_until(pilot, lambda: "total 72" in text(app, "#throughput-text"), 5, "the dashboard's totals")
@@ -73,6 +75,7 @@ async def test_bad_field_refuses_to_start(config):
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_load(app, pilot, load_concurrency="0")
         await pilot.press("ctrl+r")
-        await pilot.pause(0.1)
+        refusal = "concurrency must be a whole number >= 1, got '0'"
+        await wait_until(pilot, lambda: refusal in notes(app), 5, "the refusal")
         assert not screen.running and app.server.host.stats().scheduler.steps == 0
         assert "no run yet" in text(app, "#load-phase")

@@ -76,8 +76,12 @@ async def test_help_lists_binding_ids_and_keymap_remaps(config):
         assert "id pause" in keys and "id screen_flags" in keys and "--keymap" in keys
         await pilot.press("escape")
         await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
+        dashboard = app.screen
+        await pilot.press("p")  # the old key no longer pauses
+        await pilot.pause()
+        assert not dashboard.paused and "PAUSED" not in text(app, "#status")
         await pilot.press("z")
-        assert app.screen.paused
+        assert dashboard.paused and "PAUSED" in text(app, "#status")
 
 
 async def test_refresh_keys_and_row_filter(config):
@@ -99,11 +103,20 @@ async def test_refresh_keys_and_row_filter(config):
         assert (table.sort_column, table.sort_reverse) == ("generated", True)
         await pilot.press("slash")
         await pilot.press(*"no-such-request")
+        assert table.filter_text == "no-such-request"
         requests = Requests(app.server.url, n=3, max_tokens=60)
-        seen = []
-        await wait_until(pilot, lambda: seen.append(table.row_count) or not requests.is_alive(), 60, "the load")
-        assert max(seen) == 0  # every row filtered out
+        seen = []  # (rows the table shows, rows the engine is running), sampled together
+
+        def sample() -> bool:
+            seen.append((table.row_count, app.server.host.stats().scheduler.running))
+            return not requests.is_alive()
+
+        await wait_until(pilot, sample, 60, "the load")
+        assert not requests.errors
+        assert max(r for _, r in seen) > 0, "no request was ever running while the filter was on"
+        assert max(shown for shown, _ in seen) == 0  # every row filtered out
         await pilot.press("escape")
+        assert table.filter_text == ""
         requests = Requests(app.server.url, n=3, max_tokens=60)
         await wait_until(pilot, lambda: table.row_count > 0 or not requests.is_alive(), 60, "unfiltered rows")
         assert table.row_count > 0

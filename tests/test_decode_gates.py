@@ -140,15 +140,12 @@ def test_capture_is_refused_without_cuda_with_the_way_out():
         EngineConfig(device="cpu", capture_graphs=True)  # the pairing is checked too
 
 
-def test_captured_decode_refuses_a_path_it_cannot_replay(decoding):
-    from nanoserve.decode.capture import CapturedDecode, check_capture_possible
-    from nanoserve.decode.path import DecodePath
+def test_captured_decode_refuses_a_cpu_cache(tiny_checkpoint):
+    """Every switch capture needs is on, but the cache is on the CPU (the CUDA-only gate is in test_gpu_capture)."""
+    from nanoserve.decode.capture import CapturedDecode
     from nanoserve.errors import ConfigError
 
-    engine, _ = decoding
+    engine = make(tiny_checkpoint("llama"), device="cpu", persistent_inputs=True, row_compaction=True,
+                  decode_buckets=True).engine
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         CapturedDecode(engine.model, engine.cache, engine.read, engine.decode_path, heads=4, layers=2)
-    bare = DecodePath(4, 8, 16, CPU, buckets=False, persistent=False, compaction=False)
-    if torch.cuda.is_available():
-        with pytest.raises(GateError, match="needs persistent inputs, decode buckets"):
-            check_capture_possible(bare, torch.device("cuda"))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.decode.inputs import check_addresses_stable, check_step_inputs_persistent
+from tests.helpers import cells_changed, counters, decode_step_cells
 from tests.test_engine_crowd import BLOCK_BYTES, MIXED, assert_same, make
 
 SWITCHES = ("decode_buckets", "persistent_inputs", "row_compaction")
@@ -109,14 +109,14 @@ def test_padded_rows_touch_only_the_null_block(ckpt):
     for i in range(3):
         engine.add_request(f"prompt {i}", SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()  # the three prefills
-    before = engine.cache.k.clone()
+    k, v = engine.cache.k.clone(), engine.cache.v.clone()
     engine.step()  # one decode-only step: 3 rows padded to 4
-    assert engine.decode_path.last_plan.shape[0] == 4
-    changed = (engine.cache.k != before).flatten(2).any(-1)  # [layers, blocks]
-    held = sorted({b for r in engine.scheduler.running for b in r.blocks})
-    touched = sorted(set(changed.nonzero()[:, 1].tolist()))
-    assert set(touched) <= set(held) | {0}
-    assert torch.equal(engine.cache.k[:, 0, 1:], before[:, 0, 1:])  # only slot 0 of the null block
+    plan, running = engine.decode_path.last_plan, list(engine.scheduler.running)
+    assert (plan.rows, plan.shape[0]) == (3, 4) and len(running) == 3
+    # exactly each row's new token in its own block, and the padded row's slot 0 of the null block, in every layer
+    want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.cache.k.shape[0])
+    assert cells_changed(engine.cache.k, k) == want
+    assert cells_changed(engine.cache.v, v) == want
 
 
 def test_sections_reach_metrics(ckpt):
@@ -143,5 +143,5 @@ def test_two_live_servers_switches_off_and_on_send_identical_bytes(ckpt):
     result = run_ab(base, switched, ab_requests(pick_prompts(8), 24), concurrency=6)
     assert result.all_identical, [v.label for v in result.verdicts]
     assert result.crowded and result.b.peak_running >= 2
-    rows = {name: (a, b) for name, a, b in result.counter_rows()}
+    rows = counters(result)
     assert rows["inputs.fresh_allocations"][1] == 0 and rows["inputs.steps"][1] > 0

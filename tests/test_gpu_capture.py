@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
-from tests.test_engine_crowd import MIXED
+from nanoserve.errors import GateError
+from tests.helpers import cells_changed, decode_step_cells
+from tests.test_engine_crowd import MIXED, make
 
 pytestmark = pytest.mark.gpu
 
 
 def cuda_llm(path, **flags) -> LLM:
-    return LLM(model=str(path), device="cuda", dtype="float32", max_model_len=256, kv_cache_gib=0.05, **flags)
+    """The crowd tests' engine on the GPU, in float32 so replay and eager compare token for token."""
+    return make(path, **{"device": "cuda", "dtype": "float32", "kv_cache_gib": 0.05, **flags})
 
 
 def tokens(outputs) -> list:
@@ -36,13 +40,37 @@ def test_replay_equals_eager_across_bucket_sizes(ckpt, crowd):
     llm.engine.audit()
 
 
+@pytest.mark.parametrize("crowd", [3, 10])
+def test_replay_equals_eager_with_the_streamed_read(ckpt, crowd):
+    """The streamed kernel inside the graphs, one shape per row bucket (no width axis): the same tokens as the
+    same decode path run eager, so only the capture differs."""
+    prompts, params = [p for p, _ in MIXED[:crowd]], [s for _, s in MIXED[:crowd]]
+    path = dict(decode_buckets=True, persistent_inputs=True, row_compaction=True, streamed_read=True, max_num_seqs=16)
+    eager_llm = cuda_llm(ckpt, **path)
+    eager = eager_llm.generate(prompts, params)
+    assert eager_llm.engine.captured is None
+    llm = cuda_llm(ckpt, cuda_graphs=True, **path)
+    replayed = llm.generate(prompts, params)
+    assert tokens(replayed) == tokens(eager)
+    assert llm.engine.read.mode == "streamed" and len(llm.engine.decode_path.buckets.widths) == 1
+    capture = llm.engine.stats().as_dict()["capture"]
+    assert capture["captures"] == capture["shapes"] > 0 and capture["replays"] > 0
+    assert capture["eager_steps"] == 0 and capture["pool_bytes"] > 0
+    llm.engine.audit()
+
+
 def test_a_request_at_max_model_len(ckpt):
     ids = list(range(5, 45))
     params = SamplingParams(temperature=0, max_tokens=256 - len(ids), ignore_eos=True)
     eager = cuda_llm(ckpt).generate([ids], params)
-    replayed = cuda_llm(ckpt, cuda_graphs=True).generate([ids], params)
+    llm = cuda_llm(ckpt, cuda_graphs=True)
+    replayed = llm.generate([ids], params)
     assert len(replayed[0].outputs[0].token_ids) == 256 - len(ids)
     assert tokens(replayed) == tokens(eager)
+    stats = llm.engine.stats().as_dict()
+    # every decode step, the last one at a full 16-block table included, ran in a captured graph
+    assert stats["capture"]["eager_steps"] == 0
+    assert stats["capture"]["replays"] == stats["inputs"]["steps"] == 256 - len(ids) - 1
 
 
 def test_padded_rows_leave_real_sequences_untouched(ckpt):
@@ -51,12 +79,16 @@ def test_padded_rows_leave_real_sequences_untouched(ckpt):
     for i in range(3):
         engine.add_request(f"prompt {i}", SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
-    before = engine.cache.k.clone()
+    # capturing wrote the null block's slot 0 (placeholder rows); clear it so the padded row's write shows
+    engine.cache.k[:, 0].zero_()
+    engine.cache.v[:, 0].zero_()
+    k, v = engine.cache.k.clone(), engine.cache.v.clone()
     engine.step()  # 3 rows replayed in the 4-row graph
-    assert engine.decode_path.last_plan.shape[0] == 4 and engine.captured.stats.replays == 1
-    changed = (engine.cache.k != before).flatten(2).any(-1)
-    held = {b for r in engine.scheduler.running for b in r.blocks}
-    assert set(changed.nonzero()[:, 1].tolist()) <= held | {0}
+    plan, running = engine.decode_path.last_plan, list(engine.scheduler.running)
+    assert (plan.rows, plan.shape[0]) == (3, 4) and engine.captured.stats.replays == 1 and len(running) == 3
+    want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.cache.k.shape[0])
+    assert cells_changed(engine.cache.k, k) == want
+    assert cells_changed(engine.cache.v, v) == want
 
 
 def test_replay_share_near_one_in_steady_decode(ckpt):
@@ -73,3 +105,18 @@ def test_bundle_switches_everything_on(ckpt):
     stats = engine.stats().as_dict()
     assert {"inputs", "buckets", "capture"} <= set(stats) and stats["inputs"]["persistent"]
     assert engine.decode_path.table.compaction
+
+
+def test_capture_refuses_a_path_it_cannot_replay():
+    """On CUDA the device is no excuse: a path without fixed addresses in fixed shapes is refused by the gate."""
+    from nanoserve.decode.capture import check_capture_possible
+    from nanoserve.decode.path import DecodePath
+
+    cuda = torch.device("cuda")
+    switches = {"buckets": True, "persistent": True, "compaction": True}
+    check_capture_possible(DecodePath(4, 8, 16, cuda, **switches), cuda)
+    check_capture_possible(DecodePath(4, 8, 16, cuda, **{**switches, "compaction": False}), cuda)  # table kept
+    for off in ({"buckets": False}, {"persistent": False}, {"buckets": False, "persistent": False,
+                                                            "compaction": False}):
+        with pytest.raises(GateError, match="needs persistent inputs, decode buckets"):
+            check_capture_possible(DecodePath(4, 8, 16, cuda, **{**switches, **off}), cuda)

@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanoserve.reads import streamed
 from nanoserve.reads.streamed import choose_splits, streamed_decode
 from tests.test_streamed_read import CASES, TOLERANCE, dense_oracle, random_case
 
 pytestmark = pytest.mark.gpu
+
+
+def test_the_kernel_is_compiled_not_interpreted():
+    """Triton's interpreter would pass every test below too; on CUDA the kernel must be compiled."""
+    assert streamed.INTERPRETED is False
 
 
 @pytest.mark.parametrize("rows,heads,kv_heads,dim,block_size,tile,dtype,splits", CASES)
@@ -22,7 +28,8 @@ def test_compiled_kernel_equals_dense_float64(rows, heads, kv_heads, dim, block_
 def test_one_long_request_is_split_across_programs():
     q, k, v, table, lens = random_case(1, 32, 8, 128, 16, torch.bfloat16, seed=3, blocks=300, max_len=4000)
     tiles = -(-table.shape[1] * 16 // 64)
-    assert choose_splits(1, 8, tiles) > 1  # one row, eight kv heads: too few programs without splits
+    # one row, eight kv heads: too few programs without splits
+    assert choose_splits(1, 8, tiles, torch.device("cuda")) > 1
     got = streamed_decode(q.cuda(), k.cuda(), v.cuda(), table.cuda(), lens.cuda(), 128**-0.5, 64)
     want = dense_oracle(q, k, v, table, lens, 128**-0.5)
     assert (got.cpu().double() - want).abs().max().item() < TOLERANCE[torch.bfloat16]

@@ -14,6 +14,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.errors import ConfigError
 from nanoserve.reads.dispatch import PagedRead
 from nanoserve.reads.streamed import streamed_decode
+from tests.helpers import counters
 from tests.test_engine_crowd import MIXED, assert_same, make
 
 
@@ -136,8 +137,7 @@ def test_two_live_servers_one_flag_apart_send_identical_bytes(tiny_checkpoint):
                     concurrency=6)
     assert result.all_identical, [v.label for v in result.verdicts]
     assert result.crowded and result.a.peak_running >= 2 and result.b.peak_running >= 2
-    rows = {name: (a, b) for name, a, b in result.counter_rows()}
-    assert rows["paged_read.mode"] == ("gathered", "streamed")
+    assert counters(result)["paged_read.mode"] == ("gathered", "streamed")
 
 
 def test_llm_api_accepts_the_flags(tiny_checkpoint):
