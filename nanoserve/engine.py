@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,9 +19,10 @@ from nanoserve.kv.cache import KVCache, blocks_from_budget
 from nanoserve.kv.pool import BlockPool
 from nanoserve.model.batch import PrefillSegment, StepBatch, decode_rows
 from nanoserve.model.loader import LoadedModel, load_model
-from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.outputs import CompletionOutput, LogprobSequence, RequestMetrics, RequestOutput
 from nanoserve.reads.dispatch import PagedRead
 from nanoserve.request import Request
+from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
 from nanoserve.scheduler import Chunk, Scheduler, SchedulerOutput
 from nanoserve.stats import EngineStats, KVStats, LatencyStats, RowStats, SchedulerStats, percentiles
@@ -62,8 +64,8 @@ class Engine:
             self._progress("capturing CUDA graphs")
             self.captured.capture()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self._requests: dict[str, Request] = {}
-        self._streams: dict[str, TextStream] = {}
+        self._groups: dict[str, list[Request]] = {}  # request id -> its sequences (n of them), until all finish
+        self._streams: dict[int, TextStream] = {}  # Request.serial -> the sequence's text
         self._aborted: list[Request] = []
         self._ids = itertools.count()
         self._finished = Counter()
@@ -171,12 +173,15 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated."""
+        """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated.
+
+        With `params.n` > 1 the request is n sequences sharing the prompt (see SamplingParams.for_completion).
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self._groups:
             raise RequestError(f"request id {request_id!r} is already in use; pick a unique id")
         text, ids = self._prompt_ids(prompt)
         params.validate_against(self.model_config.vocab_size)
@@ -192,13 +197,33 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds "
                 f"max_model_len {self.max_model_len}; lower max_tokens to at most {room} or shorten the prompt"
             )
-        req = Request(request_id, text, ids, params, max_tokens)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        self._requests[request_id] = req
-        self._streams[request_id] = TextStream(self.tokenizer, params, ids)
-        self.scheduler.add(req)
+        bad_words = self._bad_word_ids(params.bad_words)
+        group = []
+        for index in range(params.n):
+            own = params if params.n == 1 else params.for_completion(index)
+            if index:  # the prompt's logprobs are the same for every completion: compute them once
+                own = dataclasses.replace(own, prompt_logprobs=None)
+            req = Request(request_id, text, ids, own, max_tokens, index=index, bad_word_ids=bad_words)
+            if own.prompt_logprobs is not None:
+                req.prompt_logprobs = [None] * len(ids)
+            if arrival_time is not None:
+                req.arrival_time = arrival_time
+            group.append(req)
+        self._groups[request_id] = group
+        for req in group:
+            self._streams[req.serial] = TextStream(self.tokenizer, req.params, ids)
+            self.scheduler.add(req)
         return request_id
+
+    def _bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as the token sequences it can be written with: alone, and after a space (vLLM's rule)."""
+        seqs = set()
+        for word in words or ():
+            for form in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(form, add_special_tokens=False))
+                if ids:
+                    seqs.add(ids)
+        return tuple(sorted(seqs))
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -219,14 +244,18 @@ class Engine:
         return text, ids
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its blocks return to the pool now, its final output comes next step."""
-        req = self._requests.get(request_id)
-        if req is None or req.finished:
-            return False
-        self.scheduler.finish(req, "abort")
-        req.finished_time = time.monotonic()
-        self._aborted.append(req)
-        return True
+        """Stop a request (all its sequences) wherever it is; its blocks return to the pool now, its final
+        output comes next step."""
+        live = [r for r in self._groups.get(request_id, ()) if not r.finished]
+        for req in live:
+            self.scheduler.finish(req, "abort")
+            req.finished_time = time.monotonic()
+            self._aborted.append(req)
+        return bool(live)
+
+    def sequences(self, request_id: str) -> list[Request]:
+        """The live sequences of a request (n of them), for inspection; empty once it has finished."""
+        return list(self._groups.get(request_id, ()))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
@@ -234,45 +263,63 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        outputs = [self._output(r, "", ()) for r in self._aborted]
+        emitted: list[tuple[Request, str, tuple[int, ...]]] = [(r, "", ()) for r in self._aborted]
         self._aborted.clear()
         if sched.empty:
-            return outputs
+            return self._outputs(emitted)
         self._steps += 1
         step_started = time.perf_counter()
         logits = None
+        prompt_rows: list[tuple[Request, int]] = []
         if self.decode_path is not None and not sched.prefills:  # decode-only: the planned fast path
             batch, sampled = self.decode_path.build([c.request for c in sched.decodes])
             if self.captured is not None:
                 logits = self.captured.replay(self.decode_path.last_plan.shape, len(sampled))
         else:
-            batch, sampled = self._build_batch(sched)
+            batch, sampled, prompt_rows = self._build_batch(sched)
         if logits is None:
             with torch.inference_mode():
-                logits = self.model(batch, self.cache, self.read)[: len(sampled)]
+                logits = self.model(batch, self.cache, self.read)
+        if prompt_rows:
+            self._record_prompt_logprobs(logits[len(sampled):], prompt_rows)
+        logits = logits[: len(sampled)]
         for chunk in (*sched.decodes, *sched.prefills):
             chunk.request.num_computed += chunk.length
             if not chunk.request.output_ids and chunk.completes:  # a prompt's first completion
                 self._prompt_tokens += len(chunk.request.prompt_ids)
         if sampled:
-            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, self.tokenizer.eos_token_ids) for r in sampled]
+            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, self.tokenizer.eos_token_ids, r.bad_word_ids)
+                    for r in sampled]
             result = self.sampler(logits, rows)
             now = time.monotonic()
             for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
-                outputs.append(self._append(req, token, lp, now))
+                emitted.append(self._append(req, token, lp, now))
         self._step_times.append(time.perf_counter() - step_started)
-        return outputs
+        return self._outputs(emitted)
 
-    def _build_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Request]]:
+    def _record_prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple[Request, int]]) -> None:
+        """Logprobs of each prompt token given the ones before it, from the logits at the position before it."""
+        chosen = [req.prompt_ids[p + 1] for req, p in rows]
+        entries = token_logprobs(logits, chosen, [req.params.prompt_logprobs for req, _ in rows])
+        for (req, p), entry in zip(rows, entries):
+            req.prompt_logprobs[p + 1] = entry
+
+    def _build_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Request], list[tuple[Request, int]]]:
+        """The general builder (any mix of decodes and prefill chunks). Besides the sampled rows' logits it asks
+        for the logits at every prompt position whose next token's logprob was asked for (prompt_logprobs);
+        those come after the sampled rows, in the order of the returned (request, position) list."""
         bs = self.config.block_size
         logits_at: list[int] = []
         sampled: list[Request] = []
+        prompt_at: list[int] = []
+        prompt_rows: list[tuple[Request, int]] = []
         decodes = sched.decodes + [c for c in sched.prefills if c.length == 1]
         prefills = [c for c in sched.prefills if c.length > 1]
         positions = [c.start for c in decodes]
         ids, slots, lens = decode_rows([c.request for c in decodes], positions, bs)
         for row, c in enumerate(decodes):
             self._mark(c, row, logits_at, sampled)
+            self._mark_prompt(c, row, prompt_at, prompt_rows)
         width = max((-(-n // bs) for n in lens), default=0)
         table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
         segments = []
@@ -286,6 +333,7 @@ class Engine:
             blocks = torch.tensor(req.blocks[: -(-(c.start + c.length) // bs)], device=self.device)
             segments.append(PrefillSegment(start, c.length, c.start, blocks))
             self._mark(c, len(ids) - 1, logits_at, sampled)
+            self._mark_prompt(c, start, prompt_at, prompt_rows)
         dev = self.device
         batch = StepBatch(
             input_ids=torch.tensor(ids, device=dev),
@@ -295,9 +343,19 @@ class Engine:
             decode_block_table=torch.tensor(table, dtype=torch.long, device=dev).view(len(decodes), width),
             decode_context_lens=torch.tensor(lens, dtype=torch.long, device=dev),
             prefills=tuple(segments),
-            logits_indices=torch.tensor(logits_at, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_at + prompt_at, dtype=torch.long, device=dev),
         )
-        return batch, sampled
+        return batch, sampled, prompt_rows
+
+    @staticmethod
+    def _mark_prompt(chunk: Chunk, first: int, prompt_at: list[int], prompt_rows: list) -> None:
+        """Positions of this chunk (its first at flat index `first`) whose logits score the next prompt token."""
+        req = chunk.request
+        if req.prompt_logprobs is None:
+            return
+        for p in range(chunk.start, min(chunk.start + chunk.length, len(req.prompt_ids) - 1)):
+            prompt_at.append(first + p - chunk.start)
+            prompt_rows.append((req, p))
 
     @staticmethod
     def _mark(chunk: Chunk, index: int, logits_at: list[int], sampled: list[Request]) -> None:
@@ -305,20 +363,21 @@ class Engine:
             logits_at.append(index)
             sampled.append(chunk.request)
 
-    def _append(self, req: Request, token: int, logprobs, now: float) -> RequestOutput:
-        """Add a sampled token, decide whether the request is done, and say what it can emit."""
+    def _append(self, req: Request, token: int, logprobs, now: float) -> tuple[Request, str, tuple[int, ...]]:
+        """Add a sampled token, decide whether the sequence is done, and say what it can emit."""
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_ids.append(token)
         self._generation_tokens += 1
         if logprobs is not None:
             req.logprobs.append(logprobs)
-        stream = self._streams[req.request_id]
+            req.cumulative_logprob += logprobs.logprob
+        stream = self._streams[req.serial]
         delta, reason, stop_reason = stream.push(token, len(req.output_ids))
         if reason is None and len(req.output_ids) >= req.max_tokens:
             reason = "length"
         if reason is not None:
-            delta += stream.flush() if reason != "stop" or stop_reason is None else ""
+            delta += stream.flush()  # held-back text (a split character, a possible stop prefix) is owed
             req.stop_reason = stop_reason
             self.scheduler.finish(req, reason)
             req.finished_time = now
@@ -327,20 +386,40 @@ class Engine:
             if len(req.output_ids) > 1:
                 self._tpots.append((now - req.first_token_time) / (len(req.output_ids) - 1))
         req.text += delta
-        return self._output(req, delta, (token,))
+        return req, delta, (token,)
 
-    def _output(self, req: Request, delta: str, delta_ids: tuple[int, ...]) -> RequestOutput:
-        if req.finished:
-            self._finished[req.finish_reason] += 1
-            self._requests.pop(req.request_id, None)
-            self._streams.pop(req.request_id, None)
+    def _outputs(self, emitted: list[tuple[Request, str, tuple[int, ...]]]) -> list[RequestOutput]:
+        """One output per sequence that moved; a request is `finished` on its last output once all of its
+        sequences are, and only then does the engine forget it."""
+        last_of = {req.request_id: i for i, (req, _, _) in enumerate(emitted)}
+        outputs = []
+        for i, (req, delta, ids) in enumerate(emitted):
+            group = self._groups.get(req.request_id, (req,))
+            done = last_of[req.request_id] == i and all(r.finished for r in group)
+            if req.finished:
+                self._finished[req.finish_reason] += 1
+                self._streams.pop(req.serial, None)
+            if done:
+                self._groups.pop(req.request_id, None)
+            outputs.append(self._output(req, group[0], delta, ids, done))
+        return outputs
+
+    def _output(self, req: Request, first: Request, delta: str, delta_ids: tuple[int, ...],
+                done: bool) -> RequestOutput:
+        text = self.tokenizer.token_text
+        wants = req.params.logprobs is not None
         completion = CompletionOutput(
-            0, req.text, tuple(req.output_ids), req.finish_reason, req.stop_reason,
-            tuple(req.logprobs) if req.params.logprobs is not None else None,
+            req.index, req.text, tuple(req.output_ids), req.finish_reason, req.stop_reason,
+            LogprobSequence(req.logprobs, text) if wants else None,
+            req.cumulative_logprob if wants else None,
         )
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and first.num_computed >= len(first.prompt_ids):
+            prompt_logprobs = LogprobSequence(first.prompt_logprobs, text)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions)
         return RequestOutput(
-            req.request_id, req.prompt, tuple(req.prompt_ids), [completion], req.finished, delta, delta_ids, metrics
+            req.request_id, req.prompt, tuple(req.prompt_ids), [completion], done, delta, delta_ids, metrics,
+            prompt_logprobs,
         )
 
     # ---- observation --------------------------------------------------------------------------------
@@ -358,7 +437,7 @@ class Engine:
         s = self.scheduler
         now = time.monotonic()
         rows = tuple(
-            RowStats(r.request_id, r.status.value, len(r.prompt_ids), len(r.output_ids), len(r.blocks),
+            RowStats(r.name, r.status.value, len(r.prompt_ids), len(r.output_ids), len(r.blocks),
                      _rate(len(r.output_ids), r.first_token_time, now))
             for r in (*s.running, *s.waiting)
         )

@@ -1,8 +1,10 @@
-"""LLM: the offline API, shaped like vLLM's so scripts carry over (generate, chat)."""
+"""LLM: the offline API, shaped like vLLM's so scripts carry over (generate, chat, get_tokenizer)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
@@ -10,7 +12,11 @@ from nanoserve.errors import RequestError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 
-Prompt = str | list[int]
+# vLLM's prompt forms: a string, token ids, TextPrompt {"prompt": ...} or TokensPrompt {"prompt_token_ids": ...}.
+Prompt = str | list[int] | Mapping[str, Any]
+_TEXT_KEYS = {"prompt", "multi_modal_data", "mm_processor_kwargs", "cache_salt"}
+_TOKENS_KEYS = {"prompt_token_ids", "prompt", "multi_modal_data", "mm_processor_kwargs", "cache_salt",
+                "token_type_ids"}
 
 
 class LLM:
@@ -23,15 +29,22 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer: encode, decode, __call__, len(), apply_chat_template, eos_token_id."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuous batch; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Run every prompt to completion in one continuous batch; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}; `prompts` is
+        one of those or a list mixing them. `use_tqdm` shows a progress bar over finished prompts.
+        """
+        prompts = [_prompt_input(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
         params = self._params_for(len(prompts), sampling_params)
         ids = []
         try:
@@ -42,24 +55,39 @@ class LLM:
                 self.engine.abort(rid)
             self._drain()
             raise
-        return self._run(ids)
+        return self._run(ids, use_tqdm)
 
     def chat(
         self,
-        messages: list[dict] | Sequence[list[dict]],
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        **template_kwargs,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Render each conversation (one, or a list of them) with the chat template, then generate.
+
+        The keywords are vLLM's; any other keyword is a TypeError rather than a template variable, so a typo is
+        never rendered silently. Template variables go in `chat_template_kwargs`.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
+        if documents is not None:
+            extra["documents"] = documents
         prompts = [
             self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template,
+                continue_final_message=continue_final_message, **extra,
             )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
     def _params_for(n: int, sampling_params) -> list[SamplingParams]:
@@ -72,14 +100,72 @@ class LLM:
             raise RequestError(f"got {n} prompts but {len(params)} sampling params; pass one, or one per prompt")
         return params
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request is done; a request with n > 1 comes back with all n completions."""
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        completions: dict[str, dict] = {rid: {} for rid in ids}
+        bar = _progress(len(ids)) if use_tqdm else None
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    completions[out.request_id][out.outputs[0].index] = out.outputs[0]
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [dataclasses.replace(final[i], outputs=[c for _, c in sorted(completions[i].items())]) for i in ids]
 
     def _drain(self) -> None:
         while self.engine.has_unfinished():
             self.engine.step()
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt or a list of them: a string, a dict or a flat list of ints is one prompt."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(_is_token(t) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise RequestError(f"prompts must be a string, a list of token ids, a prompt dict or a list of those, got "
+                       f"{type(prompts).__name__}")
+
+
+def _prompt_input(prompt, i: int) -> str | list[int]:
+    """A prompt of any accepted form as the text or token ids the engine takes; anything else is refused."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and all(_is_token(t) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, Mapping):
+        if prompt.get("multi_modal_data") is not None:
+            raise RequestError(f"prompt {i} has multi_modal_data, but this model takes text only; send text")
+        keys = _TOKENS_KEYS if "prompt_token_ids" in prompt else _TEXT_KEYS
+        unknown = sorted(set(prompt) - keys)
+        if unknown:
+            raise RequestError(f"prompt {i} has unknown keys {unknown}; a prompt dict is {{'prompt': text}} or "
+                               "{'prompt_token_ids': [ids]}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(_is_token(t) for t in ids):
+                raise RequestError(f"prompt {i}: prompt_token_ids must be a list of ints")
+            return list(ids)
+        if not isinstance(prompt.get("prompt"), str):
+            raise RequestError(f"prompt {i}: 'prompt' must be a string (or send 'prompt_token_ids')")
+        return prompt["prompt"]
+    raise RequestError(f"prompt {i} must be a string, a list of token ids, {{'prompt': text}} or "
+                       f"{{'prompt_token_ids': [ids]}}, got {type(prompt).__name__}")
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

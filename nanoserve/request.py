@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -15,8 +16,13 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+_serials = itertools.count()
+
+
 @dataclass(eq=False)
 class Request:
+    """One sequence. A request with n > 1 is n of these sharing `request_id`, each with its choice `index`."""
+
     request_id: str
     prompt: str | None
     prompt_ids: list[int]
@@ -33,7 +39,24 @@ class Request:
     finished_time: float | None = None
     num_preemptions: int = 0
     text: str = ""
-    logprobs: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per generated token, when asked for
+    prompt_logprobs: list | None = None  # position -> TokenLogprobs (None at 0), when asked for
+    cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (when logprobs are computed)
+    index: int = 0  # which of the request's n completions this sequence is
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+    # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
+    # (a decode row, a table row) is keyed on this, not on request_id.
+    serial: int = field(default_factory=lambda: next(_serials))
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """This sequence's identity for planned addressing: a preempted one returns with new blocks, a new key."""
+        return (self.serial, self.num_preemptions)
+
+    @property
+    def name(self) -> str:
+        """A label unique among live sequences (siblings of an n > 1 request share request_id)."""
+        return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
 
     @property
     def num_tokens(self) -> int:

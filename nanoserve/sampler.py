@@ -1,8 +1,8 @@
 """The batched `Sampler` that turns a [rows, vocab] logits batch into one next token per row.
 
 It applies, in the order vLLM and transformers use: repetition penalty, presence/frequency
-penalties, min_tokens masking, then argmax for greedy rows, or temperature, top-k, top-p,
-min-p and a random draw for the others.
+penalties, min_tokens masking, logit_bias, allowed_token_ids and bad_words, then argmax for
+greedy rows, or temperature, top-k, top-p, min-p and a random draw for the others.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from nanoserve.sampling_params import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "SamplingRow", "TokenLogprobs"]
+__all__ = ["SampleResult", "Sampler", "SamplingRow", "TokenLogprobs", "token_logprobs"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -40,21 +40,24 @@ class SamplingRow:
     `output_ids` are the tokens generated so far; their count is the step used to seed
     the row's draw. `eos_token_ids` are masked (with `params.stop_token_ids`) while fewer
     than `params.min_tokens` tokens have been generated, unless `params.ignore_eos`.
+    A bad word's last token is masked whenever the output ends with the rest of it.
     """
 
     params: SamplingParams
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    bad_word_ids: Sequence[Sequence[int]] = ()  # params.bad_words as token sequences (the engine encodes them)
 
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """The sampled token's logprob and the top-N alternatives, best first."""
+    """A token's logprob and rank (1 = most likely) in the raw distribution, and the top-N alternatives."""
 
     token_id: int
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first; the i-th has rank i + 1
+    rank: int = 1
 
 
 @dataclass
@@ -67,6 +70,24 @@ class SampleResult:
 
 def _needs_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    """Whether the row's logits change before its pick (penalties, bans, biases, an allow-list)."""
+    p = row.params
+    return bool(_needs_penalties(p) or _min_tokens_mask(row) or p.logit_bias or p.allowed_token_ids
+                or row.bad_word_ids)
+
+
+def _banned_words(row: SamplingRow) -> set[int]:
+    """Last tokens of the bad words whose other tokens end the output so far (a one-token word always)."""
+    out = row.output_ids
+    banned = set()
+    for word in row.bad_word_ids:
+        head = len(word) - 1
+        if head == 0 or (len(out) >= head and list(out[len(out) - head:]) == list(word[:head])):
+            banned.add(word[-1])
+    return banned
 
 
 def _min_tokens_mask(row: SamplingRow) -> set[int]:
@@ -154,7 +175,7 @@ class Sampler:
         n = len(rows)
         want_logprobs = [r.params.logprobs is not None for r in rows]
         # Fast path: plain greedy batch, one argmax on the raw logits.
-        if all(r.params.greedy and not _needs_penalties(r.params) and not _min_tokens_mask(r) for r in rows):
+        if all(r.params.greedy and not _needs_processing(r) for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
             processed = self.process_logits(logits, rows)
@@ -173,7 +194,8 @@ class Sampler:
     # -- stages, public so that tests and debugging can see each distribution --
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Logits after penalties and min_tokens masking: what greedy rows take the argmax of."""
+        """Logits after penalties, min_tokens masking, logit_bias, allowed_token_ids and bad_words: what greedy
+        rows take the argmax of."""
         self._check(logits, rows)
         out = logits.to(torch.float32, copy=True)
         vocab = out.shape[-1]
@@ -181,7 +203,15 @@ class Sampler:
         if penalised:
             self._apply_penalties(out, [rows[i] for i in penalised], penalised, vocab)
         for i, row in enumerate(rows):
-            banned = [t for t in _min_tokens_mask(row) if t < vocab]
+            p = row.params
+            if p.logit_bias:
+                ids = [t for t in p.logit_bias if t < vocab]
+                out[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=out.dtype, device=out.device)
+            if p.allowed_token_ids:
+                keep = torch.full((vocab,), -math.inf, dtype=out.dtype, device=out.device)
+                keep[[t for t in p.allowed_token_ids if t < vocab]] = 0.0
+                out[i] += keep
+            banned = [t for t in _min_tokens_mask(row) | _banned_words(row) if t < vocab]
             if banned:
                 out[i, banned] = -math.inf
         return out
@@ -323,15 +353,29 @@ class Sampler:
         """Logprobs from the raw logits' log_softmax (vLLM's default), before any penalty or filter."""
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         idx = torch.tensor(wanted, device=logits.device)
-        lsm = logits[idx].float().log_softmax(dim=-1)
-        chosen = torch.tensor([token_ids[i] for i in wanted], device=logits.device)
-        chosen_lp = lsm.gather(1, chosen[:, None])[:, 0].tolist()
-        k = max(rows[i].params.logprobs for i in wanted)
-        top_lp, top_ids = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        entries = token_logprobs(logits[idx], [token_ids[i] for i in wanted], [rows[i].params.logprobs for i in wanted])
         result: list[TokenLogprobs | None] = [None] * len(rows)
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            top = tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
-            result[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_lp[j], top=top)
+        for i, entry in zip(wanted, entries, strict=True):
+            result[i] = entry
         return result
+
+
+def token_logprobs(logits: torch.Tensor, chosen: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row of raw `logits`: the chosen token's logprob and rank, and the row's top `top_n[i]` alternatives.
+
+    Shared by sampled tokens and prompt tokens (whose "chosen" token is the prompt's next one), so both report
+    the same numbers a client would compute from the same logits.
+    """
+    lsm = logits.float().log_softmax(dim=-1)
+    chosen_t = torch.tensor(list(chosen), device=logits.device)
+    chosen_lp = lsm.gather(1, chosen_t[:, None])
+    ranks = ((lsm > chosen_lp).sum(dim=-1) + 1).tolist()
+    chosen_lp = chosen_lp[:, 0].tolist()
+    k = min(max(top_n, default=0), lsm.shape[-1])
+    top_lp, top_ids = lsm.topk(k, dim=-1) if k else (lsm[:, :0], lsm[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(token_id=int(t), logprob=chosen_lp[j], top=tuple(zip(top_ids[j][:n], top_lp[j][:n])),
+                      rank=ranks[j])
+        for j, (t, n) in enumerate(zip(chosen, top_n, strict=True))
+    ]

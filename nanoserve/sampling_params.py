@@ -6,6 +6,7 @@ naming the field and a fix.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 
 from nanoserve.errors import RequestError
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingParamsError"]
+__all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "SamplingParamsError"]
 
 # vLLM treats temperatures below this as greedy: dividing by them overflows float32.
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 128  # completions per request; each is a sequence with its own KV blocks
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 
 
 class SamplingParamsError(RequestError):
@@ -56,6 +59,10 @@ def _as_float(name: str, value: object, example: str) -> float:
     return value
 
 
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, numbers.Integral)
+
+
 def _as_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise SamplingParamsError(name, f"{name} must be True or False, got {_type_name(value)}")
@@ -71,7 +78,13 @@ class SamplingParams:
     `max_tokens=None` means "up to the model's context length"; the engine fills it in.
     `ignore_eos` only tells the engine not to stop on EOS; the sampler never masks EOS
     for it. `logprobs=N` returns the sampled token's logprob and the top N alternatives
-    (0: the sampled token only), computed from the raw model logits.
+    (0: the sampled token only), computed from the raw model logits; `prompt_logprobs=N`
+    does the same for every prompt token after the first.
+    `n` completions share the prompt; with a seed, completion i draws with seed + i (vLLM's
+    rule), so each is reproducible and they differ from one another.
+    `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits before the pick,
+    `allowed_token_ids` restricts the pick to those ids, and `bad_words` are never completed.
+    `detokenize=False` returns token ids with empty text (stop strings then cannot be used).
     """
 
     n: int = 1
@@ -91,16 +104,19 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, message: str) -> None:
             raise SamplingParamsError(name, message)
 
         self.n = _as_int("n", self.n, "1")
-        if self.n < 1:
-            fail("n", f"n must be 1, got {self.n}; use n=1 for one completion per request")
-        if self.n > 1:
-            fail("n", f"n={self.n} is not supported yet; send n separate requests")
+        if not 1 <= self.n <= MAX_N:
+            fail("n", f"n must be in [1, {MAX_N}], got {self.n}; ask for at most {MAX_N} completions per request")
 
         self.temperature = _as_float("temperature", self.temperature, "a float such as 0.7")
         if self.temperature < 0:
@@ -173,18 +189,27 @@ class SamplingParams:
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
 
-        self.logprobs = _as_int(
-            "logprobs",
-            self.logprobs,
-            f"an int in [0, {MAX_LOGPROBS}], or None for no logprobs",
-            allow_none=True,
-        )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail(
-                "logprobs",
-                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}; "
-                f"ask for at most {MAX_LOGPROBS} alternatives (0 returns only the sampled token's logprob)",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = _as_int(name, getattr(self, name), f"an int in [0, {MAX_LOGPROBS}], or None for no logprobs",
+                            allow_none=True)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                fail(
+                    name,
+                    f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}; "
+                    f"ask for at most {MAX_LOGPROBS} alternatives (0 returns only the token's own logprob)",
+                )
+            setattr(self, name, value)
+
+        self.detokenize = _as_bool("detokenize", self.detokenize)
+        if not self.detokenize and self.stop:
+            fail("detokenize", "stop strings are matched in text, so they need detokenize=True; "
+                               "use stop_token_ids, or turn detokenize on")
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = self._normalise_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            fail("allowed_token_ids", "allowed_token_ids is empty, so no token could be sampled; "
+                                      "list at least one id, or pass None to allow every token")
+        self.bad_words = self._normalise_words(self.bad_words)
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:
@@ -205,22 +230,51 @@ class SamplingParams:
 
     @staticmethod
     def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
+        return SamplingParams._normalise_ids("stop_token_ids", ids) or ()
+
+    @staticmethod
+    def _normalise_ids(name: str, ids: object) -> tuple[int, ...] | None:
         if ids is None:
-            return ()
-        if not isinstance(ids, (list, tuple)) or any(
-            isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in ids
-        ):
+            return None
+        if not isinstance(ids, (list, tuple)) or any(_not_int(i) for i in ids):
             raise SamplingParamsError(
-                "stop_token_ids",
-                f"stop_token_ids must be a list of int or None, got {_type_name(ids)}; pass e.g. [128009]",
+                name, f"{name} must be a list of int or None, got {_type_name(ids)}; pass e.g. [128009]"
             )
         bad = [int(i) for i in ids if i < 0]
         if bad:
-            raise SamplingParamsError(
-                "stop_token_ids",
-                f"stop_token_ids must be >= 0, got {bad}; use ids from this model's tokenizer",
-            )
+            raise SamplingParamsError(name, f"{name} must be >= 0, got {bad}; use ids from this model's tokenizer")
         return tuple(int(i) for i in ids)
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+        """OpenAI sends the keys as strings of token ids; both forms become {int: float}."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise SamplingParamsError("logit_bias", f"logit_bias must be a dict {{token id: bias}}, got "
+                                                    f"{_type_name(bias)}; pass e.g. {{'1234': -100}}")
+        out = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if _not_int(token) or token < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias key {key!r} is not a token id; use ids from "
+                                                        "this model's tokenizer, e.g. {'1234': -100}")
+            value = _as_float("logit_bias", value, f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError("logit_bias", f"logit_bias[{key!r}] is {value}; biases must be in "
+                                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            out[int(token)] = value
+        return out or None
+
+    @staticmethod
+    def _normalise_words(words: object) -> tuple[str, ...] | None:
+        if words is None:
+            return None
+        if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, str) and w for w in words):
+            raise SamplingParamsError("bad_words", f"bad_words must be a list of non-empty strings, got "
+                                                   f"{_type_name(words)}; pass e.g. ['darn']")
+        return tuple(words)
 
     @property
     def greedy(self) -> bool:
@@ -228,11 +282,18 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def validate_against(self, vocab_size: int) -> None:
-        """Refuse stop_token_ids that this model can never produce."""
-        bad = [i for i in self.stop_token_ids if i >= vocab_size]
-        if bad:
-            raise SamplingParamsError(
-                "stop_token_ids",
-                f"stop_token_ids {bad} are outside this model's vocabulary [0, {vocab_size}); "
-                "use ids from this model's tokenizer",
-            )
+        """Refuse token ids (stop_token_ids, logit_bias, allowed_token_ids) that this model can never produce."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [i for i in ids if i >= vocab_size]
+            if bad:
+                raise SamplingParamsError(
+                    name,
+                    f"{name} {bad} are outside this model's vocabulary [0, {vocab_size}); "
+                    "use ids from this model's tokenizer",
+                )
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """The params of completion `index` of n: one sequence, seeded seed + index when a seed is set."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

@@ -137,5 +137,5 @@ class Scheduler:
         req.finish_reason = reason
 
     def owners(self) -> dict[str, list[int]]:
-        """Live request id -> blocks held, for BlockPool.audit()."""
-        return {r.request_id: r.blocks for r in (*self.running, *self.waiting) if r.blocks}
+        """Live sequence name -> blocks held, for BlockPool.audit()."""
+        return {r.name: r.blocks for r in (*self.running, *self.waiting) if r.blocks}

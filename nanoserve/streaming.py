@@ -17,24 +17,35 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class TextStream:
+    """One sequence's text. Every way it ends, whatever the reason, is followed by `flush()`: what it returns is
+    exactly the text still owed (nothing past a matched stop string), so calling it is always right."""
+
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids=()):
         self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens) \
+            if params.detokenize else None
         self.stops = StopStringMatcher(params.stop) if params.stop else None
         self.eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
         self.stop_ids = frozenset(params.stop_token_ids)
 
     def push(self, token: int, generated: int) -> tuple[str, str | None, str | int | None]:
-        """Add the `generated`-th token; returns (text to emit, finish reason or None, stop reason)."""
-        if generated >= self.params.min_tokens:
+        """Add the `generated`-th token; returns (text to emit, finish reason or None, stop reason).
+
+        Like EOS and stop token ids, a stop string ends the text only once min_tokens tokens exist (vLLM's rule);
+        it may have begun in earlier text that was held back as a possible prefix.
+        """
+        armed = generated >= self.params.min_tokens
+        if armed:
             if token in self.stop_ids:
                 return "", "stop", token
             if token in self.eos:
                 return "", "stop", None
+        if self.detok is None:
+            return "", None, None
         delta = self.detok.feed(token)
         if self.stops is None:
             return delta, None, None
-        emit, matched = self.stops.feed(delta)
+        emit, matched = self.stops.feed(delta, armed=armed)
         if matched is not None:
             if self.params.include_stop_str_in_output:
                 emit += matched
@@ -43,10 +54,12 @@ class TextStream:
 
     def flush(self) -> str:
         """Whatever was held back (an incomplete character, a possible stop-string prefix) at the very end."""
+        if self.detok is None:
+            return ""
         tail = self.detok.flush()
         if self.stops is None:
             return tail
-        emit, _ = self.stops.feed(tail)
+        emit, _ = self.stops.feed(tail)  # a finished text had min_tokens, or it would not have finished
         return emit + self.stops.flush()
 
 class IncrementalDetokenizer:
@@ -144,13 +157,17 @@ class StopStringMatcher:
         self.matched: str | None = None  # the stop string that ended the text, once one has
         self._held = ""
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        """Return (text safe to emit now, the matched stop string or None). After a match, input is ignored."""
+    def feed(self, delta: str, armed: bool = True) -> tuple[str, str | None]:
+        """Return (text safe to emit now, the matched stop string or None). After a match, input is ignored.
+
+        Unarmed (min_tokens not reached yet), a whole stop string is passed through as text, but a possible
+        prefix at the end is still held, so a stop string that completes once armed is still caught.
+        """
         if self.matched is not None:
             return "", self.matched
         text = self._held + delta
         best: tuple[int, int, str] | None = None  # (end, -length, stop)
-        for stop in self.stops:
+        for stop in self.stops if armed else ():
             i = text.find(stop)
             if i >= 0:
                 candidate = (i + len(stop), -len(stop), stop)

@@ -56,6 +56,7 @@ class Tokenizer:
         # Only prepend BOS ourselves when the post-processor does not already do it, so it is never doubled.
         self._prepend_bos = add_bos_token and self.bos_token_id is not None and not self._post_processor_adds_bos()
         self._compiled: dict[str, jinja2.Template] = {}
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -131,6 +132,23 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (what logprobs name a token by); cached per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict:
+        """`tokenizer(text)` as transformers answers it: {"input_ids": ids} (a list of lists for a batch)."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def __len__(self) -> int:
+        """Vocabulary size with added tokens, as len() of a transformers tokenizer."""
+        return self.vocab_size
+
     # -- chat templates ---------------------------------------------------------------------------------------
 
     def apply_chat_template(
@@ -138,13 +156,20 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render a conversation the way `transformers` does; with `tokenize=True` return its ids.
 
+        `chat_template` replaces the checkpoint's template for this call. `continue_final_message` leaves the
+        last (assistant) message open, so the model continues it instead of starting a new turn.
         Extra keyword arguments (tools, documents, enable_thinking, ...) become template variables.
         """
-        template = self._template(tools=kwargs.get("tools"))
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message continues the last message, add_generation_prompt starts "
+                               "a new one; set add_generation_prompt=False to continue")
+        template = _jinja_env().from_string(chat_template) if chat_template else self._template(kwargs.get("tools"))
         messages = _validate_messages(messages)
         variables: dict[str, Any] = {"tools": None, "documents": None}
         if self.bos_token is not None:
@@ -157,6 +182,8 @@ class Tokenizer:
             text = template.render(**variables)
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template rejected this conversation: {e}") from e
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1].get("content", ""))
         if tokenize:
             # The template writes BOS itself when the model wants one, so no special tokens are added here.
             return self.encode(text, add_special_tokens=False)
@@ -260,6 +287,16 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _cut_after_final_message(text: str, final: str) -> str:
+    """The rendered conversation up to the end of the final message's content (transformers' rule)."""
+    final = final.strip() if final.strip() and final.strip() in text else final
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise RequestError("continue_final_message: the chat template does not write the final message's content "
+                           "verbatim, so it cannot be left open; send the conversation without it")
+    return text[: at + len(final)]
+
+
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check the conversation shape up front so a bad request fails with a clear message, not a template error."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -272,7 +309,9 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise RequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
-        for key in ("role", "content"):
+        # An assistant turn that only calls tools may have no content (OpenAI's shape).
+        calls_tools = message.get("role") == "assistant" and message.get("tool_calls")
+        for key in ("role",) if calls_tools and message.get("content") is None else ("role", "content"):
             if not isinstance(message.get(key), str):
                 got = "missing" if key not in message else f"a {type(message[key]).__name__}"
                 raise RequestError(f"messages[{i}]['{key}'] must be a string, but it is {got}")

@@ -112,6 +112,8 @@ def test_streamed_deltas_add_up_to_the_final_text(ckpt):
 def test_logprobs_returned_when_asked(solo):
     out = solo[7].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-    for tok, lp in zip(out.token_ids, out.logprobs):
-        assert lp.token_id == tok and len(lp.top) == 3 and lp.logprob <= 0
-    assert solo[0].outputs[0].logprobs is None
+    for tok, lp in zip(out.token_ids, out.logprobs):  # vLLM's shape: {token id: Logprob}, the sampled token first
+        assert next(iter(lp)) == tok and len(lp) in (3, 4) and lp[tok].logprob <= 0
+        assert {1, 2, 3} <= {x.rank for x in lp.values()}
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
+    assert solo[0].outputs[0].logprobs is None and solo[0].outputs[0].cumulative_logprob is None

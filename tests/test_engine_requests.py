@@ -82,7 +82,7 @@ def test_abort_at_any_point_returns_blocks(llm, when):
     for _ in range(steps):
         engine.step()
     if when == "mid-prefill":
-        req = engine._requests[rid]
+        req = engine.sequences(rid)[0]
         assert 0 < req.num_computed < req.num_tokens, "the prompt should be part-way through its chunks"
     assert engine.abort(rid)
     assert not engine.abort(rid)

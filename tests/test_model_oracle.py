@@ -143,14 +143,28 @@ def test_logprobs_equal_transformers_log_softmax(tiny_checkpoint):
     llm = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01)
     hf = hf_model(path)
     ids = llm.tokenizer.encode(PROMPTS[0])
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))[0].outputs[0]
+    result = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5,
+                                                prompt_logprobs=3))[0]
+    out = result.outputs[0]
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([ids + list(out.token_ids)])).logits[0].double(), -1)
     for step, lp in enumerate(out.logprobs):
         row = ref[len(ids) - 1 + step]
-        assert lp.token_id == out.token_ids[step]
-        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
-        top_ids = [t for t, _ in lp.top]
-        assert top_ids == row.topk(5).indices.tolist()
-        for t, v in lp.top:
-            assert abs(v - row[t].item()) < 1e-4
+        token = out.token_ids[step]
+        assert next(iter(lp)) == token and lp[token].rank == 1  # greedy: the sampled token is the argmax
+        assert abs(lp[token].logprob - row[token].item()) < 1e-4
+        top = sorted((x.rank, t) for t, x in lp.items())
+        assert [t for _, t in top] == row.topk(5).indices.tolist()
+        for t, x in lp.items():
+            assert abs(x.logprob - row[t].item()) < 1e-4
+            assert x.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+    assert abs(out.cumulative_logprob - sum(ref[len(ids) - 1 + i, t].item() for i, t in enumerate(out.token_ids))) < 1e-3
+    # prompt logprobs: None first, then each prompt token scored by the logits at the position before it
+    assert len(result.prompt_logprobs) == len(ids) and result.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        lp, row = result.prompt_logprobs[pos], ref[pos - 1]
+        token = ids[pos]
+        assert next(iter(lp)) == token and abs(lp[token].logprob - row[token].item()) < 1e-4
+        # the rank, up to tokens whose logprobs lie within float32's reach of this one
+        assert int((row > row[token] + 1e-4).sum()) + 1 <= lp[token].rank <= int((row > row[token] - 1e-4).sum()) + 1
+        assert {t for t, x in lp.items() if t != token or x.rank <= 3} >= set(row.topk(3).indices.tolist())

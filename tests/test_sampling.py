@@ -53,7 +53,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 # ---------------------------------------------------------------------------
 
 INVALID = [
-    ("n", 2),
+    ("n", 129),
     ("n", 0),
     ("n", "1"),
     ("n", True),
@@ -133,8 +133,8 @@ def test_min_tokens_above_max_tokens():
 def test_messages_say_the_fix():
     with pytest.raises(SamplingParamsError, match=r"temperature must be >= 0, got -1.0; use 0 for greedy"):
         SamplingParams(temperature=-1.0)
-    with pytest.raises(SamplingParamsError, match=r"n=2 is not supported yet; send n separate requests"):
-        SamplingParams(n=2)
+    with pytest.raises(SamplingParamsError, match=r"n must be in \[1, 128\], got 0; ask for at most 128"):
+        SamplingParams(n=0)
     with pytest.raises(SamplingParamsError, match=r"got bool True"):
         SamplingParams(max_tokens=True)
 

@@ -64,15 +64,15 @@ def test_decodes_are_never_starved_by_arriving_prompts(tiny_checkpoint):
               max_num_seqs=8, max_num_batched_tokens=32)
     engine = llm.engine
     rid = engine.add_request("the decoding row", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    while not engine._requests[rid].output_ids:
+    while not engine.sequences(rid)[0].output_ids:
         engine.step()
     for i in range(7):  # a burst of long prompts: each needs several 32-token chunks
         engine.add_request([100 + i] * 150, SamplingParams(max_tokens=4, ignore_eos=True))
-    before = len(engine._requests[rid].output_ids)
+    before = len(engine.sequences(rid)[0].output_ids)
     for n in range(1, 12):
         outs = engine.step()
         assert any(o.request_id == rid for o in outs), f"the decode row got no token in step {n}"
-        assert len(engine._requests[rid].output_ids) == before + n
+        assert len(engine.sequences(rid)[0].output_ids) == before + n
     while engine.has_unfinished():
         engine.step()
     engine.audit()

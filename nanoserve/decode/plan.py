@@ -18,7 +18,7 @@ from nanoserve.errors import GateError
 class DecodePlan:
     rows: int  # real rows (the rest of the window is padding)
     shape: tuple[int, int]  # (rows, width) of the window the forward reads
-    request_keys: tuple  # row -> (request id, preemptions)
+    request_keys: tuple  # row -> Request.key (serial, preemptions)
     positions: torch.Tensor
     write_slots: torch.Tensor
     context_lens: torch.Tensor
@@ -51,7 +51,7 @@ def check_snapshots_present(plan: DecodePlan) -> None:
 
 def check_plan_current(plan: DecodePlan, requests: list) -> None:
     """The plan was built for these requests as they are now (one token each at their next position)."""
-    keys = tuple((r.request_id, r.num_preemptions) for r in requests)
+    keys = tuple(r.key for r in requests)
     if keys != plan.request_keys:
         raise GateError("the plan's rows are not this step's decode rows (a request joined, left or was "
                         "preempted since it was built); plan again")

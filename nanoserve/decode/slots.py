@@ -27,7 +27,7 @@ class SlotTable:
         self._cells = self.staging.numpy()
         self.address = self.table.data_ptr()
         self.compaction = compaction
-        self._keys: list[tuple] = []  # row -> the request occupying it (id, preemptions)
+        self._keys: list[tuple] = []  # row -> the request occupying it (Request.key)
         self._written: list[int] = []  # row -> block entries written
         self._high_water = 0  # rows [0, high_water) may hold non-zero cells
         self.cells_written = 0
@@ -35,8 +35,8 @@ class SlotTable:
 
     @staticmethod
     def key(request) -> tuple:
-        """A request's identity for the table: a preempted request comes back with new blocks, so a new key."""
-        return (request.request_id, request.num_preemptions)
+        """A request's identity for the table (Request.key: a serial that never repeats, and its preemptions)."""
+        return request.key
 
     def arrange(self, requests: list) -> list:
         """Fit the table to this step's decode rows; returns them in row order (row i is requests[i])."""
