@@ -172,9 +172,11 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        user: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated.
 
+        `user` names who sent it (OpenAI's field); the running-rows table shows it.
         With `params.n` > 1 the request is n sequences sharing the prompt (see SamplingParams.for_completion).
         """
         params = params or SamplingParams()
@@ -203,7 +205,7 @@ class Engine:
             own = params if params.n == 1 else params.for_completion(index)
             if index:  # the prompt's logprobs are the same for every completion: compute them once
                 own = dataclasses.replace(own, prompt_logprobs=None)
-            req = Request(request_id, text, ids, own, max_tokens, index=index, bad_word_ids=bad_words)
+            req = Request(request_id, text, ids, own, max_tokens, index=index, bad_word_ids=bad_words, user=user)
             if own.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
             if arrival_time is not None:
@@ -438,7 +440,7 @@ class Engine:
         now = time.monotonic()
         rows = tuple(
             RowStats(r.name, r.status.value, len(r.prompt_ids), len(r.output_ids), len(r.blocks),
-                     _rate(len(r.output_ids), r.first_token_time, now))
+                     _rate(len(r.output_ids), r.first_token_time, now), r.user)
             for r in (*s.running, *s.waiting)
         )
         return EngineStats(

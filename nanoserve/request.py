@@ -44,6 +44,7 @@ class Request:
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (when logprobs are computed)
     index: int = 0  # which of the request's n completions this sequence is
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+    user: str | None = None  # who sent it, when the client said (OpenAI's `user`)
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.
     serial: int = field(default_factory=lambda: next(_serials))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from nanoserve.sampler import Sampler, SampleResult, SamplingRow, TokenLogprobs
-from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from nanoserve.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, SamplingParamsError
 
 __all__ = [
     "MAX_LOGPROBS",
+    "MAX_N",
     "SampleResult",
     "Sampler",
     "SamplingParams",

@@ -45,6 +45,7 @@ class RowStats:
     generated_tokens: int
     blocks: int
     tokens_per_s: float = 0.0  # generated tokens over the time since its first token
+    user: str | None = None  # the client's `user` field, when it sent one
 
 
 @dataclass(frozen=True)

@@ -89,8 +89,9 @@ def test_metrics_use_vllm_names(client, server):
 @pytest.mark.parametrize("body,status,needle", [
     ({"model": "tiny", "prompt": "x " * 300, "max_tokens": 4}, 400, "max_model_len"),
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"model": "tiny", "prompt": "hi", "n": 2}, 400, "n=2"),
-    ({"model": "tiny", "prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+    ({"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": "tiny", "prompt": "hi", "n": 500}, 400, "n"),
+    ({"model": "tiny", "prompt": "hi", "suffix": "!"}, 400, "suffix is not supported"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": ""}, 400, "empty"),
     ({"model": "tiny", "prompt": [10**9]}, 400, "vocabulary"),
@@ -203,8 +204,9 @@ def test_logprobs_through_both_routes(client, offline):
     lp = plain.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 16
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    ref = offline.generate(["Hello"], params)[0].outputs[0].logprobs
-    assert [round(x, 4) for x in lp.token_logprobs] == [round(e.logprob, 4) for e in ref]
+    ref = offline.generate(["Hello"], params)[0].outputs[0]
+    assert [round(x, 4) for x in lp.token_logprobs] == [round(e[t].logprob, 4) for t, e in zip(ref.token_ids,
+                                                                                                ref.logprobs)]
     assert all(len(t) <= 2 for t in lp.top_logprobs)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                           logprobs=True, top_logprobs=3, **GREEDY)

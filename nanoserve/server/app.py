@@ -1,30 +1,44 @@
-"""The OpenAI-compatible HTTP API over an EngineHost: completions, chat, models, /health, /metrics.
+"""The OpenAI-compatible HTTP API over an EngineHost: completions, chat, models, tokenize, /health, /metrics.
 
-A client's bad input is always a 4xx with an OpenAI-shaped error body and never costs the server anything:
-requests are validated before they reach the engine, and a refused or disconnected request holds no blocks.
+The rule every route keeps: a request field is honoured, or refused with a 400 that says it is not supported and
+what to do instead; it is never accepted and ignored. Fields outside OpenAI's and vLLM's request schemas are
+ignored with one warning in the log, as vLLM does (protocol.py lists which is which). Every error, a 404 or 405
+included, is an OpenAI-shaped body, and a refused or disconnected request holds no blocks: requests are
+validated before they reach the engine, and a stream that ends early aborts its requests.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import secrets
-import time
 import uuid
-from collections.abc import AsyncIterator
+from importlib import metadata
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from nanoserve.errors import NanoserveError
-from nanoserve.outputs import RequestOutput
+from nanoserve.server.chat import ChatResponder
+from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
+from nanoserve.server.fanout import Fanout
 from nanoserve.server.host import EngineHost, HostStopped
 from nanoserve.server.metrics import Metrics
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from nanoserve.server.responses import chat_chunk, chat_response, completion_chunk, completion_response
+from nanoserve.server.openapi import ERRORS, STREAMED, install_openapi
+from nanoserve.server.prompts import chat_prompt, completion_prompts
+from nanoserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 
 MAX_BODY_BYTES = 4 * 2**20
+log = logging.getLogger("nanoserve.server")
+_warned: set[str] = set()  # unknown field names already named in the log
 
 
 class APIError(Exception):
@@ -55,17 +69,133 @@ class _Guard(BaseHTTPMiddleware):
         return await call_next(request)
 
 
+def _version() -> str:
+    try:
+        return metadata.version("nanoserve")
+    except metadata.PackageNotFoundError:
+        from nanoserve import __version__
+
+        return __version__
+
+
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_waiting: int = 256,
               max_body: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="nanoserve", version="0.1.0")
+    app = FastAPI(title="nanoserve", version=_version())
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
     metrics = Metrics(host.stats, model_name)
+    install_openapi(app, lambda: host.engine.max_model_len)
+    _install_error_handlers(app)
 
+    def admit(body) -> None:
+        """The checks every generation request passes before it reaches the engine."""
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}",
+                           "not_found_error", "model")
+        refused = body.refusal()
+        if refused is not None:
+            raise APIError(400, refused[1], param=refused[0])
+        unknown = [f for f in body.unknown_fields() if f not in _warned]
+        if unknown:
+            _warned.update(unknown)
+            log.warning("ignoring request fields that are neither OpenAI's nor vLLM's: %s", ", ".join(unknown))
+        if host.stats().scheduler.waiting >= max_waiting:
+            raise APIError(503, f"the waiting queue is full ({max_waiting} requests); retry shortly",
+                           "server_error")
+
+    def request_id(body, prefix: str) -> str:
+        return f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+
+    def room_for(ids: list[int]) -> int:
+        return max(1, host.engine.max_model_len - len(ids))
+
+    @app.get("/health", summary="The engine's stats snapshot (flags, scheduler, KV pool, paged read, rows)")
+    async def health():
+        return {"status": "ok" if host.running else "stopped", **host.stats().as_dict()}
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text/plain)",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoserve", "root": model_name,
+                "parent": None, "max_model_len": host.engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses=ERRORS)
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} is not served here; this server serves {model_name!r}",
+                           "not_found_error", "model")
+        return model_card()
+
+    @app.post("/tokenize", responses=ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        tokenizer = host.engine.tokenizer
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model {body.model!r} is not served here", "not_found_error", "model")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            ids = chat_prompt(chat, tokenizer)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": host.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        tokenizer = host.engine.tokenizer
+        vocab = host.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions", responses={**ERRORS, **STREAMED})
+    async def completions(body: CompletionRequest):
+        admit(body)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 generates nothing; it is only meaningful with echo (to score the "
+                                "prompt); send max_tokens >= 1", param="max_tokens")
+        tokenizer = host.engine.tokenizer  # read per request: a restart may bring a new engine
+        prompts = completion_prompts(body, tokenizer)
+        ids = [p[1] for p in prompts]
+        longest = max(ids, key=len)
+        params = body.sampling_params(engine_max_tokens(body, room_for(longest)), body.logprobs,
+                                      prompt_logprobs_wanted(body))
+        rid = request_id(body, "cmpl")
+        fanout = await Fanout(host, ids, params, rid).open(body.user)
+        responder = CompletionResponder(body, fanout, [p[0] for p in prompts], tokenizer, model_name, rid, metrics)
+        return responder.stream() if body.stream else await responder.whole()
+
+    @app.post("/v1/chat/completions", responses={**ERRORS, **STREAMED})
+    async def chat(body: ChatCompletionRequest):
+        admit(body)
+        tokenizer = host.engine.tokenizer
+        ids = chat_prompt(body, tokenizer)
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        params = body.sampling_params(max_tokens if max_tokens is not None else room_for(ids), body.chat_logprobs())
+        rid = request_id(body, "chatcmpl")
+        fanout = await Fanout(host, [ids], params, rid).open(body.user)
+        responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics)
+        return responder.stream() if body.stream else await responder.whole()
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = first.get("msg", "invalid request")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message = "request body is not valid JSON"
         return _error(400, f"{where + ': ' if where else ''}{message}", param=where or None)
@@ -82,120 +212,15 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     async def _stopped(_, exc: HostStopped):
         return _error(503, str(exc), "server_error")
 
-    def check(body) -> None:
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}",
-                           "not_found_error", "model")
-        if body.n != 1:
-            raise APIError(400, f"n={body.n} is not supported yet; send n separate requests", param="n")
-        if host.stats().scheduler.waiting >= max_waiting:
-            raise APIError(503, f"the waiting queue is full ({max_waiting} requests); retry shortly",
-                           "server_error")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kinds = {404: "not_found_error", 405: "invalid_request_error"}
+        message = {404: f"no route {request.url.path}; see /docs for the routes this server has",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return JSONResponse(error_body(message, kinds.get(exc.status_code, "invalid_request_error"), None,
+                                       exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
-    def room_for(ids: list[int]) -> int:
-        return max(1, host.engine.max_model_len - len(ids))
-
-    async def respond(ids, params, rid, stream_it: bool, events, response, body, tokenizer, logprobs):
-        """Submit (a refusal raises here, as a 400) and answer with an SSE stream or one JSON body."""
-        stream = await host.open(ids, params, request_id=rid)
-        if stream_it:
-            return _sse(events(stream, rid, model_name, body, tokenizer, metrics))
-        final = await _last(stream)
-        metrics.observe(final)
-        return response(final, rid, model_name, tokenizer, logprobs)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok" if host.running else "stopped", **host.stats().as_dict()}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanoserve", "max_model_len": host.engine.max_model_len}]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        check(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "a list of several prompts is not supported yet; send one request per prompt",
-                               param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise APIError(400, "prompt is empty; send at least one token", param="prompt")
-        tokenizer = host.engine.tokenizer  # read per request: a restart may bring a new engine
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = body.sampling_params(body.logprobs, None if body.max_tokens else room_for(ids))
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        return await respond(ids, params, rid, body.stream, _completion_events, completion_response,
-                             body, tokenizer, body.logprobs)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
-        check(body)
-        messages = [m.as_template_message() for m in body.messages]
-        tokenizer = host.engine.tokenizer
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                            tokenize=True)
-        if body.max_completion_tokens is not None and body.max_tokens is None:
-            body.max_tokens = body.max_completion_tokens
-        params = body.sampling_params(body.chat_logprobs(), None if body.max_tokens else room_for(ids))
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await respond(ids, params, rid, body.stream, _chat_events, chat_response,
-                             body, tokenizer, body.chat_logprobs())
-
-    return app
-
-
-async def _last(stream) -> RequestOutput:
-    last = None
-    try:
-        async for out in stream:
-            last = out
-    finally:
-        await stream.aclose()  # a client gone before the end aborts its request
-    return last
-
-
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _completion_events(stream, rid, model, body, tokenizer, metrics):
-    created = int(time.time())
-    try:
-        async for out in stream:
-            if out.delta_text or out.finished:
-                yield completion_chunk(out, rid, model, created, tokenizer, body.logprobs)
-    finally:
-        await stream.aclose()
-    metrics.observe(out)
-    if body.stream_options and body.stream_options.include_usage:
-        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-               "usage": out.usage}
-
-
-async def _chat_events(stream, rid, model, body, tokenizer, metrics):
-    created = int(time.time())
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}]}
-    try:
-        async for out in stream:
-            if out.delta_text or out.finished or (body.chat_logprobs() is not None and out.delta_token_ids):
-                yield chat_chunk(out, base, tokenizer, body.chat_logprobs())
-    finally:
-        await stream.aclose()
-    metrics.observe(out)
-    if body.stream_options and body.stream_options.include_usage:
-        yield {**base, "choices": [], "usage": out.usage}
+    @app.exception_handler(Exception)
+    async def _crash(_, exc: Exception):
+        log.exception("request failed")
+        return _error(500, f"the server failed on this request: {exc}", "server_error")

@@ -36,6 +36,7 @@ class _Add:
     params: SamplingParams
     request_id: str | None
     sink: Callable[[RequestOutput | BaseException], None]
+    user: str | None = None
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -120,14 +121,14 @@ class EngineHost:
 
     # ---- requests -----------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, sink: Callable, request_id: str | None = None,
-               timeout: float = 60.0) -> str:
+               timeout: float = 60.0, user: str | None = None) -> str:
         """Queue a request from any thread; returns its id, or raises the engine's refusal (nothing held)."""
-        return self._send(prompt, params, sink, request_id).result(timeout)
+        return self._send(prompt, params, sink, request_id, user).result(timeout)
 
-    def _send(self, prompt, params, sink, request_id) -> concurrent.futures.Future:
+    def _send(self, prompt, params, sink, request_id, user=None) -> concurrent.futures.Future:
         if not self.running or self._stop.is_set():
             raise HostStopped("the engine is not running; wait for the restart to finish")
-        cmd = _Add(prompt, params, request_id, sink)
+        cmd = _Add(prompt, params, request_id, sink, user)
         self._commands.put(cmd)
         self._wake.set()
         return cmd.accepted
@@ -136,7 +137,7 @@ class EngineHost:
         self._commands.put(_Abort(request_id))
         self._wake.set()
 
-    async def open(self, prompt, params: SamplingParams, request_id: str | None = None
+    async def open(self, prompt, params: SamplingParams, request_id: str | None = None, user: str | None = None
                    ) -> AsyncIterator[RequestOutput]:
         """Submit now (a refusal raises here, before any response is started) and return the output stream.
 
@@ -149,7 +150,7 @@ class EngineHost:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         # Awaiting the engine thread's answer holds no executor thread, however many clients arrive at once.
-        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id))
+        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user))
         return self._stream(rid, outputs)
 
     async def _stream(self, rid: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -215,7 +216,7 @@ class EngineHost:
                 cmd.accepted.set_exception(HostStopped("the engine is shutting down"))
                 continue
             try:
-                rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+                rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, user=cmd.user)
             except Exception as e:
                 cmd.accepted.set_exception(e)
                 continue

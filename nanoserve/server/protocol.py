@@ -1,88 +1,296 @@
-"""The OpenAI request shapes nanoserve accepts, validated strictly, and the error body it answers with.
+"""The request bodies nanoserve accepts, field by field, and the error body it answers with.
 
-Unknown fields are refused (a typo'd field silently ignored is a wrong answer with a 200), and every
-sampling field maps onto SamplingParams, whose own checks give the messages.
+Every declared field is either honoured (it reaches SamplingParams, the prompt, the engine request or the
+response) or listed in UNSUPPORTED, where any value but its do-nothing one is refused with a 400 saying what to do
+instead. Fields that belong to neither OpenAI's nor vLLM's request schema are kept out of the request and named
+in one warning in the log (vLLM's behaviour: newer clients send newer fields). tests/test_server_fields.py walks
+every declared field and proves which of the two it is.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+
+
+def _number(value: Any) -> Any:
+    """JSON numbers only: true is not 1 and "0.7" is not 0.7."""
+    if isinstance(value, (bool, str)):
+        raise ValueError("must be a number")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_number)]
+TokenIds = list[StrictInt]
+
+# name -> (values that ask for nothing, why any other value is refused and what to do instead)
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "suffix": ((None, ""), "suffix (text inserted after the completion) is not supported; append it yourself"),
+    "use_beam_search": ((None, False), "beam search is not supported; use n with sampling, or greedy decoding"),
+    "length_penalty": ((None, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always decoded with their spaces"),
+    "guided_json": ((None,), "structured outputs are not supported yet; validate the output yourself"),
+    "guided_regex": ((None,), "structured outputs are not supported yet; validate the output yourself"),
+    "guided_choice": ((None,), "structured outputs are not supported yet; validate the output yourself"),
+    "guided_grammar": ((None,), "structured outputs are not supported yet; validate the output yourself"),
+    "structured_outputs": ((None,), "structured outputs are not supported yet; validate the output yourself"),
+    "logits_processors": ((None,), "custom logits processors are not supported; use logit_bias, "
+                                   "allowed_token_ids or bad_words"),
+    "priority": ((None, 0), "request priorities are not supported; requests are served in arrival order"),
+    "cache_salt": ((None,), "there is no prefix cache to salt"),
+    "kv_transfer_params": ((None,), "KV transfer between servers is not supported"),
+    "mm_processor_kwargs": ((None,), "this model takes text only"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported; send text or token ids"),
+    "vllm_xargs": ((None,), "extra engine arguments per request are not supported"),
+}
+CHAT_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    **UNSUPPORTED,
+    "tools": ((None, []), "tool calling is not supported yet; describe the tools in a system message"),
+    "tool_choice": ((None, "none"), "tool calling is not supported yet; send no tool_choice"),
+    "parallel_tool_calls": ((None,), "tool calling is not supported yet; send no parallel_tool_calls"),
+    "functions": ((None, []), "function calling is not supported; describe the functions in a system message"),
+    "function_call": ((None, "none"), "function calling is not supported; send no function_call"),
+    "audio": ((None,), "this model writes text only"),
+    "modalities": ((None, ["text"]), "this model writes text only; send modalities ['text'] or none"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "reasoning effort is not supported by this server"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "nanoserve stores no completions"),
+    "metadata": ((None,), "metadata tags stored completions, which nanoserve does not keep"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier here; send 'auto' or none"),
+    "echo": ((None, False), "echo is not supported on chat; use /v1/completions with echo"),
+}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # usage (so far) on every chunk, as vLLM sends it
 
 
-class _Sampling(BaseModel):
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"response_format type {self.type!r} is not supported yet (structured outputs); "
+                             "send {'type': 'text'} or none, and validate the output yourself")
+        return self
+
+
+class _Request(BaseModel):
     """Fields shared by both routes; names follow OpenAI's API, with vLLM's extensions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+    unsupported: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    min_tokens: int = 0
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = 0
+    min_p: Number = 0.0
+    repetition_penalty: Number = 1.0
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    seed: StrictInt | None = None
+    min_tokens: StrictInt = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    n: int = 1
-    stream: bool = False
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    logit_bias: dict[str, Number] | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    best_of: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=200)
+    add_special_tokens: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    return_tokens_as_token_ids: StrictBool = False
+    response_format: ResponseFormat | None = None
+    # UNSUPPORTED fields, declared so the schema names them and their refusal is documented
+    suffix: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    mm_processor_kwargs: Any = None
+    prompt_embeds: Any = None
+    vllm_xargs: Any = None
 
-    def sampling_params(self, logprobs: int | None, default_max_tokens: int | None) -> SamplingParams:
+    def refusal(self) -> tuple[str, str] | None:
+        """(field, message) for the first unsupported field set to something it cannot do, else None."""
+        for name, (idle, why) in self.unsupported.items():
+            if getattr(self, name, None) not in idle:
+                return name, f"{name} is not supported: {why}"
+        if self.best_of not in (None, self.n):
+            return "best_of", (f"best_of={self.best_of} with n={self.n} is not supported: every completion is "
+                               "returned; send best_of equal to n, or none")
+        return None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, min_tokens=self.min_tokens,
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
         )
 
 
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_shape(cls, data: Any) -> Any:
+        """Name the accepted shapes, and never read true/false as a token id."""
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if prompt is None or isinstance(prompt, str):
+            return data
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"prompt must be {PROMPT_SHAPES}; got {'an empty list' if prompt == [] else prompt!r}")
+        kinds = {_prompt_item_kind(p) for p in prompt}
+        if len(kinds) != 1 or None in kinds:
+            raise ValueError(f"prompt must be {PROMPT_SHAPES}, not a mix or other values (booleans are not token "
+                             "ids)")
+        return data
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one entry each: a batch of strings or of token lists, or one prompt."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+def _prompt_item_kind(item: Any) -> str | None:
+    if isinstance(item, bool):
+        return None
+    if isinstance(item, int):
+        return "id"
+    if isinstance(item, str):
+        return "text"
+    if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+        return "ids"
+    return None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-
-    def as_template_message(self) -> dict:
-        content = self.content
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Request):
+    unsupported: ClassVar[dict[str, tuple[tuple, str]]] = CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    add_generation_prompt: bool = True
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    echo: Any = None
 
     def chat_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def refusal(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true; send both"
+        return super().refusal()
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: TokenIds
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every 4xx and 5xx answers with one."""
+
+    error: ErrorInfo
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -1,70 +1,73 @@
-"""Engine outputs -> OpenAI response and chunk JSON (completions and chat), logprobs included."""
+"""Engine outputs -> OpenAI's JSON: logprobs in the completions and chat shapes, vLLM's prompt_logprobs, usage."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable, Sequence
 
-from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import TokenLogprobs
 
+# JSON has no -inf; vLLM clamps to this so every client can parse the body
+_FLOOR = -9999.0
 
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _completion_logprobs(entries, tokenizer) -> dict:
-    tokens, token_logprobs, top = [], [], []
-    for e in entries:
-        tokens.append(_token_text(tokenizer, e.token_id))
-        token_logprobs.append(e.logprob)
-        top.append({_token_text(tokenizer, t): lp for t, lp in e.top})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": []}
+TokenText = Callable[[int], str]
 
 
-def _chat_logprobs(entries, tokenizer) -> dict:
-    def item(token_id, logprob):
-        text = _token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def token_namer(tokenizer, as_ids: bool) -> TokenText:
+    """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
+    return (lambda t: f"token_id:{t}") if as_ids else tokenizer.token_text
+
+
+def _lp(value: float) -> float:
+    return max(value, _FLOOR)
+
+
+def completion_logprobs(ids: Sequence[int], entries: Sequence[TokenLogprobs | None], name: TokenText,
+                        offset: int = 0) -> dict:
+    """The legacy completions shape; a position without an entry (a prompt's first token) has nulls.
+
+    `text_offset` counts characters from the start of the choice's returned text (`offset` is where this piece
+    starts, for streamed chunks), token by token, as vLLM computes it.
+    """
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token, e in zip(ids, entries, strict=True):
+        text = name(token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if e is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(_lp(e.logprob))
+        alternatives = {name(t): _lp(lp) for t, lp in e.top}
+        alternatives.setdefault(text, _lp(e.logprob))
+        top.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], name: TokenText) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = name(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
 
 
-def completion_response(final: RequestOutput, rid: str, model: str, tokenizer, logprobs: int | None) -> dict:
-    c = final.outputs[0]
-    return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason,
-                     "stop_reason": c.stop_reason,
-                     "logprobs": _completion_logprobs(c.logprobs, tokenizer) if logprobs is not None else None}],
-        "usage": final.usage,
-    }
+def prompt_logprobs_json(entries: Sequence[TokenLogprobs | None], name: TokenText) -> list:
+    """vLLM's prompt_logprobs: null first, then {token id: {logprob, rank, decoded_token}} per prompt token."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": name(e.token_id)}}
+        for rank, (t, lp) in enumerate(e.top, start=1):
+            d.setdefault(str(t), {"logprob": _lp(lp), "rank": rank, "decoded_token": name(t)})
+        out.append(d)
+    return out
 
 
-def completion_chunk(out: RequestOutput, rid: str, model: str, created: int, tokenizer, logprobs) -> dict:
-    c = out.outputs[0]
-    lp = None
-    if logprobs is not None and c.logprobs:
-        lp = _completion_logprobs(c.logprobs[len(c.logprobs) - len(out.delta_token_ids):], tokenizer)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": out.delta_text, "logprobs": lp,
-                         "finish_reason": c.finish_reason if out.finished else None}]}
-
-
-def chat_response(final: RequestOutput, rid: str, model: str, tokenizer, logprobs: int | None) -> dict:
-    c = final.outputs[0]
-    return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                     "logprobs": _chat_logprobs(c.logprobs, tokenizer) if logprobs is not None else None}],
-        "usage": final.usage,
-    }
-
-
-def chat_chunk(out: RequestOutput, base: dict, tokenizer, logprobs: int | None) -> dict:
-    c = out.outputs[0]
-    lp = None
-    if logprobs is not None and c.logprobs:
-        lp = _chat_logprobs(c.logprobs[len(c.logprobs) - len(out.delta_token_ids):], tokenizer)
-    return {**base, "choices": [{"index": 0, "delta": {"content": out.delta_text}, "logprobs": lp,
-                                 "finish_reason": c.finish_reason if out.finished else None}]}
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

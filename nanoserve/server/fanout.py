@@ -1,0 +1,123 @@
+"""Fanout: the engine requests behind one HTTP request (one per prompt, each with n sequences) as one stream.
+
+A batch of prompts or n > 1 gives several OpenAI choices; choice `prompt * n + i` is completion i of that prompt
+(vLLM's numbering). Opening is all-or-nothing: a refused prompt closes the ones already opened, so nothing is
+held. Closing the fanout (the response finished, or the client went away) aborts every request still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import StreamingResponse
+
+from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.server.host import EngineHost
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt: int  # which prompt of the request
+    completion: CompletionOutput | None = None  # the latest state of this choice
+    sent_logprobs: int = 0  # logprob entries already streamed
+    sent_chars: int = 0  # characters already streamed (text_offset of the next piece)
+    started: bool = False  # a first chunk (role, or echoed prompt) was sent
+
+    @property
+    def finished(self) -> bool:
+        return self.completion is not None and self.completion.finish_reason is not None
+
+
+class Fanout:
+    def __init__(self, host: EngineHost, prompts: list[list[int]], params: SamplingParams, request_id: str):
+        self.host, self.prompts, self.params, self.request_id = host, prompts, params, request_id
+        self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
+        self.prompt_logprobs: list = [None] * len(prompts)  # per prompt, once its prefill is done
+        self._streams: list = []
+
+    def engine_id(self, prompt: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt}"
+
+    async def open(self, user: str | None = None) -> Fanout:
+        """Submit every prompt (a refusal raises here, before any response is started, and frees the rest)."""
+        try:
+            for p, ids in enumerate(self.prompts):
+                self._streams.append(await self.host.open(ids, self.params, request_id=self.engine_id(p), user=user))
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def close(self) -> None:
+        for stream in self._streams:
+            await stream.aclose()  # a request not yet finished is aborted
+
+    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Each engine output with the choice it moved, in arrival order; closes everything at the end."""
+        try:
+            async for p, out in _merged(self._streams):
+                choice = self.choices[p * self.params.n + out.outputs[0].index]
+                choice.completion = out.outputs[0]
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[p] = out.prompt_logprobs
+                yield choice, out
+        finally:
+            await self.close()
+
+    def usage_counts(self) -> tuple[int, int]:
+        """(prompt tokens, completion tokens) so far: each prompt counted once, every choice's tokens."""
+        completion = sum(len(c.completion.token_ids) for c in self.choices if c.completion is not None)
+        return sum(len(ids) for ids in self.prompts), completion
+
+
+async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as their items arrive (one stream is read directly)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # the engine failed this request: end the whole response with it
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is done:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events, ending with [DONE] however the events end."""
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except Exception as e:  # headers are gone: say so in the stream itself, then end it properly
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
