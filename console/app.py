@@ -165,7 +165,7 @@ def title_of(screen) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nanoserve.cli import add_engine_flags, engine_flags
+    from nanoserve.flags import add_engine_flags, engine_flags
 
     parser = argparse.ArgumentParser(prog="nanoserve-console", description=__doc__)
     add_engine_flags(parser)

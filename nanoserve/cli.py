@@ -1,4 +1,4 @@
-"""The `nanoserve` command: generate (one-shot or --chat), bench."""
+"""The `nanoserve` command: serve MODEL, generate (one-shot or --chat), bench, --version."""
 
 from __future__ import annotations
 
@@ -8,78 +8,79 @@ import logging
 import sys
 import time
 
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import ConfigError, NanoserveError
+from nanoserve.flags import add_engine_flags, add_sampling_flags, engine_flags, sampling_params
+
+# Sampling fields generate cannot show (it streams one completion's text), each with where to get them.
+_GENERATE_SHOWS_NOT = {
+    "n": "generate streams one completion; for n > 1 use LLM.generate or `nanoserve serve`",
+    "prompt_logprobs": "generate prints the output only; for prompt logprobs use LLM.generate or "
+                       "`nanoserve serve`",
+}
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """One argparse flag per EngineConfig field, so the CLI can never lag the config."""
-    from nanoserve.config import EngineConfig
+def version() -> str:
+    from importlib import metadata
 
-    for spec in EngineConfig.flag_specs():
-        flag = "--" + spec.name.replace("_", "-")
-        if spec.kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default,
-                           help=f"{spec.help} (default: {spec.default})")
-        else:
-            p.add_argument(flag, type=spec.kind, default=spec.default, metavar=spec.name.upper(),
-                           help=f"{spec.help} (default: {spec.default})")
-
-
-def engine_flags(args: argparse.Namespace) -> dict:
-    from nanoserve.config import EngineConfig
-
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-
-
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-
-
-def sampling_params(args):
-    from nanoserve.sampling import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
-    )
+    try:
+        return metadata.version("nanoserve")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def cmd_generate(args) -> int:
     from nanoserve.config import EngineConfig
     from nanoserve.engine import Engine
 
+    params = sampling_params(args)  # refused before the model loads
+    defaults = {f.name: f.default for f in dataclasses.fields(params)}
+    for name, why in _GENERATE_SHOWS_NOT.items():
+        if getattr(params, name) != defaults[name]:
+            raise ConfigError(f"--{name.replace('_', '-')}: {why}")
+    if args.chat and not params.detokenize:
+        raise ConfigError("--chat keeps the conversation as text, so it needs detokenize; "
+                          "drop --no-detokenize")
     engine = Engine(EngineConfig.from_flags(**engine_flags(args)))
-    params = sampling_params(args)
     if args.chat:
         return _chat_loop(engine, params, args.system)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    _stream(engine, engine.add_request(prompt, params))
+    _stream(engine, engine.add_request(prompt, params), params)
     return 0
 
 
-def _stream(engine, request_id: str) -> str:
-    """Print a request's text as it arrives; returns the whole text."""
-    text, tokens, started = [], 0, time.monotonic()
+def _stream(engine, request_id: str, params) -> str:
+    """Print a request's text (or its token ids, without detokenize) as it arrives; returns the whole text."""
+    text, tokens, started, final = [], 0, time.monotonic(), None
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id != request_id:
                 continue
+            final = out
             tokens += len(out.delta_token_ids)
-            if out.delta_text:
-                sys.stdout.write(out.delta_text)
+            delta = out.delta_text if params.detokenize else "".join(f"{i} " for i in out.delta_token_ids)
+            if delta:
+                sys.stdout.write(delta)
                 sys.stdout.flush()
                 text.append(out.delta_text)
     elapsed = time.monotonic() - started
     sys.stdout.write("\n")
+    if final is not None and final.outputs[0].logprobs:
+        _print_logprobs(final.outputs[0].logprobs)
     print(f"[{tokens} tokens, {tokens / elapsed:.1f} tok/s]", file=sys.stderr)
     return "".join(text)
+
+
+def _print_logprobs(logprobs) -> None:
+    """One line per generated token on stderr: the token and its logprob, then the other top alternatives.
+
+    Each position is vLLM's {token id: Logprob}, the sampled token first.
+    """
+    def show(lp) -> str:
+        return f"{lp.decoded_token!r} {lp.logprob:.4f}"
+
+    for position in logprobs:
+        sampled, *others = position.values()
+        print(show(sampled) + "  | " + "  ".join(show(lp) for lp in others), file=sys.stderr)
 
 
 def _chat_loop(engine, params, system: str | None) -> int:
@@ -99,7 +100,7 @@ def _chat_loop(engine, params, system: str | None) -> int:
         messages.append({"role": "user", "content": line})
         ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         try:
-            reply = _stream(engine, engine.add_request(ids, params))
+            reply = _stream(engine, engine.add_request(ids, params), params)
         except NanoserveError as e:
             messages.pop()
             print(f"error: {e}", file=sys.stderr)
@@ -107,11 +108,23 @@ def _chat_loop(engine, params, system: str | None) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def serve_model(args) -> str | None:
+    """The model `serve` runs: the positional MODEL (as `vllm serve` takes it) or --model, never two."""
+    if args.model_tag is None:
+        return args.model
+    if args.model is not None and args.model != args.model_tag:
+        raise ConfigError(f"two models given: {args.model_tag!r} (positional) and --model {args.model!r}; "
+                          "pass one of them")
+    return args.model_tag
+
+
 def cmd_serve(args) -> int:
     from nanoserve.config import EngineConfig
+
+    flags = {**engine_flags(args), "model": serve_model(args)}
     from nanoserve.server.serve import Server
 
-    server = Server(EngineConfig.from_flags(**engine_flags(args)), host=args.host, port=args.port,
+    server = Server(EngineConfig.from_flags(**flags), host=args.host, port=args.port,
                     api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting)
     server.run()
     return 0
@@ -123,6 +136,7 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"nanoserve {version()}")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -135,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="checkpoint directory, .gguf file or Hugging Face id in the local cache "
+                            "(same as --model; unset: the embedded default model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -149,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     from nanoserve.bench import serve as serve_bench
 
     for module in (throughput, serve_bench, linear, ab, inputs, graphs, wire, reads):
-        module.add_parser(bench_sub, add_engine_flags)
+        module.add_parser(bench_sub)
         bench_sub.choices[module.__name__.rsplit(".", 1)[1]].set_defaults(bench_main=module.main)
     bench.set_defaults(func=cmd_bench)
     return parser

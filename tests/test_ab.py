@@ -20,7 +20,6 @@ from nanoserve.bench.ab import (
     run_ab,
     variant,
 )
-from nanoserve.cli import add_engine_flags
 from nanoserve.config import EngineConfig, FlagSpec
 from nanoserve.errors import ConfigError
 
@@ -105,7 +104,7 @@ def test_a_different_engine_seed_is_caught_where_the_texts_part(base):
 def bench_ab(argv: list[str]) -> int:
     """`nanoserve bench ab ARGV`, through the module's own add_parser and main (as cli.py registers them)."""
     parser = argparse.ArgumentParser()
-    ab.add_parser(parser.add_subparsers(), add_engine_flags)
+    ab.add_parser(parser.add_subparsers())
     return ab.main(parser.parse_args(["ab", *argv]))
 
 

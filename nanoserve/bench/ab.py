@@ -25,6 +25,7 @@ from nanoserve.bench import serve
 from nanoserve.bench.common import SAMPLED, pick_prompts, print_table, write_results
 from nanoserve.config import EngineConfig, FlagSpec
 from nanoserve.errors import ConfigError
+from nanoserve.flags import add_engine_flags, engine_flags
 
 DEFAULT_B = "streamed_read=on"  # the other read: must change no output
 SCHEDULING_B = "max_num_seqs=4 max_num_batched_tokens=64"  # another scheduling: must change no output either
@@ -304,7 +305,7 @@ def run_ab(config_a: EngineConfig, config_b: EngineConfig, bodies: list[dict], c
 
 
 # ---- the CLI ----------------------------------------------------------------------------------------
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("ab", help="two engines, two flag sets, the same requests: are the texts identical?")
     p.add_argument("--a", default="", metavar="FLAGS", help="engine A's overrides, e.g. 'max_num_seqs=4'")
     p.add_argument("--b", default=DEFAULT_B, metavar="FLAGS", help=f"engine B's overrides ({DEFAULT_B!r})")
@@ -321,8 +322,6 @@ def snippet(text: str, width: int = 40) -> str:
 
 
 def main(args) -> int:
-    from nanoserve.cli import engine_flags
-
     base = EngineConfig.from_flags(**engine_flags(args))
     config_a, config_b = variant(base, args.a), variant(base, args.b)
     bodies = ab_requests(pick_prompts(args.num_prompts), args.max_tokens, sampled_seed=args.sample_seed)

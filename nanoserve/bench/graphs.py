@@ -16,13 +16,14 @@ import time
 import torch
 
 from nanoserve.bench.common import print_table, write_results
+from nanoserve.flags import add_engine_flags, engine_flags
 
 # A real-sized random model (~0.75B parameters, SmolLM2's vocabulary so the default tokenizer serves it).
 BIG = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=24,
            num_key_value_heads=8, max_position_embeddings=4096, vocab_size=49152, tie_word_embeddings=False)
 
 
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("graphs", help="decode step time eager vs CUDA-graph replay by batch (CUDA only)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per arm and round")
@@ -95,7 +96,6 @@ def one_batch(engine, b: int, args) -> dict:
 
 
 def main(args) -> int:
-    from nanoserve.cli import engine_flags
     from nanoserve.config import EngineConfig
     from nanoserve.engine import Engine
 

@@ -21,7 +21,7 @@ from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
 
 
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("inputs", help="persistent decode inputs: allocations and host ms per plan, fresh vs buffered")
     p.add_argument("--steps", type=int, nargs="+", default=[8, 64, 128, 512])
     p.add_argument("--rows", type=int, default=3, help="decoding rows")

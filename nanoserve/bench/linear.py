@@ -17,7 +17,7 @@ SHAPES = ((1728, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
 
 
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("linear", help="projection speed (GB/s, GFLOPS) by rows, fp32 and bf16")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])

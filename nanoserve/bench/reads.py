@@ -18,7 +18,7 @@ from nanoserve.reads.gathered import gathered_decode
 from nanoserve.reads.streamed import streamed_decode
 
 
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("reads", help="CUDA: streamed kernel vs gathered read by batch and context, GB/s")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])

