@@ -21,6 +21,7 @@ ENV_VAR = "NANOSERVE_CLIENT_ENV"
 REQUIRE_VAR = "NANOSERVE_REQUIRE_CLIENTS"
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
+RESPONSE_CAP = 2**20  # bytes of each answer kept; the largest here (lm-eval's echoed batches) are ~50 kB
 
 
 def unavailable(reason: str):
@@ -54,7 +55,7 @@ def client_environ(home: Path) -> dict:
 
 @dataclass
 class Exchange:
-    """One HTTP request the server answered: what came in and what went out (streams cut to 4 kB)."""
+    """One HTTP request the server answered: what came in and what went out (cut at RESPONSE_CAP bytes)."""
 
     method: str
     path: str
@@ -122,8 +123,8 @@ class RecordingMiddleware:
         async def send_recorded(message):
             if message["type"] == "http.response.start":
                 exchange.status = message["status"]
-            elif message["type"] == "http.response.body" and len(exchange.response) < 4096:
-                exchange.response += message.get("body", b"")[:4096 - len(exchange.response)]
+            elif message["type"] == "http.response.body" and len(exchange.response) < RESPONSE_CAP:
+                exchange.response += message.get("body", b"")[:RESPONSE_CAP - len(exchange.response)]
             await send(message)
 
         await self.app(scope, receive_recorded, send_recorded)
