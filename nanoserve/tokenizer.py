@@ -6,6 +6,7 @@ checkpoint files (BOS handling, chat-template rendering), so prompts match what 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,7 +56,6 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         # Only prepend BOS ourselves when the post-processor does not already do it, so it is never doubled.
         self._prepend_bos = add_bos_token and self.bos_token_id is not None and not self._post_processor_adds_bos()
-        self._compiled: dict[str, jinja2.Template] = {}
         self._token_texts: dict[int, str] = {}
 
     @classmethod
@@ -169,7 +169,12 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message continues the last message, add_generation_prompt starts "
                                "a new one; set add_generation_prompt=False to continue")
-        template = _jinja_env().from_string(chat_template) if chat_template else self._template(kwargs.get("tools"))
+        source = chat_template or self._template_source(kwargs.get("tools"))
+        template = _compiled(source)
+        unused = sorted(k for k, v in kwargs.items() if v is not None and k not in _variables(source))
+        if unused:
+            raise RequestError(f"this chat template does not use {', '.join(unused)}, so it would be dropped; "
+                               "leave it out, or pass a chat template that reads it")
         messages = _validate_messages(messages)
         variables: dict[str, Any] = {"tools": None, "documents": None}
         if self.bos_token is not None:
@@ -189,7 +194,7 @@ class Tokenizer:
             return self.encode(text, add_special_tokens=False)
         return text
 
-    def _template(self, tools: Any) -> jinja2.Template:
+    def _template_source(self, tools: Any) -> str:
         if not self._chat_templates:
             raise RequestError(
                 "this tokenizer has no chat template, so chat messages cannot be turned into a prompt; "
@@ -202,9 +207,7 @@ class Tokenizer:
                 f"this tokenizer has several chat templates ({sorted(self._chat_templates)}) but none named "
                 "'default'; use a checkpoint with a default chat template"
             )
-        if name not in self._compiled:
-            self._compiled[name] = _jinja_env().from_string(self._chat_templates[name])
-        return self._compiled[name]
+        return self._chat_templates[name]
 
 
 # -- checkpoint file helpers ----------------------------------------------------------------------------------
@@ -260,6 +263,19 @@ class _GenerationBlock(jinja2.ext.Extension):
 
     def _render(self, caller: Any) -> str:
         return caller()
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(source: str) -> jinja2.Template:
+    return _jinja_env().from_string(source)
+
+
+@functools.lru_cache(maxsize=32)
+def _variables(source: str) -> frozenset[str]:
+    """The variables a template reads (so a variable it never reads can be refused, not dropped)."""
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_jinja_env().parse(source)))
 
 
 def _raise_exception(message: str) -> None:

@@ -317,10 +317,18 @@ def test_strftime_now_and_unset_tokens(smol, hf_smol):
 
 
 def test_named_templates_pick_default_or_tool_use(smol):
-    tok = Tokenizer(smol.hf, chat_template={"default": "D", "tool_use": "T"}, bos_token=None, eos_token=None)
+    tok = Tokenizer(smol.hf, chat_template={"default": "D", "tool_use": "T{{ tools | length }}"}, bos_token=None,
+                    eos_token=None)
     assert tok.chat_template == "D"
     assert tok.apply_chat_template(CONVERSATIONS[0]) == "D"
-    assert tok.apply_chat_template(CONVERSATIONS[0], tools=TOOLS) == "T"
+    assert tok.apply_chat_template(CONVERSATIONS[0], tools=TOOLS) == f"T{len(TOOLS)}"
+
+
+def test_a_template_variable_the_template_never_reads_is_refused(smol):
+    with pytest.raises(RequestError, match="does not use enable_thinkng"):
+        smol.apply_chat_template(CONVERSATIONS[0], enable_thinkng=True)
+    with pytest.raises(RequestError, match="does not use tools"):
+        smol.apply_chat_template(CONVERSATIONS[0], chat_template="{{ messages[0].content }}", tools=TOOLS)
 
 
 # -- clear errors ----------------------------------------------------------------------------------------------

@@ -86,11 +86,14 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     install_openapi(app, lambda: host.engine.max_model_len)
     _install_error_handlers(app)
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"model {name!r} is not served here; this server serves {model_name!r}",
+                           "not_found_error", "model")
+
     def admit(body) -> None:
         """The checks every generation request passes before it reaches the engine."""
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}",
-                           "not_found_error", "model")
+        check_model(body.model)
         refused = body.refusal()
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0])
@@ -131,16 +134,13 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
 
     @app.get("/v1/models/{model_id:path}", responses=ERRORS)
     async def model(model_id: str):
-        if model_id != model_name:
-            raise APIError(404, f"model {model_id!r} is not served here; this server serves {model_name!r}",
-                           "not_found_error", "model")
+        check_model(model_id)
         return model_card()
 
     @app.post("/tokenize", responses=ERRORS)
     async def tokenize(body: TokenizeRequest):
         tokenizer = host.engine.tokenizer
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} is not served here", "not_found_error", "model")
+        check_model(body.model)
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
             ids = chat_prompt(chat, tokenizer)
@@ -151,6 +151,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
 
     @app.post("/detokenize", responses=ERRORS)
     async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
         tokenizer = host.engine.tokenizer
         vocab = host.engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -180,8 +181,8 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         admit(body)
         tokenizer = host.engine.tokenizer
         ids = chat_prompt(body, tokenizer)
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        params = body.sampling_params(max_tokens if max_tokens is not None else room_for(ids), body.chat_logprobs())
+        limit = body.token_limit()
+        params = body.sampling_params(limit if limit is not None else room_for(ids), body.chat_logprobs())
         rid = request_id(body, "chatcmpl")
         fanout = await Fanout(host, [ids], params, rid).open(body.user)
         responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics)

@@ -74,9 +74,8 @@ def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise PromptError(f"messages.{i}.content", f"messages[{i}] ({m.role}) has no content; send its text as "
                                                    "'content'")
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-    if m.content is not None:
-        out["content"] = _text(m.content, i)
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": "" if m.content is None else _text(m.content, i)}
     for key in _TEMPLATE_ONLY_KEYS:
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)

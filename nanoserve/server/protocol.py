@@ -140,6 +140,8 @@ class _Request(BaseModel):
         for name, (idle, why) in self.unsupported.items():
             if getattr(self, name, None) not in idle:
                 return name, f"{name} is not supported: {why}"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options only apply to a streamed response; send stream: true too"
         if self.best_of not in (None, self.n):
             return "best_of", (f"best_of={self.best_of} with n={self.n} is not supported: every completion is "
                                "returned; send best_of equal to n, or none")
@@ -205,12 +207,6 @@ def _prompt_item_kind(item: Any) -> str | None:
     return None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -247,12 +243,18 @@ class ChatCompletionRequest(_Request):
     service_tier: Any = None
     echo: Any = None
 
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def chat_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def refusal(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true; send both"
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            return "max_completion_tokens", ("max_tokens and max_completion_tokens disagree; send one of them "
+                                             "(max_tokens is the older name of max_completion_tokens)")
         return super().refusal()
 
 
