@@ -193,6 +193,10 @@ def remote_tokenizer_run(client_env, live, tmp_path_factory) -> LmEvalRun:
 def test_lm_eval_remote_tokenizer_gives_the_same_loglikelihoods(remote_tokenizer_run, completions_run, live):
     tokenize = [e for e in remote_tokenizer_run.exchanges if e.path == "/tokenize"]
     assert tokenize and all(e.status == 200 for e in tokenize), live.recorder.failures()
+    # /tokenize splits every string as the checkpoint's own tokenizer does: lm-eval sends the same prompts
+    remote_prompts = sorted(sent_prompts(remote_tokenizer_run.posts("/v1/completions")))
+    local_prompts = sorted(sent_prompts([e for e in completions_run.posts("/v1/completions") if e.request.get("echo")]))
+    assert remote_prompts == local_prompts
     remote = [r for s in remote_tokenizer_run.samples["nanoserve_mc"] for r in s["resps"]]
     local = [r for s in completions_run.samples["nanoserve_mc"] for r in s["resps"]]
     assert len(remote) == len(local)
