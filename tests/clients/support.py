@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,12 +39,13 @@ def client_tool(client_env: Path, name: str) -> Path:
     return tool
 
 
-def client_environ(home: Path) -> dict:
-    """The environment a client runs in: nothing from a hub, no telemetry, no cost map fetched, no proxy
-    between it and loopback, caches in the test's own directory."""
+def client_environ(home: Path, bin_dir: Path) -> dict:
+    """The environment a client runs in: its own environment's bin first on PATH, nothing from a hub, no
+    telemetry, no cost map fetched, no proxy between it and loopback, caches in the test's own directory."""
     env = {k: v for k, v in os.environ.items()
            if k.lower() not in ("http_proxy", "https_proxy", "all_proxy") and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent),
         HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
         HF_HOME=str(home / "hf"), XDG_CACHE_HOME=str(home / "cache"), NO_PROXY="127.0.0.1,localhost",
         LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False", LANGSMITH_TRACING="false",
@@ -185,20 +187,24 @@ class Ran:
 
 def run_client(argv: list, home: Path, timeout: float, cwd: Path | None = None, check: bool = True,
                live: LiveServer | None = None, mark: int = 0) -> Ran:
-    """Run one client command to completion (bounded by `timeout`); on a non-zero exit the test fails with the
-    client's last output and the first exchanges the server refused."""
+    """Run one client command to completion, bounded by `timeout` (past it the client's whole process group,
+    workers included, is killed); on a non-zero exit the test fails with the client's last output and the first
+    exchanges the server refused."""
     home.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    proc = subprocess.Popen([str(a) for a in argv], cwd=cwd or home, env=client_environ(home, Path(argv[0]).parent),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run([str(a) for a in argv], cwd=cwd or home, env=client_environ(home), timeout=timeout,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"{argv[0]} ran past {timeout}s\n{out[-3000:]}\n{live.recorder.failures(mark) if live else ''}")
-    ran = Ran(proc.returncode, proc.stdout, time.monotonic() - start)
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{argv[0]} ran past {timeout}s\n{output[-3000:]}\n"
+                    f"{live.recorder.failures(mark) if live else ''}", pytrace=False)
+    ran = Ran(proc.returncode, output, time.monotonic() - start)
     print(f"{Path(str(argv[0])).name} took {ran.seconds:.1f}s", file=sys.stderr)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, argv[:3]))} ... exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
+        pytest.fail(f"{' '.join(map(str, argv[:3]))} ... exited {proc.returncode}\n{output[-4000:]}\n"
                     f"{live.recorder.failures(mark) if live else ''}", pytrace=False)
     return ran
