@@ -92,3 +92,26 @@ def default_llm():
     from nanoserve import LLM
 
     return LLM(max_model_len=2048, kv_cache_gib=0.25)
+
+
+TINY_SERVE = dict(max_model_len=128, kv_cache_gib=0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_checkpoint):
+    """A live server on loopback over the tiny llama checkpoint, served as "tiny" (one per test module)."""
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    s = Server(EngineConfig(model=str(tiny_checkpoint("llama")), **TINY_SERVE), port=0,
+               served_model_name="tiny").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_offline(tiny_checkpoint):
+    """The same engine configuration as tiny_server, offline: the oracle for what the server answers."""
+    from nanoserve import LLM
+
+    return LLM(model=str(tiny_checkpoint("llama")), **TINY_SERVE)

@@ -9,23 +9,19 @@ import logging
 import httpx
 import pytest
 
-from nanoserve import LLM, EngineConfig, SamplingParams
-from nanoserve.server.serve import Server
+from nanoserve import SamplingParams
 
 from .helpers import wait_until
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
-    s = Server(config, port=0, served_model_name="tiny").start()
-    yield s
-    s.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_checkpoint):
-    return LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+def offline(tiny_offline):
+    return tiny_offline
 
 
 def post(server, path, body, **kw):
