@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the virtual environment of third-party clients that tests/clients/ drives against a live server
-# (lm-eval, guidellm, litellm, langchain-openai, schemathesis), from tests/clients/requirements.txt.
+# (lm-eval, guidellm, litellm, langchain-openai, schemathesis): tests/clients/requirements.txt, every package
+# held to tests/clients/constraints.txt. About 1.5-2 minutes from an empty pip cache, 2.2 GB (mostly CPU torch).
 # Usage: scripts/client-envs.sh [DIR]   (default: $NANOSERVE_CLIENT_ENV, else build/client-env)
 # Then: export NANOSERVE_CLIENT_ENV=DIR and run pytest; without it those tests skip and say why.
 set -euo pipefail
@@ -11,7 +12,8 @@ start=$SECONDS
 rm -rf "$env_dir"
 "$py" -m venv "$env_dir"
 "$env_dir/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$env_dir/bin/python" -m pip install -q -r "$root/tests/clients/requirements.txt"
+"$env_dir/bin/python" -m pip install -q -r "$root/tests/clients/requirements.txt" \
+    -c "$root/tests/clients/constraints.txt"
 # guidellm declares torch; a CUDA build here would be gigabytes that the tests never use.
 "$env_dir/bin/python" - <<'PY'
 import importlib.metadata as md
