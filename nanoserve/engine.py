@@ -176,7 +176,7 @@ class Engine:
     ) -> str:
         """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated.
 
-        `user` names who sent it (OpenAI's field); the running-rows table shows it.
+        `user` names who sent it (OpenAI's field); its rows in the stats snapshot carry it.
         With `params.n` > 1 the request is n sequences sharing the prompt (see SamplingParams.for_completion).
         """
         params = params or SamplingParams()

@@ -95,5 +95,6 @@ class EngineStats:
             "kv": {**asdict(self.kv), "usage": self.kv.usage},
             "paged_read": self.paged_read.as_dict(),
             "latency": asdict(self.latency),
+            "rows": [asdict(r) for r in self.rows],
             **self.sections,
         }

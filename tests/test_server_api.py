@@ -203,6 +203,16 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(server):
     assert all(e["usage"]["prompt_tokens"] > 0 for e in chat)
 
 
+def test_user_is_kept_with_the_request_and_published_in_the_snapshot(offline):
+    """The field walk shows the server hands `user` to the engine; the engine keeps it on the request's rows."""
+    engine = offline.engine
+    rid = engine.add_request("a b", SamplingParams(n=2, max_tokens=4), user="alice")
+    rows = engine.stats().as_dict()["rows"]
+    assert [(row["request_id"], row["user"]) for row in rows] == [(rid, "alice"), (f"{rid}#1", "alice")]
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_a_batch_stream_closed_early_frees_every_request(server):
     body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
