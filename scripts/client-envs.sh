@@ -9,6 +9,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 env_dir="${1:-${NANOSERVE_CLIENT_ENV:-$root/build/client-env}}"
 py="$(command -v python3.11 || command -v python3)"
 start=$SECONDS
+if [ -e "$env_dir" ] && [ ! -f "$env_dir/pyvenv.cfg" ]; then  # only ever replace a virtual environment
+    echo "$env_dir exists and is not a virtual environment; pass another directory" >&2
+    exit 1
+fi
 rm -rf "$env_dir"
 "$py" -m venv "$env_dir"
 "$env_dir/bin/python" -m pip install -q --upgrade pip >/dev/null
