@@ -125,7 +125,8 @@ def cmd_serve(args) -> int:
     from nanoserve.server.serve import Server
 
     server = Server(EngineConfig.from_flags(**flags), host=args.host, port=args.port,
-                    api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+                    api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                    trust_request_chat_template=args.trust_request_chat_template)
     server.run()
     return 0
 
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's)")
     serve.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat request bring its own chat_template (it is rendered on the server, so "
+                            "by default such requests are refused)")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

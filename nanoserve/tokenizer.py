@@ -170,7 +170,10 @@ class Tokenizer:
             raise RequestError("continue_final_message continues the last message, add_generation_prompt starts "
                                "a new one; set add_generation_prompt=False to continue")
         source = chat_template or self._template_source(kwargs.get("tools"))
-        template = _compiled(source)
+        try:
+            template = _compiled(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise RequestError(f"the chat template does not parse: {e}; fix the template") from e
         unused = sorted(k for k, v in kwargs.items() if v is not None and k not in _variables(source))
         if unused:
             raise RequestError(f"this chat template does not use {', '.join(unused)}, so it would be dropped; "

@@ -150,6 +150,12 @@ def test_bad_prompt_shapes_name_the_accepted_ones(server, prompt, needle):
 
 # ---- chat content -------------------------------------------------------------------------------------
 
+def test_a_request_chat_template_needs_the_servers_trust(server):
+    body = {**GREEDY, "messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ messages[0].content }}"}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
 def test_text_parts_are_joined_and_equal_the_string(server):
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital of France?"}]
     a = post(server, "/v1/chat/completions", {**GREEDY, "messages": [{"role": "user", "content": parts}]})

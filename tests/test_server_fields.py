@@ -130,7 +130,7 @@ def bos_checkpoint(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(bos_checkpoint):
     s = Server(EngineConfig(model=str(bos_checkpoint), max_model_len=128, kv_cache_gib=0.01), port=0,
-               served_model_name="tiny").start()
+               served_model_name="tiny", trust_request_chat_template=True).start()
     yield s
     s.stop()
 

@@ -79,7 +79,9 @@ def _version() -> str:
 
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_waiting: int = 256,
-              max_body: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body: int = MAX_BODY_BYTES, trust_request_chat_template: bool = False) -> FastAPI:
+    """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
+    a template is code the server renders, so without it such a request is refused."""
     app = FastAPI(title="nanoserve", version=_version())
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
     metrics = Metrics(host.stats, model_name)
@@ -142,7 +144,8 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         tokenizer = host.engine.tokenizer
         check_model(body.model)
         if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            chat = ChatCompletionRequest.model_construct(messages=body.messages,
+                                                         add_generation_prompt=body.add_generation_prompt)
             ids = chat_prompt(chat, tokenizer)
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -166,7 +169,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
             raise APIError(400, "max_tokens 0 generates nothing; it is only meaningful with echo (to score the "
                                 "prompt); send max_tokens >= 1", param="max_tokens")
         tokenizer = host.engine.tokenizer  # read per request: a restart may bring a new engine
-        prompts = completion_prompts(body, tokenizer)
+        prompts = completion_prompts(body, tokenizer, host.engine.model_config.vocab_size)
         ids = [p[1] for p in prompts]
         longest = max(ids, key=len)
         params = body.sampling_params(engine_max_tokens(body, room_for(longest)), body.logprobs,
@@ -179,6 +182,9 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     @app.post("/v1/chat/completions", responses={**ERRORS, **STREAMED})
     async def chat(body: ChatCompletionRequest):
         admit(body)
+        if body.chat_template is not None and not trust_request_chat_template:
+            raise APIError(400, "chat_template from a request is rendered on the server, so this server refuses "
+                                "it; start it with --trust-request-chat-template to allow it", param="chat_template")
         tokenizer = host.engine.tokenizer
         ids = chat_prompt(body, tokenizer)
         limit = body.token_limit()

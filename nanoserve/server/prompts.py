@@ -21,8 +21,9 @@ class PromptError(RequestError):
         self.field = field
 
 
-def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[str, list[int]]]:
-    """(prompt text, token ids) per prompt of the request, in order."""
+def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """(prompt text, token ids) per prompt of the request, in order. The text is what echo returns: the prompt
+    as sent, or the decoded ids when it was sent as ids or truncated ("" when echo is off: nothing reads it)."""
     special = True if body.add_special_tokens is None else body.add_special_tokens
     out = []
     for i, prompt in enumerate(body.prompts()):
@@ -32,11 +33,20 @@ def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[tu
             ids = tokenizer.encode(prompt, add_special_tokens=special)
         else:
             ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise PromptError("prompt", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
+                                            "encode the prompt with this model's tokenizer")
         ids = _truncated(ids, body.truncate_prompt_tokens)
         if not ids:
             raise PromptError("prompt", f"prompt {i} encodes to no tokens; send at least one token")
-        out.append((prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None
-                    else tokenizer.decode(ids, skip_special_tokens=False), ids))
+        if not body.echo:
+            text = ""
+        elif isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+            text = prompt
+        else:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+        out.append((text, ids))
     return out
 
 

@@ -264,7 +264,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False

@@ -21,12 +21,13 @@ class Server:
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, served_model_name: str | None = None, max_waiting: int = 256,
-                 progress=None):
+                 progress=None, trust_request_chat_template: bool = False):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases."""
         engine = Engine(config, progress=progress)
         self.host = EngineHost(engine).start()
         self.model_name = served_model_name or engine.loaded.name
-        self.app = build_app(self.host, self.model_name, api_key=api_key, max_waiting=max_waiting)
+        self.app = build_app(self.host, self.model_name, api_key=api_key, max_waiting=max_waiting,
+                             trust_request_chat_template=trust_request_chat_template)
         if port == 0:
             port = _free_port(host)
         self.address = (host, port)
