@@ -108,13 +108,13 @@ class CompletionResponder:
 
     def _choice_json(self, choice: Choice) -> dict:
         c = choice.completion
-        text, ids, entries = c.text, list(c.token_ids), c.logprobs.entries() if c.logprobs is not None else None
+        text, ids = c.text, list(c.token_ids)
+        entries = c.logprobs.entries() if c.logprobs is not None else None
         if self.echo is not None:
+            if self.echo.only:  # the one token the engine sampled is not part of the answer
+                text, ids, entries = "", [], ([] if entries is not None else None)
             p_ids, p_entries = self._prompt_part(choice.prompt)
-            if self.echo.only:
-                text, ids, entries = "", [], [] if entries is not None else None
-            text = self.echo.texts[choice.prompt] + text
-            ids = p_ids + ids
+            text, ids = self.echo.texts[choice.prompt] + text, p_ids + ids
             entries = p_entries + entries if entries is not None else None
         out = {"index": choice.index, "text": text,
                "logprobs": completion_logprobs(ids, entries, self.name) if self.body.logprobs is not None else None,
