@@ -241,6 +241,9 @@ def test_model_tokenize_detokenize_version(server, offline):
     assert chat["tokens"] == tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
     assert post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
     assert httpx.get(server.url + "/version").json()["version"]
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == 128
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/nowhere", 404), ("GET", "/v1/completions", 405),

@@ -26,7 +26,7 @@ from nanoserve.server.completions import CompletionResponder, engine_max_tokens,
 from nanoserve.server.fanout import Fanout
 from nanoserve.server.host import EngineHost, HostStopped
 from nanoserve.server.metrics import Metrics
-from nanoserve.server.openapi import ERRORS, STREAMED, install_openapi
+from nanoserve.server.openapi import ERRORS, install_openapi, ok, streamed
 from nanoserve.server.prompts import chat_prompt, completion_prompts
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
@@ -34,6 +34,16 @@ from nanoserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
+)
+from nanoserve.server.schemas import (
+    ChatResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    TokenizerInfo,
+    Version,
 )
 
 MAX_BODY_BYTES = 4 * 2**20
@@ -122,7 +132,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/version")
+    @app.get("/version", responses=ok(Version))
     async def version():
         return {"version": _version()}
 
@@ -130,16 +140,16 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoserve", "root": model_name,
                 "parent": None, "max_model_len": host.engine.max_model_len}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ok(ModelList))
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", responses=ERRORS)
+    @app.get("/v1/models/{model_id:path}", responses={**ERRORS, **ok(ModelCard)})
     async def model(model_id: str):
         check_model(model_id)
         return model_card()
 
-    @app.post("/tokenize", responses=ERRORS)
+    @app.post("/tokenize", responses={**ERRORS, **ok(TokenizeResponse)})
     async def tokenize(body: TokenizeRequest):
         tokenizer = host.engine.tokenizer
         check_model(body.model)
@@ -152,7 +162,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": host.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize", responses=ERRORS)
+    @app.post("/detokenize", responses={**ERRORS, **ok(DetokenizeResponse)})
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         tokenizer = host.engine.tokenizer
@@ -162,7 +172,15 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/completions", responses={**ERRORS, **STREAMED})
+    @app.get("/tokenizer_info", responses=ok(TokenizerInfo))
+    async def tokenizer_info():
+        """vLLM's route: what a client needs to tokenize as this server does (lm-eval's remote tokenizer)."""
+        tokenizer = host.engine.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token, "pad_token": None, "model_max_length": host.engine.max_model_len,
+                "chat_template": tokenizer.chat_template}
+
+    @app.post("/v1/completions", responses={**ERRORS, **streamed(CompletionResponse)})
     async def completions(body: CompletionRequest):
         admit(body)
         if body.max_tokens == 0 and not body.echo:
@@ -179,7 +197,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         responder = CompletionResponder(body, fanout, [p[0] for p in prompts], tokenizer, model_name, rid, metrics)
         return responder.stream() if body.stream else await responder.whole()
 
-    @app.post("/v1/chat/completions", responses={**ERRORS, **STREAMED})
+    @app.post("/v1/chat/completions", responses={**ERRORS, **streamed(ChatResponse)})
     async def chat(body: ChatCompletionRequest):
         admit(body)
         if body.chat_template is not None and not trust_request_chat_template:

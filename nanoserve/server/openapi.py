@@ -22,8 +22,20 @@ ERRORS = {
     500: {**_ERROR, "description": "The server failed on this request"},
     503: {**_ERROR, "description": "The waiting queue is full, or the engine is restarting; retry shortly"},
 }
-STREAMED = {200: {"description": "One JSON body, or with stream: true server-sent events ending in [DONE]",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+# OpenAPI describes one server-sent event per item of a text/event-stream body
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"}}}
+
+
+def ok(model) -> dict:
+    """A 200 with a JSON body of `model`."""
+    return {200: {"model": model}}
+
+
+def streamed(model) -> dict:
+    """A 200 that is one JSON body of `model`, or with stream: true server-sent events ending in [DONE]."""
+    return {200: {"model": model, "description": "One JSON body, or with stream: true server-sent events ending "
+                                                 "in [DONE]", "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def install_openapi(app: FastAPI, max_model_len: Callable[[], int]) -> None:
