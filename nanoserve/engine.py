@@ -17,14 +17,14 @@ from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, RequestError
 from nanoserve.kv.cache import KVCache, blocks_from_budget
 from nanoserve.kv.pool import BlockPool
-from nanoserve.model.batch import PrefillSegment, StepBatch, decode_rows
+from nanoserve.model.batch import PrefillSegment, StepBatch, general_batch
 from nanoserve.model.loader import LoadedModel, load_model
 from nanoserve.outputs import CompletionOutput, LogprobSequence, RequestMetrics, RequestOutput
 from nanoserve.reads.dispatch import PagedRead
 from nanoserve.request import Request
 from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
-from nanoserve.scheduler import Chunk, Scheduler, SchedulerOutput
+from nanoserve.scheduler import Scheduler
 from nanoserve.stats import EngineStats, KVStats, LatencyStats, RowStats, SchedulerStats, percentiles
 from nanoserve.streaming import TextStream
 
@@ -278,7 +278,7 @@ class Engine:
             if self.captured is not None:
                 logits = self.captured.replay(self.decode_path.last_plan.shape, len(sampled))
         else:
-            batch, sampled, prompt_rows = self._build_batch(sched)
+            batch, sampled, prompt_rows = general_batch(sched, self.config.block_size, self.device)
         if logits is None:
             with torch.inference_mode():
                 logits = self.model(batch, self.cache, self.read)
@@ -305,65 +305,6 @@ class Engine:
         entries = token_logprobs(logits, chosen, [req.params.prompt_logprobs for req, _ in rows])
         for (req, p), entry in zip(rows, entries):
             req.prompt_logprobs[p + 1] = entry
-
-    def _build_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Request], list[tuple[Request, int]]]:
-        """The general builder (any mix of decodes and prefill chunks). Besides the sampled rows' logits it asks
-        for the logits at every prompt position whose next token's logprob was asked for (prompt_logprobs);
-        those come after the sampled rows, in the order of the returned (request, position) list."""
-        bs = self.config.block_size
-        logits_at: list[int] = []
-        sampled: list[Request] = []
-        prompt_at: list[int] = []
-        prompt_rows: list[tuple[Request, int]] = []
-        decodes = sched.decodes + [c for c in sched.prefills if c.length == 1]
-        prefills = [c for c in sched.prefills if c.length > 1]
-        positions = [c.start for c in decodes]
-        ids, slots, lens = decode_rows([c.request for c in decodes], positions, bs)
-        for row, c in enumerate(decodes):
-            self._mark(c, row, logits_at, sampled)
-            self._mark_prompt(c, row, prompt_at, prompt_rows)
-        width = max((-(-n // bs) for n in lens), default=0)
-        table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
-        segments = []
-        for c in prefills:
-            req = c.request
-            start = len(ids)
-            ids.extend(req.tokens(c.start, c.start + c.length))
-            span = range(c.start, c.start + c.length)
-            positions.extend(span)
-            slots.extend(req.blocks[p // bs] * bs + p % bs for p in span)
-            blocks = torch.tensor(req.blocks[: -(-(c.start + c.length) // bs)], device=self.device)
-            segments.append(PrefillSegment(start, c.length, c.start, blocks))
-            self._mark(c, len(ids) - 1, logits_at, sampled)
-            self._mark_prompt(c, start, prompt_at, prompt_rows)
-        dev = self.device
-        batch = StepBatch(
-            input_ids=torch.tensor(ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
-            slots=torch.tensor(slots, device=dev),
-            num_decode=len(decodes),
-            decode_block_table=torch.tensor(table, dtype=torch.long, device=dev).view(len(decodes), width),
-            decode_context_lens=torch.tensor(lens, dtype=torch.long, device=dev),
-            prefills=tuple(segments),
-            logits_indices=torch.tensor(logits_at + prompt_at, dtype=torch.long, device=dev),
-        )
-        return batch, sampled, prompt_rows
-
-    @staticmethod
-    def _mark_prompt(chunk: Chunk, first: int, prompt_at: list[int], prompt_rows: list) -> None:
-        """Positions of this chunk (its first at flat index `first`) whose logits score the next prompt token."""
-        req = chunk.request
-        if req.prompt_logprobs is None:
-            return
-        for p in range(chunk.start, min(chunk.start + chunk.length, len(req.prompt_ids) - 1)):
-            prompt_at.append(first + p - chunk.start)
-            prompt_rows.append((req, p))
-
-    @staticmethod
-    def _mark(chunk: Chunk, index: int, logits_at: list[int], sampled: list[Request]) -> None:
-        if chunk.completes:
-            logits_at.append(index)
-            sampled.append(chunk.request)
 
     def _append(self, req: Request, token: int, logprobs, now: float) -> tuple[Request, str, tuple[int, ...]]:
         """Add a sampled token, decide whether the sequence is done, and say what it can emit."""
