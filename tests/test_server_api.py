@@ -275,3 +275,7 @@ def test_unknown_fields_are_ignored_with_one_warning(server, caplog):
     assert first.status_code == second.status_code == 200
     warned = [r for r in caplog.records if "a_field_from_the_future" in r.getMessage()]
     assert len(warned) == 1
+    chat = {**GREEDY, "messages": [{"role": "user", "content": "Hi", "a_message_field": 1}]}
+    with caplog.at_level(logging.WARNING, logger="nanoserve.server"):
+        assert post(server, "/v1/chat/completions", chat).status_code == 200
+    assert any("messages[].a_message_field" in r.getMessage() for r in caplog.records)

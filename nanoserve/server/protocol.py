@@ -243,6 +243,10 @@ class ChatCompletionRequest(_Request):
     service_tier: Any = None
     echo: Any = None
 
+    def unknown_fields(self) -> list[str]:
+        inner = {f"messages[].{k}" for m in self.messages for k in (m.model_extra or ())}
+        return sorted({*super().unknown_fields(), *inner})
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
