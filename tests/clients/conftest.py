@@ -54,7 +54,7 @@ def tiny_dir(tiny_checkpoint) -> Path:
     return Path(tiny_checkpoint("llama"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # package scope: gone before the rest of the suite, which counts engine threads
 def live(tiny_dir):
     """One server on 127.0.0.1 for every client test, on the tiny random Llama, with its exchanges recorded."""
     config = EngineConfig(model=str(tiny_dir), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.02)
@@ -66,13 +66,13 @@ def live(tiny_dir):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def offline(tiny_dir):
     """The same checkpoint through the offline API: the answer every client's report is compared with."""
     return LLM(model=str(tiny_dir), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.02)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_model(tiny_dir):
     """transformers' own model on the same weights in float32: the oracle for the engine's logprobs."""
     import transformers
@@ -80,7 +80,7 @@ def hf_model(tiny_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype="float32").eval()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_tokenizer(tiny_dir):
     import transformers
 
