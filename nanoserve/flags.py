@@ -46,7 +46,7 @@ SAMPLING_HELP: dict[str, str] = {
     "frequency_penalty": "subtract this times the count of each token already generated (-2..2)",
     "seed": "this request's sampling seed: the same seed and prompt give the same text",
     "max_tokens": "most tokens to generate",
-    "min_tokens": "tokens to generate before EOS or a stop token may end the output",
+    "min_tokens": "tokens to generate before EOS, a stop token id or a stop string may end the output",
     "stop": "end the output where this string appears (repeatable)",
     "stop_token_ids": "stop at any of these token ids (repeatable, or a comma list: 2,49152)",
     "ignore_eos": "keep generating past the end-of-sequence token",
