@@ -44,7 +44,8 @@ class Engine:
         started = time.monotonic()
         if loaded is None:
             self._progress("loading weights")
-            loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len)
+            loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
+                                config.quantization)
         self.loaded = loaded
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.dtype = next(self.model.parameters()).dtype
@@ -401,6 +402,7 @@ class Engine:
             paged_read=self.read.stats(),
             rows=rows,
             sections={**(self.decode_path.sections() if self.decode_path is not None else {}),
+                      **({"linear": self.loaded.int4.as_dict()} if self.loaded.int4 is not None else {}),
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {})},
             latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),
                                  *percentiles(self._step_times, 0.5, 0.99)),

@@ -88,10 +88,19 @@ def tiny_checkpoint(tmp_path_factory, hf_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The embedded default model, loaded once for the tests that need real text."""
+    """The embedded default model as users run it (4-bit linears where the machine has the kernel), loaded once
+    for the tests that need real text."""
     from nanoserve import LLM
 
     return LLM(max_model_len=2048, kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="session")
+def default_llm_dense():
+    """The default model on dense float32 weights: the path that equals transformers exactly."""
+    from nanoserve import LLM
+
+    return LLM(max_model_len=2048, kv_cache_gib=0.25, quantization="none")
 
 
 TINY_SERVE = dict(max_model_len=128, kv_cache_gib=0.01)

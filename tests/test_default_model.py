@@ -29,8 +29,8 @@ def test_answers_the_capital_of_france(default_llm):
     default_llm.engine.audit()
 
 
-def test_logits_and_greedy_match_transformers_gguf_loader(default_llm, hf_default):
-    llm = default_llm
+def test_logits_and_greedy_match_transformers_gguf_loader(default_llm_dense, hf_default):
+    llm = default_llm_dense
     ids = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True, tokenize=True
     )

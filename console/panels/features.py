@@ -1,4 +1,5 @@
-"""Capture and persistent-input panels: they show whatever sections the engine publishes under their names."""
+"""Capture, persistent-input and linear-kernel panels: they show whatever sections the engine publishes under
+their names."""
 
 from __future__ import annotations
 

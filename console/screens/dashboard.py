@@ -18,7 +18,8 @@ from console.screens.base import ConsoleScreen
 from nanoserve.stats import EngineStats
 
 PANEL_TITLES = {"rows": "Requests", "kv": "KV cache", "throughput": "Throughput and latency",
-                "read": "Paged read", "capture": "Capture", "inputs": "Persistent inputs"}
+                "read": "Paged read", "capture": "Capture", "inputs": "Persistent inputs",
+                "linear": "Linear kernels"}
 REFRESH_STEPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # the refresh intervals +/- step through, seconds
 
 
@@ -45,6 +46,7 @@ class Dashboard(ConsoleScreen):
             yield ReadPanel(id="read")
             yield FeaturePanel("capture", id="capture")
             yield FeaturePanel("inputs", "buckets", id="inputs")
+            yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
 
     def on_mount(self) -> None:
         for panel_id, title in PANEL_TITLES.items():

@@ -49,9 +49,31 @@ def write_results(out_dir: str | os.PathLike, name: str, payload: dict, rows: li
     return out / f"{name}.json"
 
 
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and the vector flags that decide which kernels are fast (Linux /proc/cpuinfo)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return model, [f for f in _CPU_FLAGS if f in flags]
+
+
 def machine() -> dict:
+    model, flags = cpu_model_and_flags()
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+            "cpu": model, "cpu_flags": flags, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cores": os.cpu_count()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

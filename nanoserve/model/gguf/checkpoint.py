@@ -15,6 +15,9 @@ from nanoserve.model.gguf.config import hf_config, rope_scaling
 from nanoserve.model.gguf.dequant import SUPPORTED_QUANT_TYPES, dequantize
 from nanoserve.model.gguf.reader import TensorInfo, parse
 from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
+from nanoserve.model.quant import Int4Blocks
+
+INT4_TYPES = ("Q4_0", "Q4_1")  # blocks the packed int4 kernel computes exactly as the file defines them
 
 __all__ = ["GGUFCheckpoint", "load_gguf"]
 
@@ -27,7 +30,7 @@ class GGUFCheckpoint:
     """
 
     config: dict
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | Int4Blocks]
     tokenizer: Tokenizer
     chat_template: str | None
     bos_token: str | None
@@ -70,12 +73,16 @@ def _undo_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_tensor(f, info: TensorInfo) -> np.ndarray:
+def _read_raw(f, info: TensorInfo) -> np.ndarray:
     raw = np.empty(info.nbytes, dtype=np.uint8)
     f.seek(info.offset)
     if f.readinto(memoryview(raw)) != info.nbytes:
         raise CheckpointError(f"{f.name} is truncated: tensor {info.name} runs past the end; download it again")
-    return dequantize(raw, info.qtype, info.shape)
+    return raw
+
+
+def _read_tensor(f, info: TensorInfo) -> np.ndarray:
+    return dequantize(_read_raw(f, info), info.qtype, info.shape)
 
 
 def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -85,10 +92,11 @@ def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_int4: bool = False) -> GGUFCheckpoint:
     """Read a llama-architecture GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped
     config dict and a tokenizer. Refuses, with a CheckpointError naming the fix, anything it cannot load
-    exactly."""
+    exactly. With `keep_int4`, Q4_0 / Q4_1 projection weights come back as their exact 4-bit blocks
+    (`Int4Blocks`) instead of dequantized."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"GGUF file {str(path)!r} does not exist; pass the path of an existing .gguf file")
@@ -142,11 +150,18 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GG
             if "rope_freqs.weight" in infos else None
         config["rope_scaling"] = rope_scaling(meta, rope_freqs, config["head_dim"], config["rope_theta"], path)
         for name, (hf_name, _) in expected.items():
-            w = _read_tensor(f, infos[name])
-            if name.endswith(".attn_q.weight"):
-                w = _undo_rope_permute(w, heads)
-            elif name.endswith(".attn_k.weight"):
-                w = _undo_rope_permute(w, kv_heads)
+            info = infos[name]
+            rope_heads = heads if name.endswith(".attn_q.weight") else kv_heads if name.endswith(
+                ".attn_k.weight") else None
+            if keep_int4 and name.startswith("blk.") and info.type_name in INT4_TYPES:
+                blocks = Int4Blocks.from_gguf(_read_raw(f, info), info.type_name, info.shape)
+                if rope_heads is not None:
+                    blocks = blocks.rows(_undo_rope_permute(np.arange(info.shape[0]), rope_heads))
+                tensors[hf_name] = blocks
+                continue
+            w = _read_tensor(f, info)
+            if rope_heads is not None:
+                w = _undo_rope_permute(w, rope_heads)
             tensors[hf_name] = _to_torch(w, dtype)
     return GGUFCheckpoint(
         config=config,

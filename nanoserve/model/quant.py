@@ -1,0 +1,230 @@
+"""The quantized linear seam: 4-bit weights kept packed, and the kernel chosen by how many rows a call has.
+
+A checkpoint's 4-bit blocks (GGUF Q4_0 / Q4_1, or a Hugging Face checkpoint quantized at load) become
+`Int4Blocks`: codes 0..15 with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero, which is
+what torch's packed int4 CPU kernel computes. `Int4Linear` holds the packed weight and, where it measures faster,
+a dense bfloat16 copy for calls with many rows (prefill chunks, wide decode batches): the packed kernel reads a
+quarter of the bytes, which wins while a call is bound by memory, and loses to a dense matmul once the rows make
+it bound by compute. Both kernels take bfloat16 activations (the packed one is vectorised for bfloat16 only);
+everything around the linears, attention included, stays in the model's own dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32  # inputs per scale/zero group: GGUF's Q4 block, and the packed kernel's group size
+ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128)  # call widths timed once per weight shape to find the crossover
+ACT = torch.bfloat16
+
+
+def int4_supported(device: torch.device) -> bool:
+    """Whether this torch has the packed int4 kernel for `device` (the CPU one; CUDA keeps dense weights)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """A [out, in] weight as 4-bit codes plus a scale and zero per group of 32 inputs: w = (q - 8) * s + z."""
+
+    codes: torch.Tensor  # uint8 [out, in], 0..15
+    scales: torch.Tensor  # float32 [out, in // 32]
+    zeros: torch.Tensor  # float32 [out, in // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these blocks stand for."""
+        out, k = self.shape
+        q = self.codes.view(out, k // GROUP, GROUP).float() - 8
+        return (q * self.scales[..., None] + self.zeros[..., None]).view(out, k)
+
+    def rows(self, order: np.ndarray) -> Int4Blocks:
+        """The same blocks with output rows reordered (GGUF's q/k rows are permuted for its rope layout)."""
+        index = torch.from_numpy(np.ascontiguousarray(order))
+        return Int4Blocks(self.codes[index], self.scales[index], self.zeros[index])
+
+    @staticmethod
+    def cat(parts: list[Int4Blocks]) -> Int4Blocks:
+        """Stacked along the output rows: the merged qkv and gate_up projections."""
+        return Int4Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.zeros for p in parts]))
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:
+        """GGUF Q4_0 (w = d (q - 8)) or Q4_1 (w = d q + m) blocks, exactly: scale d, zero 0 or m + 8 d."""
+        out, k = shape
+        width = {"Q4_0": 18, "Q4_1": 20}[type_name]
+        blocks = raw.reshape(-1, width)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+        qs = blocks[:, width - 16:]
+        codes = np.empty((blocks.shape[0], GROUP), dtype=np.uint8)
+        codes[:, :16] = qs & 0x0F  # ggml: element j in the low nibble of byte j, element j + 16 in the high one
+        codes[:, 16:] = qs >> 4
+        if type_name == "Q4_1":
+            zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] + 8 * d
+        else:
+            zero = np.zeros_like(d)
+        groups = (out, k // GROUP)
+        return Int4Blocks(torch.from_numpy(codes.reshape(out, k)), torch.from_numpy(d.reshape(groups)),
+                          torch.from_numpy(zero.reshape(groups)))
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Int4Blocks:
+        """Min-max asymmetric 4-bit quantization per group of 32 (gpt-fast's and torchao's int4 weight-only)."""
+        out, k = weight.shape
+        w = weight.float().view(out, k // GROUP, GROUP)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return Int4Blocks(codes.view(out, k), scale, lo + 8 * scale)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W packed 4-bit; calls of at least `dense_from_rows` rows use a dense bf16 copy.
+
+    `calls` counts the calls each kernel actually served (keyed "int4" / "dense"), for the stats snapshot.
+    """
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None = None,
+                 dense_from_rows: int | None = None):
+        super().__init__()
+        out, k = blocks.shape
+        if k % GROUP:
+            raise ValueError(f"int4 weights need inputs in groups of {GROUP}; this one has {k}")
+        self.in_features, self.out_features = k, out
+        self.sizes = sizes or [out]  # a merged projection's split, as MergedLinear has it
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            blocks.codes.to(torch.int32).contiguous(), 1))
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([blocks.scales.t(), blocks.zeros.t()], -1).to(ACT).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.dense: torch.Tensor | None = None
+        self.dense_from_rows = dense_from_rows
+        if dense_from_rows is not None:
+            self.dense = blocks.dequantize().to(ACT)
+        self.calls = {"int4": 0, "dense": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(ACT)
+        if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
+            self.calls["dense"] += 1
+            y = torch.nn.functional.linear(flat, self.dense)
+        else:
+            self.calls["int4"] += 1
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def dense_crossover(blocks: Int4Blocks, repeats: int = 3) -> int | None:
+    """The fewest rows from which a dense bf16 matmul beats the packed kernel on this machine, timed once per
+    weight shape at load (about a millisecond per probe); None when the packed kernel wins at every width."""
+    probe = Int4Linear(blocks, None)
+    dense = blocks.dequantize().to(ACT)
+    for rows in ROW_PROBES:
+        x = torch.randn(rows, blocks.shape[1], dtype=ACT)
+        packed = _best_of(lambda x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, probe.packed, GROUP,
+                                                                                 probe.scales_and_zeros), repeats)
+        if _best_of(lambda x=x: torch.nn.functional.linear(x, dense), repeats) < packed:
+            return rows
+    return None
+
+
+def _best_of(fn, repeats: int) -> float:
+    fn()  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+class BF16Linear(nn.Module):
+    """A dense linear run on a bfloat16 copy of its weight (the output head over a tied, unquantized embedding),
+    installed only where this machine's bf16 matmul measured faster than the model's dtype for one row."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight_bf16", weight.detach().to(ACT).contiguous())
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(ACT), self.weight_bf16).to(x.dtype)
+
+
+def bf16_faster(weight: torch.Tensor, repeats: int = 3) -> bool:
+    """Whether one row through `weight` is faster in bfloat16 than in the weight's own dtype, on this machine."""
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+    w16, x16 = weight.detach().to(ACT), x.to(ACT)
+    own = _best_of(lambda: torch.nn.functional.linear(x, weight), repeats)
+    return _best_of(lambda: torch.nn.functional.linear(x16, w16), repeats) < own
+
+
+@dataclass
+class Int4Stats:
+    """What the int4 seam holds and did: published as the `linear` section of the stats snapshot."""
+
+    modules: int
+    packed_bytes: int
+    dense_bytes: int  # the bf16 copies kept for wide calls
+    dense_from_rows: dict[str, int | None]  # "out x in" -> rows from which the dense copy serves
+    calls: dict[str, int]  # calls each kernel served, counted by the modules as they dispatch
+    head: str  # the output head's dtype: bfloat16 where it measured faster, else the model's
+
+    def as_dict(self) -> dict:
+        return {"format": "int4", "group": GROUP, "modules": self.modules, "packed_bytes": self.packed_bytes,
+                "dense_bytes": self.dense_bytes, "dense_from_rows": dict(self.dense_from_rows),
+                "int4_calls": self.calls["int4"], "dense_calls": self.calls["dense"], "head": self.head}
+
+
+def install_int4(model: nn.Module, kept: dict[str, dict[str, Int4Blocks]], quantize_dense: bool) -> Int4Stats | None:
+    """Swap each linear whose weights arrived as 4-bit blocks (`kept`: module path -> shard -> blocks) for an
+    Int4Linear; with `quantize_dense`, dense decoder linears are quantized at load too. A merged projection
+    with some shards dense and some 4-bit (a mixed file) stays dense: its 4-bit shards are written dequantized."""
+    from nanoserve.model.layers import MergedLinear
+
+    targets = {}
+    for path, module in model.named_modules():
+        if isinstance(module, MergedLinear | nn.Linear) and path.startswith("layers."):
+            targets[path] = module
+    calls = {"int4": 0, "dense": 0}
+    crossover: dict[str, int | None] = {}
+    swapped = packed = dense = 0
+    for path, module in targets.items():
+        shards = kept.get(path, {})
+        names = list(module.offsets) if isinstance(module, MergedLinear) else ["weight"]
+        if shards and set(shards) != set(names):
+            for shard, blocks in shards.items():  # a mixed merged projection: dense it is
+                module.load_shard(shard, "weight", blocks.dequantize().to(module.weight.dtype))
+            continue
+        if not shards and not quantize_dense:
+            continue
+        blocks = Int4Blocks.cat([shards[n] for n in names]) if shards else Int4Blocks.quantize(module.weight.data)
+        shape = f"{blocks.shape[0]}x{blocks.shape[1]}"
+        if shape not in crossover:
+            crossover[shape] = dense_crossover(blocks)
+        linear = Int4Linear(blocks, module.bias.data if module.bias is not None else None,
+                            sizes=getattr(module, "sizes", None), dense_from_rows=crossover[shape])
+        linear.calls = calls  # one tally for every module: the snapshot reads it without walking the model
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, linear)
+        swapped += 1
+        packed += linear.packed.numel() + linear.scales_and_zeros.numel() * 2
+        dense += linear.dense.numel() * 2 if linear.dense is not None else 0
+    if not swapped:
+        return None
+    head = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    if model.lm_head.weight.dtype != ACT and bf16_faster(model.lm_head.weight):
+        model.lm_head = BF16Linear(model.lm_head.weight)
+        head = "bfloat16"
+        dense += model.lm_head.weight_bf16.numel() * 2
+    return Int4Stats(swapped, packed, dense, crossover, calls, head)
