@@ -153,3 +153,16 @@ def test_an_hf_checkpoint_quantized_at_load_is_logprobs_close(on_grid_checkpoint
                                                                                        use_tqdm=False)):
         ok, equal = logprobs_close(got.outputs[0], ref.outputs[0])
         assert ok, (got.outputs[0].text, ref.outputs[0].text, equal)
+
+
+def test_two_engines_in_one_process_choose_the_same_kernels(default_llm):
+    """An A/B run holds two engines in one process: with the crossover measured once, the same crowd gives the
+    same bytes on both, so only the switch under test can make them differ."""
+    other = LLM(max_model_len=2048, kv_cache_gib=0.25)
+    assert other.engine.stats().sections["linear"]["dense_from_rows"] == \
+        default_llm.engine.stats().sections["linear"]["dense_from_rows"]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)] * 2
+    texts = [[o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+             for llm in (default_llm, other)]
+    assert texts[0] == texts[1]

@@ -124,9 +124,23 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+_CROSSOVERS: dict[tuple[int, int, int], int | None] = {}  # (out, in, threads) -> rows, measured once a process
+
+
 def dense_crossover(blocks: Int4Blocks, repeats: int = 3) -> int | None:
     """The fewest rows from which a dense bf16 matmul beats the packed kernel on this machine, timed once per
-    weight shape at load (about a millisecond per probe); None when the packed kernel wins at every width."""
+    weight shape and process (about a millisecond per probe); None when the packed kernel wins at every width.
+
+    Kept for the process: which kernel serves a call changes its last bits, so two engines in one process (an
+    A/B run, a restart) must choose alike or a switch under test would seem to change the output.
+    """
+    key = (*blocks.shape, torch.get_num_threads())
+    if key not in _CROSSOVERS:
+        _CROSSOVERS[key] = _measure_crossover(blocks, repeats)
+    return _CROSSOVERS[key]
+
+
+def _measure_crossover(blocks: Int4Blocks, repeats: int) -> int | None:
     probe = Int4Linear(blocks, None)
     dense = blocks.dequantize().to(ACT)
     for rows in ROW_PROBES:
@@ -161,8 +175,18 @@ class BF16Linear(nn.Module):
         return torch.nn.functional.linear(x.to(ACT), self.weight_bf16).to(x.dtype)
 
 
+_HEADS: dict[tuple, bool] = {}  # (shape, dtype, threads) -> bf16 faster, measured once a process, as above
+
+
 def bf16_faster(weight: torch.Tensor, repeats: int = 3) -> bool:
     """Whether one row through `weight` is faster in bfloat16 than in the weight's own dtype, on this machine."""
+    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
+    if key not in _HEADS:
+        _HEADS[key] = _measure_bf16(weight, repeats)
+    return _HEADS[key]
+
+
+def _measure_bf16(weight: torch.Tensor, repeats: int) -> bool:
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
     w16, x16 = weight.detach().to(ACT), x.to(ACT)
     own = _best_of(lambda: torch.nn.functional.linear(x, weight), repeats)
