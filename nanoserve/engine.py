@@ -105,11 +105,17 @@ class Engine:
                 - (peak - torch.cuda.memory_allocated(self.device)) - graphs)
 
     def _warm_up(self) -> None:
+        """One step at the full token budget, so its peak memory can be measured before the KV pool is sized.
+
+        The positions wrap at the rope table's length: --max-model-len below the token budget builds a shorter
+        table, and indexing past it is a device-side assert on CUDA that poisons the process. The step's size,
+        which is what sets its peak, is unchanged."""
         n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
         cache = KVCache(self.model_config, 2, self.config.block_size, self.dtype, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device) % self.model.rope.cos.shape[0]
         batch = StepBatch(
-            input_ids=ids, positions=torch.arange(n, device=self.device), slots=ids % self.config.block_size,
+            input_ids=ids, positions=positions, slots=ids % self.config.block_size,
             num_decode=0, decode_block_table=ids[:0, None], decode_context_lens=ids[:0],
             prefills=(PrefillSegment(0, n, 0, ids[:1]),), logits_indices=ids[-1:],
         )

@@ -204,3 +204,15 @@ def test_bad_checkpoint_config_is_refused(tmp_path, tiny_checkpoint, edit, needl
 def test_max_model_len_beyond_the_models_positions_is_refused(tiny_checkpoint):
     with pytest.raises(ConfigError, match="trained for"):
         LLM(model=str(tiny_checkpoint("llama")), max_model_len=1024, kv_cache_gib=0.01)
+
+
+def test_the_warm_up_step_stays_inside_a_short_rope_table(tiny_checkpoint):
+    """CUDA sizes the KV pool after a warm-up step at the full token budget; with --max-model-len below that
+    budget the rope table is shorter than the step, and the warm-up must not index past it (on the CPU here,
+    where the same code would raise IndexError)."""
+    from nanoserve.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, kv_cache_gib=0.01,
+                                 max_num_batched_tokens=300))
+    assert engine.model.rope.cos.shape[0] == 64
+    engine._warm_up()

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.model.gguf.dequant import dequantize
-from nanoserve.model.quant import Int4Blocks, Int4Linear, int4_supported
+from nanoserve.model.quant import Int4Blocks, Int4Linear, Int8Linear, fastest_head, int4_supported
 
 pytestmark = pytest.mark.skipif(not int4_supported(torch.device("cpu")), reason="this torch has no int4 CPU kernel")
 
@@ -54,6 +54,14 @@ def test_int4_linear_equals_a_float64_matmul_on_the_dequantized_weight(rows):
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2  # bfloat16 activations
         kernel = "dense" if dense_from_rows is not None and rows >= dense_from_rows else "int4"
         assert linear.calls == {"int4": int(kernel == "int4"), "dense": int(kernel == "dense")}
+
+
+def test_int8_head_equals_a_float64_matmul_within_its_rounding():
+    w = torch.randn(500, 128) * 0.05
+    x = torch.randn(3, 128)
+    y, ref = Int8Linear(w)(x).double(), x.double() @ w.double().t()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-2  # int8 per row and bfloat16 activations
+    assert fastest_head(w) in ("own", "bfloat16", "int8")
 
 
 def test_quantize_at_load_round_trips_within_a_step():

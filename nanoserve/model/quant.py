@@ -164,7 +164,7 @@ def _best_of(fn, repeats: int) -> float:
 
 class BF16Linear(nn.Module):
     """A dense linear run on a bfloat16 copy of its weight (the output head over a tied, unquantized embedding),
-    installed only where this machine's bf16 matmul measured faster than the model's dtype for one row."""
+    where it measured fastest for one row (see fastest_head)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -175,22 +175,44 @@ class BF16Linear(nn.Module):
         return torch.nn.functional.linear(x.to(ACT), self.weight_bf16).to(x.dtype)
 
 
-_HEADS: dict[tuple, bool] = {}  # (shape, dtype, threads) -> bf16 faster, measured once a process, as above
+class Int8Linear(nn.Module):
+    """A dense weight quantized to int8 per output row (symmetric), on torch's int8 weight-only CPU kernel with
+    bfloat16 activations: for the output head over a GGUF file's Q8_0 embedding, whose 32-wide blocks the kernel
+    cannot take as they are (a per-row scale is the nearest it computes)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("weight_int8", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(ACT))
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(ACT)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
-def bf16_faster(weight: torch.Tensor, repeats: int = 3) -> bool:
-    """Whether one row through `weight` is faster in bfloat16 than in the weight's own dtype, on this machine."""
+HEADS = {"bfloat16": BF16Linear, "int8": Int8Linear}
+_HEADS: dict[tuple, str] = {}  # (shape, dtype, threads) -> the fastest head, measured once a process, as above
+
+
+def fastest_head(weight: torch.Tensor, repeats: int = 3) -> str:
+    """Which runs one row through `weight` fastest here: its own dtype ("own"), a bf16 copy, or int8 per row."""
     key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
     if key not in _HEADS:
-        _HEADS[key] = _measure_bf16(weight, repeats)
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+        times = {"own": _best_of(lambda: torch.nn.functional.linear(x, weight), repeats)}
+        if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+            candidates = HEADS
+        else:
+            candidates = {"bfloat16": BF16Linear}
+        for name, cls in candidates.items():
+            head = cls(weight)
+            times[name] = _best_of(lambda head=head: head(x), repeats)
+        _HEADS[key] = min(times, key=times.get)
     return _HEADS[key]
-
-
-def _measure_bf16(weight: torch.Tensor, repeats: int) -> bool:
-    x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
-    w16, x16 = weight.detach().to(ACT), x.to(ACT)
-    own = _best_of(lambda: torch.nn.functional.linear(x, weight), repeats)
-    return _best_of(lambda: torch.nn.functional.linear(x16, w16), repeats) < own
 
 
 @dataclass
@@ -202,7 +224,7 @@ class Int4Stats:
     dense_bytes: int  # the bf16 copies kept for wide calls
     dense_from_rows: dict[str, int | None]  # "out x in" -> rows from which the dense copy serves
     calls: dict[str, int]  # calls each kernel served, counted by the modules as they dispatch
-    head: str  # the output head's dtype: bfloat16 where it measured faster, else the model's
+    head: str  # what the output head runs: int8 or bfloat16 where that measured fastest, else the model's dtype
 
     def as_dict(self) -> dict:
         return {"format": "int4", "group": GROUP, "modules": self.modules, "packed_bytes": self.packed_bytes,
@@ -246,9 +268,10 @@ def install_int4(model: nn.Module, kept: dict[str, dict[str, Int4Blocks]], quant
         dense += linear.dense.numel() * 2 if linear.dense is not None else 0
     if not swapped:
         return None
-    head = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    if model.lm_head.weight.dtype != ACT and bf16_faster(model.lm_head.weight):
-        model.lm_head = BF16Linear(model.lm_head.weight)
-        head = "bfloat16"
-        dense += model.lm_head.weight_bf16.numel() * 2
+    head = fastest_head(model.lm_head.weight)
+    if head == "own":
+        head = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    else:
+        model.lm_head = HEADS[head](model.lm_head.weight)
+        dense += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
     return Int4Stats(swapped, packed, dense, crossover, calls, head)
