@@ -67,12 +67,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()  # id() of the requests given a chunk so far this step (never preempted)
         for req in [r for r in self.running if r.num_uncomputed == 1]:
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            if not self._reserve(req, 1, out):
+            if not self._reserve(req, 1, out, scheduled):
                 continue
             out.decodes.append(Chunk(req, req.num_computed, 1))
+            scheduled.add(id(req))
             budget -= 1
         for req in [r for r in self.running if r.num_uncomputed > 1]:
             if budget <= 0:
@@ -80,8 +82,9 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             n = min(req.num_uncomputed, budget)
-            if self._reserve(req, n, out):
+            if self._reserve(req, n, out, scheduled):
                 out.prefills.append(Chunk(req, req.num_computed, n))
+                scheduled.add(id(req))
                 budget -= n
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -97,13 +100,13 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
         return out
 
-    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
         """Make sure `req` holds blocks for n more tokens, preempting the newest rows not yet scheduled.
 
-        Returns False when `req` itself had to be preempted.
+        `scheduled` is kept by the caller as chunks are handed out: rebuilding it here for every row made a
+        step's scheduling cost grow with rows squared. Returns False when `req` itself had to be preempted.
         """
         need = self.pool.blocks_for(req.num_computed + n) - len(req.blocks)
-        scheduled = {id(c.request) for c in (*out.decodes, *out.prefills)}
         while not self.pool.can_allocate(need):
             victim = next((r for r in reversed(self.running) if id(r) not in scheduled), req)
             self._preempt(victim)
