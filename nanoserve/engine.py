@@ -50,10 +50,6 @@ class Engine:
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.dtype = next(self.model.parameters()).dtype
         self.read = PagedRead("streamed", config.read_block) if config.streamed_read else PagedRead("gathered")
-        if config.streamed_read:
-            from nanoserve.reads.streamed import check_runnable
-
-            check_runnable(self.device)
         self._progress("sizing the KV pool")
         num_blocks = self._size_pool()
         self.cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)

@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.errors import ConfigError
 from nanoserve.reads.gathered import gathered_decode
+from nanoserve.reads.tiled import tiled_decode
 
 READ_MODES = ("gathered", "streamed")
 
@@ -65,6 +66,15 @@ class ReadStats:
         }
 
 
+def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, block: int) -> torch.Tensor:
+    """The streamed read for q's device: the Triton kernel with CUDA, its torch twin without (tiled.py)."""
+    if q.is_cuda:
+        from nanoserve.reads.streamed import streamed_decode  # Triton, imported only where it compiles
+
+        return streamed_decode(q, k_cache, v_cache, block_table, context_lens, scale, block=block)
+    return tiled_decode(q, k_cache, v_cache, block_table, context_lens, scale, block)
+
+
 class PagedRead:
     """Owns the read mode and dispatches decode attention to it, counting as it goes."""
 
@@ -77,9 +87,7 @@ class PagedRead:
         self.block = block if mode == "streamed" else None
         self._kernel = gathered_decode
         if mode == "streamed":
-            from nanoserve.reads.streamed import streamed_decode  # Triton, imported only when chosen
-
-            self._kernel = partial(streamed_decode, block=block)
+            self._kernel = partial(_streamed, block=block)
         self._calls = self._rows = self._score = self._held = 0
 
     def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
