@@ -10,6 +10,7 @@ import torch
 from nanoserve.errors import ConfigError
 from nanoserve.reads.dispatch import check_read_block
 
+QUANTIZATIONS = ("auto", "none", "int4", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -58,8 +59,8 @@ class EngineConfig:
                        choices=("auto", *DTYPES))
     device: str = _flag("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
     quantization: str = _flag("auto", "linear weights: auto keeps a GGUF file's 4-bit blocks packed where this "
-                                       "machine has the kernel (CPU), none runs dense weights, int4 also "
-                                       "quantizes a dense checkpoint at load", choices=("auto", "none", "int4"))
+                                       "machine has the kernel (CPU), none runs dense weights, int4 / int8 also "
+                                       "quantize a dense checkpoint at load", choices=QUANTIZATIONS)
     max_model_len: int | None = _flag(None, "longest prompt + output; unset: the model's context, capped by the KV pool")
     max_num_seqs: int = _flag(64, "rows a step may run at once")
     max_num_batched_tokens: int = _flag(2048, "token budget of one step (decodes first, then prefill chunks)")
@@ -108,8 +109,9 @@ class EngineConfig:
         if switches["capture"] and self.torch_device().type != "cuda":
             raise ConfigError("CUDA-graph capture (capture_graphs / cuda_graphs) needs a CUDA device; turn it off "
                               "here: decode_buckets, persistent_inputs and row_compaction work on the CPU")
-        if self.quantization not in ("auto", "none", "int4"):
-            raise ConfigError(f"quantization {self.quantization!r} is not supported; choose auto, none or int4")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {self.quantization!r} is not supported; choose one of "
+                              f"{', '.join(QUANTIZATIONS)}")
         if self.dtype != "auto" and _ALIASES.get(self.dtype, self.dtype) not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; choose auto, {', '.join(DTYPES)}")
 

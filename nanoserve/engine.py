@@ -404,7 +404,7 @@ class Engine:
             paged_read=self.read.stats(),
             rows=rows,
             sections={**(self.decode_path.sections() if self.decode_path is not None else {}),
-                      **({"linear": self.loaded.int4.as_dict()} if self.loaded.int4 is not None else {}),
+                      **({"linear": self.loaded.quant.as_dict()} if self.loaded.quant is not None else {}),
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {})},
             latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),
                                  *percentiles(self._step_times, 0.5, 0.99)),

@@ -123,8 +123,8 @@ def test_the_snapshot_counts_the_kernel_each_call_used(default_llm):
     # but every call is counted by exactly one kernel
     calls = (after["int4_calls"] + after["dense_calls"]) - (before["int4_calls"] + before["dense_calls"])
     assert calls == 4 * after["modules"]
-    assert after["packed_bytes"] > 0 and set(after["dense_from_rows"]) == {"960x576", "576x576", "3072x576",
-                                                                          "576x1536"}
+    assert after["packed_bytes"] > 0 and set(after["dense_from_rows"]) == {
+        "int4 960x576", "int4 576x576", "int4 3072x576", "int4 576x1536"}
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +174,28 @@ def test_two_engines_in_one_process_choose_the_same_kernels(default_llm):
     texts = [[o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
              for llm in (default_llm, other)]
     assert texts[0] == texts[1]
+
+
+def test_int8_at_load_is_logprobs_close_and_serves_both_kernels(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    dense = LLM(model=path, max_model_len=128, kv_cache_gib=0.01)
+    int8 = LLM(model=path, max_model_len=128, kv_cache_gib=0.01, quantization="int8")
+    linear = int8.engine.stats().sections["linear"]
+    assert linear["format"] == "int8" and linear["int8_modules"] == 8
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    for ref, got in zip(dense.generate(PROMPTS, params, use_tqdm=False), int8.generate(PROMPTS, params,
+                                                                                       use_tqdm=False)):
+        ok, equal = logprobs_close(got.outputs[0], ref.outputs[0])
+        assert ok, (got.outputs[0].text, ref.outputs[0].text, equal)
+    after = int8.engine.stats().sections["linear"]
+    assert after["int8_calls"] + after["dense_calls"] == 8 * int8.engine.stats().scheduler.steps
+
+
+def test_int8_linear_equals_a_float64_matmul_on_its_dequantized_weight():
+    w = torch.randn(96, 256) * 0.05
+    linear = Int8Linear(w)
+    x = torch.randn(5, 256)
+    ref = x.double() @ linear.dequantize().double().t()
+    assert ((linear(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-2  # bfloat16 activations
+    # half a step of rounding plus the kernel's bfloat16 scale (up to another half step at the largest code)
+    assert ((linear.dequantize() - w).abs() <= (w.abs().amax(1) / 127)[:, None]).all()

@@ -113,6 +113,8 @@ async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None
               on_result=None, watch_health: bool = True):
     """Fire `bodies` and return (results, duration, peak running rows seen on /health).
 
+    The peak is the largest `running` the polls saw, raised to the scheduler's own `peak_running` when that
+    rose during the arm (a real maximum over steps, which a 0.1 s poll can miss when requests are short).
     `on_result(result)` hears each request as it ends. Cancelling the caller cancels every request in
     flight (their streams close, so the server aborts them and frees their blocks). With `watch_health`
     off, /health is not polled (no extra requests while step times are measured) and the peak is None.
@@ -141,6 +143,13 @@ async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None
                 on_result(result)
             return result
 
+        async def peak_so_far() -> int | None:
+            try:
+                return (await http.get(url + "/health")).json()["scheduler"]["peak_running"]
+            except (httpx.HTTPError, KeyError, ValueError):
+                return None
+
+        peak_before = await peak_so_far() if watch_health else None
         watchers = [asyncio.create_task(watch())] if watch_health else []
         started = time.perf_counter()
         tasks = []
@@ -156,6 +165,10 @@ async def run(url: str, bodies: list[dict], concurrency: int, rate: float | None
             done.set()
             await asyncio.gather(*watchers, *tasks, return_exceptions=True)
         duration = time.perf_counter() - started
+        if watch_health:
+            peak_after = await peak_so_far()
+            if None not in (peak_before, peak_after) and peak_after > peak_before:
+                peak["running"] = max(peak["running"], peak_after)
     return results, duration, peak["running"] if watch_health else None
 
 

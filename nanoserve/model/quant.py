@@ -28,6 +28,10 @@ def int4_supported(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def int8_supported(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
 @dataclass(frozen=True)
 class Int4Blocks:
     """A [out, in] weight as 4-bit codes plus a scale and zero per group of 32 inputs: w = (q - 8) * s + z."""
@@ -87,30 +91,28 @@ class Int4Blocks:
         return Int4Blocks(codes.view(out, k), scale, lo + 8 * scale)
 
 
-class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W packed 4-bit; calls of at least `dense_from_rows` rows use a dense bf16 copy.
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) on a packed weight-only kernel; calls of at least `dense_from_rows` rows use a dense bf16
+    copy instead (see dense_crossover). `calls` counts the calls each kernel actually served."""
 
-    `calls` counts the calls each kernel actually served (keyed "int4" / "dense"), for the stats snapshot.
-    """
+    format = ""
 
-    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None = None,
-                 dense_from_rows: int | None = None):
+    def __init__(self, out: int, k: int, bias: torch.Tensor | None, sizes: list[int] | None):
         super().__init__()
-        out, k = blocks.shape
-        if k % GROUP:
-            raise ValueError(f"int4 weights need inputs in groups of {GROUP}; this one has {k}")
         self.in_features, self.out_features = k, out
         self.sizes = sizes or [out]  # a merged projection's split, as MergedLinear has it
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            blocks.codes.to(torch.int32).contiguous(), 1))
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([blocks.scales.t(), blocks.zeros.t()], -1).to(ACT).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.dense: torch.Tensor | None = None
-        self.dense_from_rows = dense_from_rows
-        if dense_from_rows is not None:
-            self.dense = blocks.dequantize().to(ACT)
-        self.calls = {"int4": 0, "dense": 0}
+        self.dense_from_rows: int | None = None
+        self.calls = {self.format: 0, "dense": 0}
+
+    def use_dense_from(self, rows: int | None, weight: torch.Tensor) -> None:
+        """Serve calls of `rows` rows and more from a bf16 copy of `weight` (None: the packed kernel always)."""
+        self.dense_from_rows = rows
+        self.dense = None if rows is None else weight.to(ACT).contiguous()
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACT)
@@ -118,38 +120,77 @@ class Int4Linear(nn.Module):
             self.calls["dense"] += 1
             y = torch.nn.functional.linear(flat, self.dense)
         else:
-            self.calls["int4"] += 1
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
+            self.calls[self.format] += 1
+            y = self.packed_mm(flat)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-_CROSSOVERS: dict[tuple[int, int, int], int | None] = {}  # (out, in, threads) -> rows, measured once a process
+class Int4Linear(PackedLinear):
+    """4-bit codes in groups of 32 (Int4Blocks) on torch's packed int4 CPU kernel."""
+
+    format = "int4"
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None = None,
+                 dense_from_rows: int | None = None):
+        out, k = blocks.shape
+        if k % GROUP:
+            raise ValueError(f"int4 weights need inputs in groups of {GROUP}; this one has {k}")
+        super().__init__(out, k, bias, sizes)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            blocks.codes.to(torch.int32).contiguous(), 1))
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([blocks.scales.t(), blocks.zeros.t()], -1).to(ACT).contiguous())
+        if dense_from_rows is not None:
+            self.use_dense_from(dense_from_rows, blocks.dequantize())
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
 
 
-def dense_crossover(blocks: Int4Blocks, repeats: int = 3) -> int | None:
+class Int8Linear(PackedLinear):
+    """A weight quantized to int8 per output row (symmetric) on torch's int8 weight-only CPU kernel: for dense
+    checkpoints under --quantization int8, and for the output head over a GGUF file's Q8_0 embedding, whose
+    32-wide blocks the kernel cannot take as they are (one scale a row is the nearest it computes)."""
+
+    format = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, sizes: list[int] | None = None):
+        out, k = weight.shape
+        super().__init__(out, k, bias, sizes)
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("weight_int8", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(ACT))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+
+
+_CROSSOVERS: dict[tuple, int | None] = {}  # (format, out, in, threads) -> rows, measured once a process
+
+
+def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 3) -> int | None:
     """The fewest rows from which a dense bf16 matmul beats the packed kernel on this machine, timed once per
-    weight shape and process (about a millisecond per probe); None when the packed kernel wins at every width.
+    format, weight shape and process (about a millisecond per probe); None when the packed kernel always wins.
 
     Kept for the process: which kernel serves a call changes its last bits, so two engines in one process (an
     A/B run, a restart) must choose alike or a switch under test would seem to change the output.
     """
-    key = (*blocks.shape, torch.get_num_threads())
+    key = (linear.format, linear.out_features, linear.in_features, torch.get_num_threads())
     if key not in _CROSSOVERS:
-        _CROSSOVERS[key] = _measure_crossover(blocks, repeats)
+        dense = weight.to(ACT)
+        _CROSSOVERS[key] = None
+        for rows in ROW_PROBES:
+            x = torch.randn(rows, linear.in_features, dtype=ACT)
+            packed = _best_of(lambda x=x: linear.packed_mm(x), repeats)
+            if _best_of(lambda x=x: torch.nn.functional.linear(x, dense), repeats) < packed:
+                _CROSSOVERS[key] = rows
+                break
     return _CROSSOVERS[key]
-
-
-def _measure_crossover(blocks: Int4Blocks, repeats: int) -> int | None:
-    probe = Int4Linear(blocks, None)
-    dense = blocks.dequantize().to(ACT)
-    for rows in ROW_PROBES:
-        x = torch.randn(rows, blocks.shape[1], dtype=ACT)
-        packed = _best_of(lambda x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, probe.packed, GROUP,
-                                                                                 probe.scales_and_zeros), repeats)
-        if _best_of(lambda x=x: torch.nn.functional.linear(x, dense), repeats) < packed:
-            return rows
-    return None
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -175,25 +216,6 @@ class BF16Linear(nn.Module):
         return torch.nn.functional.linear(x.to(ACT), self.weight_bf16).to(x.dtype)
 
 
-class Int8Linear(nn.Module):
-    """A dense weight quantized to int8 per output row (symmetric), on torch's int8 weight-only CPU kernel with
-    bfloat16 activations: for the output head over a GGUF file's Q8_0 embedding, whose 32-wide blocks the kernel
-    cannot take as they are (a per-row scale is the nearest it computes)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        self.register_buffer("weight_int8", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(ACT))
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(ACT)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-
 HEADS = {"bfloat16": BF16Linear, "int8": Int8Linear}
 _HEADS: dict[tuple, str] = {}  # (shape, dtype, threads) -> the fastest head, measured once a process, as above
 
@@ -216,57 +238,64 @@ def fastest_head(weight: torch.Tensor, repeats: int = 3) -> str:
 
 
 @dataclass
-class Int4Stats:
-    """What the int4 seam holds and did: published as the `linear` section of the stats snapshot."""
+class QuantStats:
+    """What the quantized seam holds and did: published as the `linear` section of the stats snapshot."""
 
-    modules: int
+    formats: dict[str, int]  # format -> projections packed in it
     packed_bytes: int
-    dense_bytes: int  # the bf16 copies kept for wide calls
-    dense_from_rows: dict[str, int | None]  # "out x in" -> rows from which the dense copy serves
+    dense_bytes: int  # the bf16 copies kept for wide calls, and the head's copy
+    dense_from_rows: dict[str, int | None]  # "format out x in" -> rows from which the dense copy serves
     calls: dict[str, int]  # calls each kernel served, counted by the modules as they dispatch
     head: str  # what the output head runs: int8 or bfloat16 where that measured fastest, else the model's dtype
 
     def as_dict(self) -> dict:
-        return {"format": "int4", "group": GROUP, "modules": self.modules, "packed_bytes": self.packed_bytes,
-                "dense_bytes": self.dense_bytes, "dense_from_rows": dict(self.dense_from_rows),
-                "int4_calls": self.calls["int4"], "dense_calls": self.calls["dense"], "head": self.head}
+        kinds = sorted(self.formats)
+        return {"format": kinds[0] if len(kinds) == 1 else "+".join(kinds), "group": GROUP,
+                "modules": sum(self.formats.values()), **{f"{k}_modules": n for k, n in self.formats.items()},
+                "packed_bytes": self.packed_bytes, "dense_bytes": self.dense_bytes,
+                "dense_from_rows": dict(self.dense_from_rows),
+                **{f"{k}_calls": n for k, n in self.calls.items()}, "head": self.head}
 
 
-def install_int4(model: nn.Module, kept: dict[str, dict[str, Int4Blocks]], quantize_dense: bool) -> Int4Stats | None:
-    """Swap each linear whose weights arrived as 4-bit blocks (`kept`: module path -> shard -> blocks) for an
-    Int4Linear; with `quantize_dense`, dense decoder linears are quantized at load too. A merged projection
-    with some shards dense and some 4-bit (a mixed file) stays dense: its 4-bit shards are written dequantized."""
+def install_quantized(model: nn.Module, kept: dict[str, dict[str, Int4Blocks]], mode: str) -> QuantStats | None:
+    """Swap the decoder's linears for packed ones: each whose weights arrived as 4-bit blocks (`kept`: module
+    path -> shard -> blocks) becomes an Int4Linear; under mode "int4" or "int8" every other decoder linear is
+    quantized at load to that format. A merged projection with some shards dense and some 4-bit (a mixed file)
+    stays dense: its 4-bit shards are written dequantized. Returns None when nothing was swapped."""
     from nanoserve.model.layers import MergedLinear
 
-    targets = {}
-    for path, module in model.named_modules():
-        if isinstance(module, MergedLinear | nn.Linear) and path.startswith("layers."):
-            targets[path] = module
-    calls = {"int4": 0, "dense": 0}
+    calls = {"int4": 0, "int8": 0, "dense": 0}
+    formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}
-    swapped = packed = dense = 0
-    for path, module in targets.items():
+    packed = dense = 0
+    targets = [(p, m) for p, m in model.named_modules()
+               if isinstance(m, MergedLinear | nn.Linear) and p.startswith("layers.")]
+    for path, module in targets:
         shards = kept.get(path, {})
         names = list(module.offsets) if isinstance(module, MergedLinear) else ["weight"]
         if shards and set(shards) != set(names):
             for shard, blocks in shards.items():  # a mixed merged projection: dense it is
                 module.load_shard(shard, "weight", blocks.dequantize().to(module.weight.dtype))
             continue
-        if not shards and not quantize_dense:
+        bias, sizes = (module.bias.data if module.bias is not None else None), getattr(module, "sizes", None)
+        if shards or mode == "int4":
+            blocks = Int4Blocks.cat([shards[n] for n in names]) if shards else Int4Blocks.quantize(module.weight.data)
+            linear, weight = Int4Linear(blocks, bias, sizes), blocks.dequantize()
+        elif mode == "int8":
+            linear = Int8Linear(module.weight.data, bias, sizes)
+            weight = linear.dequantize()
+        else:
             continue
-        blocks = Int4Blocks.cat([shards[n] for n in names]) if shards else Int4Blocks.quantize(module.weight.data)
-        shape = f"{blocks.shape[0]}x{blocks.shape[1]}"
-        if shape not in crossover:
-            crossover[shape] = dense_crossover(blocks)
-        linear = Int4Linear(blocks, module.bias.data if module.bias is not None else None,
-                            sizes=getattr(module, "sizes", None), dense_from_rows=crossover[shape])
+        rows = dense_crossover(linear, weight)
+        linear.use_dense_from(rows, weight)
+        crossover[f"{linear.format} {linear.out_features}x{linear.in_features}"] = rows
         linear.calls = calls  # one tally for every module: the snapshot reads it without walking the model
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, linear)
-        swapped += 1
-        packed += linear.packed.numel() + linear.scales_and_zeros.numel() * 2
+        formats[linear.format] = formats.get(linear.format, 0) + 1
+        packed += sum(b.numel() * b.element_size() for b in linear.buffers())
         dense += linear.dense.numel() * 2 if linear.dense is not None else 0
-    if not swapped:
+    if not formats:
         return None
     head = fastest_head(model.lm_head.weight)
     if head == "own":
@@ -274,4 +303,4 @@ def install_int4(model: nn.Module, kept: dict[str, dict[str, Int4Blocks]], quant
     else:
         model.lm_head = HEADS[head](model.lm_head.weight)
         dense += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
-    return Int4Stats(swapped, packed, dense, crossover, calls, head)
+    return QuantStats(formats, packed, dense, crossover, calls, head)
