@@ -173,23 +173,30 @@ class Int8Linear(PackedLinear):
 _CROSSOVERS: dict[tuple, int | None] = {}  # (format, out, in, threads) -> rows, measured once a process
 
 
-def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 3) -> int | None:
+DENSE_MARGIN = 0.85  # the dense copy must take at most this share of the packed kernel's time to be chosen
+
+
+def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 5) -> int | None:
     """The fewest rows from which a dense bf16 matmul beats the packed kernel on this machine, timed once per
     format, weight shape and process (about a millisecond per probe); None when the packed kernel always wins.
 
+    A width counts only when the dense copy wins there and at the next width too, by DENSE_MARGIN, each time
+    the best of `repeats`: a probe that a busy neighbour slowed must not send every call to the dense copy.
     Kept for the process: which kernel serves a call changes its last bits, so two engines in one process (an
     A/B run, a restart) must choose alike or a switch under test would seem to change the output.
     """
     key = (linear.format, linear.out_features, linear.in_features, torch.get_num_threads())
     if key not in _CROSSOVERS:
         dense = weight.to(ACT)
-        _CROSSOVERS[key] = None
-        for rows in ROW_PROBES:
+
+        def dense_wins(rows: int) -> bool:
             x = torch.randn(rows, linear.in_features, dtype=ACT)
-            packed = _best_of(lambda x=x: linear.packed_mm(x), repeats)
-            if _best_of(lambda x=x: torch.nn.functional.linear(x, dense), repeats) < packed:
-                _CROSSOVERS[key] = rows
-                break
+            packed = _best_of(lambda: linear.packed_mm(x), repeats)
+            return _best_of(lambda: torch.nn.functional.linear(x, dense), repeats) < DENSE_MARGIN * packed
+
+        wins = [dense_wins(rows) for rows in ROW_PROBES]
+        _CROSSOVERS[key] = next((rows for rows, here, after in zip(ROW_PROBES, wins, [*wins[1:], True])
+                                 if here and after), None)
     return _CROSSOVERS[key]
 
 
