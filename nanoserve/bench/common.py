@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.bench.prompts import REAL_PROMPTS
+from nanoserve.timing import best_seconds
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # a sampled request's settings (plus its own seed)
 
@@ -83,17 +84,6 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def best_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls of `fn`, after one untimed warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:

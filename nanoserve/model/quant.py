@@ -11,12 +11,13 @@ everything around the linears, attention included, stays in the model's own dtyp
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+
+from nanoserve.timing import best_seconds
 
 GROUP = 32  # inputs per scale/zero group: GGUF's Q4 block, and the packed kernel's group size
 ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128)  # call widths timed once per weight shape to find the crossover
@@ -191,23 +192,13 @@ def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 5
 
         def dense_wins(rows: int) -> bool:
             x = torch.randn(rows, linear.in_features, dtype=ACT)
-            packed = _best_of(lambda: linear.packed_mm(x), repeats)
-            return _best_of(lambda: torch.nn.functional.linear(x, dense), repeats) < DENSE_MARGIN * packed
+            packed = best_seconds(lambda: linear.packed_mm(x), repeats)
+            return best_seconds(lambda: torch.nn.functional.linear(x, dense), repeats) < DENSE_MARGIN * packed
 
         wins = [dense_wins(rows) for rows in ROW_PROBES]
         _CROSSOVERS[key] = next((rows for rows, here, after in zip(ROW_PROBES, wins, [*wins[1:], True])
                                  if here and after), None)
     return _CROSSOVERS[key]
-
-
-def _best_of(fn, repeats: int) -> float:
-    fn()  # warm
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 class BF16Linear(nn.Module):
@@ -232,14 +223,14 @@ def fastest_head(weight: torch.Tensor, repeats: int = 3) -> str:
     key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
     if key not in _HEADS:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
-        times = {"own": _best_of(lambda: torch.nn.functional.linear(x, weight), repeats)}
+        times = {"own": best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats)}
         if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             candidates = HEADS
         else:
             candidates = {"bfloat16": BF16Linear}
         for name, cls in candidates.items():
             head = cls(weight)
-            times[name] = _best_of(lambda head=head: head(x), repeats)
+            times[name] = best_seconds(lambda head=head: head(x), repeats)
         _HEADS[key] = min(times, key=times.get)
     return _HEADS[key]
 
