@@ -364,7 +364,7 @@ class Engine:
             prompt_logprobs = LogprobSequence(first.prompt_logprobs, text)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions)
         return RequestOutput(
-            req.request_id, req.prompt, tuple(req.prompt_ids), [completion], done, delta, delta_ids, metrics,
+            req.request_id, req.prompt, req.prompt_tuple, [completion], done, delta, delta_ids, metrics,
             prompt_logprobs,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class Request:
     def name(self) -> str:
         """A label unique among live sequences (siblings of an n > 1 request share request_id)."""
         return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
+
+    @functools.cached_property
+    def prompt_tuple(self) -> tuple[int, ...]:
+        """The prompt ids as the tuple every output carries: built once, not once a step."""
+        return tuple(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
