@@ -215,11 +215,17 @@ class BF16Linear(nn.Module):
 
 
 HEADS = {"bfloat16": BF16Linear, "int8": Int8Linear}
-_HEADS: dict[tuple, str] = {}  # (shape, dtype, threads) -> the fastest head, measured once a process, as above
+_HEADS: dict[tuple, dict[str, float]] = {}  # (shape, dtype, threads) -> seconds a row per head, once a process
 
 
 def fastest_head(weight: torch.Tensor, repeats: int = 3) -> str:
     """Which runs one row through `weight` fastest here: its own dtype ("own"), a bf16 copy, or int8 per row."""
+    times = head_timings(weight, repeats)
+    return min(times, key=times.get)
+
+
+def head_timings(weight: torch.Tensor, repeats: int = 3) -> dict[str, float]:
+    """Seconds for one row through `weight` in each form the head can take, measured once a process."""
     key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
     if key not in _HEADS:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
@@ -231,7 +237,7 @@ def fastest_head(weight: torch.Tensor, repeats: int = 3) -> str:
         for name, cls in candidates.items():
             head = cls(weight)
             times[name] = best_seconds(lambda head=head: head(x), repeats)
-        _HEADS[key] = min(times, key=times.get)
+        _HEADS[key] = times
     return _HEADS[key]
 
 
@@ -245,6 +251,7 @@ class QuantStats:
     dense_from_rows: dict[str, int | None]  # "format out x in" -> rows from which the dense copy serves
     calls: dict[str, int]  # calls each kernel served, counted by the modules as they dispatch
     head: str  # what the output head runs: int8 or bfloat16 where that measured fastest, else the model's dtype
+    head_us: dict[str, float]  # the measurement behind `head`: microseconds a row in each form ("own" = as loaded)
 
     def as_dict(self) -> dict:
         kinds = sorted(self.formats)
@@ -252,7 +259,8 @@ class QuantStats:
                 "modules": sum(self.formats.values()), **{f"{k}_modules": n for k, n in self.formats.items()},
                 "packed_bytes": self.packed_bytes, "dense_bytes": self.dense_bytes,
                 "dense_from_rows": dict(self.dense_from_rows),
-                **{f"{k}_calls": n for k, n in self.calls.items()}, "head": self.head}
+                **{f"{k}_calls": n for k, n in self.calls.items()}, "head": self.head,
+                "head_us": dict(self.head_us)}
 
 
 def install_quantized(model: nn.Module, kept: dict[str, dict[str, Int4Blocks]], mode: str) -> QuantStats | None:
@@ -295,10 +303,11 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, Int4Blocks]], 
         dense += linear.dense.numel() * 2 if linear.dense is not None else 0
     if not formats:
         return None
+    head_us = {name: round(t * 1e6, 1) for name, t in head_timings(model.lm_head.weight).items()}
     head = fastest_head(model.lm_head.weight)
     if head == "own":
         head = str(model.lm_head.weight.dtype).removeprefix("torch.")
     else:
         model.lm_head = HEADS[head](model.lm_head.weight)
         dense += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
-    return QuantStats(formats, packed, dense, crossover, calls, head)
+    return QuantStats(formats, packed, dense, crossover, calls, head, head_us)

@@ -28,10 +28,6 @@ class Choice:
     sent_chars: int = 0  # characters already streamed (text_offset of the next piece)
     started: bool = False  # a first chunk (role, or echoed prompt) was sent
 
-    @property
-    def finished(self) -> bool:
-        return self.completion is not None and self.completion.finish_reason is not None
-
 
 class Fanout:
     def __init__(self, host: EngineHost, prompts: list[list[int]], params: SamplingParams, request_id: str):
