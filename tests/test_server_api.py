@@ -222,6 +222,7 @@ def test_user_is_kept_with_the_request_and_published_in_the_snapshot(offline):
 def test_a_batch_stream_closed_early_frees_every_request(server):
     body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200  # the batch really started streaming before it was closed
         next(r.iter_lines())
     assert wait_until(lambda: server.engine.pool.num_used == 0 and not server.engine.has_unfinished())
 
