@@ -22,6 +22,9 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # each layer's storage as [slots, kv_heads, head_dim], viewed once instead of on every write
+        self._k_slots = [layer.view(-1, *shape[-2:]) for layer in self.k]
+        self._v_slots = [layer.view(-1, *shape[-2:]) for layer in self.v]
 
     @property
     def nbytes(self) -> int:
@@ -29,10 +32,8 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store this step's K/V rows ([tokens, kv_heads, head_dim]) at their slots."""
-        kc = self.k[layer].view(-1, k.shape[-2], k.shape[-1])
-        vc = self.v[layer].view(-1, v.shape[-2], v.shape[-1])
-        kc.index_copy_(0, slots, k)
-        vc.index_copy_(0, slots, v)
+        self._k_slots[layer].index_copy_(0, slots, k)
+        self._v_slots[layer].index_copy_(0, slots, v)
 
 
 def blocks_from_budget(cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:

@@ -11,7 +11,7 @@ from nanoserve.model.attention import sdpa
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
-from nanoserve.reads.dispatch import PagedRead
+from nanoserve.reads.dispatch import PagedRead, StepRead
 
 
 class Attention(nn.Module):
@@ -29,29 +29,27 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: PagedRead) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        q = q.view(tokens, self.heads, self.dim)
-        k = k.view(tokens, self.kv_heads, self.dim)
-        v = v.view(tokens, self.kv_heads, self.dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.qkv_proj(x).to(x.dtype)  # a packed projection answers in bfloat16; the cache holds x's dtype
+        q_end = self.heads * self.dim
+        k_end = q_end + self.kv_heads * self.dim
+        v = qkv[:, k_end:].view(tokens, self.kv_heads, self.dim)
+        if self.q_norm is None:  # q and k are adjacent in qkv: one rotation turns both
+            qk = apply_rope(qkv[:, :k_end].view(tokens, self.heads + self.kv_heads, self.dim), *rope)
+            q, k = qk[:, : self.heads], qk[:, self.heads:]
+        else:
+            q = self.q_norm(qkv[:, :q_end].view(tokens, self.heads, self.dim))
+            k = self.k_norm(qkv[:, q_end:k_end].view(tokens, self.kv_heads, self.dim))
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         cache.write(self.layer, k, v, batch.slots)
         nd = batch.num_decode
         if nd == tokens:
-            out = read.decode(
-                q, cache.k[self.layer], cache.v[self.layer], batch.decode_block_table,
-                batch.decode_context_lens, self.scale,
-            )
+            out = read.decode(q, cache.k[self.layer], cache.v[self.layer], self.scale)
         else:
             parts = []
             if nd:
-                parts.append(read.decode(
-                    q[:nd], cache.k[self.layer], cache.v[self.layer], batch.decode_block_table,
-                    batch.decode_context_lens, self.scale,
-                ))
+                parts.append(read.decode(q[:nd], cache.k[self.layer], cache.v[self.layer], self.scale))
             for seg in batch.prefills:
                 parts.append(self._prefill(q, k, v, seg, cache))
             out = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -66,8 +64,8 @@ class Attention(nn.Module):
             mask, causal = None, True
         else:
             total = seg.context_start + seg.length
-            ks = cache.k[self.layer][seg.block_table].flatten(0, 1)[:total]
-            vs = cache.v[self.layer][seg.block_table].flatten(0, 1)[:total]
+            ks = cache.k[self.layer].index_select(0, seg.block_table).flatten(0, 1)[:total]
+            vs = cache.v[self.layer].index_select(0, seg.block_table).flatten(0, 1)[:total]
             rows = torch.arange(seg.length, device=q.device)[:, None] + seg.context_start
             mask = torch.arange(total, device=q.device)[None, :] <= rows
             causal = False
@@ -84,6 +82,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """In the projections' own dtype throughout: a packed gate_up answers in bfloat16, which the packed down
+        projection takes as it is (no round trip through float32 between them)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -97,6 +97,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, batch, cache, read):
+        """The residual stream stays in x's dtype: adding a bfloat16 projection's output promotes it exactly."""
         x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache, read)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -129,7 +130,8 @@ class CausalLM(nn.Module):
         """Run the step's tokens and return logits for `batch.logits_indices` only."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rope.table(batch.positions, x.dtype)
+        step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size)
         for layer in self.layers:
-            x = layer(x, rope, batch, cache, read)
+            x = layer(x, rope, batch, cache, step_read)
         x = x[batch.logits_indices]
         return self.lm_head(self.norm(x)).float()

@@ -84,24 +84,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding over a precomputed cos/sin table indexed by position."""
+    """Neox-style rotary embedding over a precomputed cos/sin table indexed by position.
+
+    `sin` is stored with the rotation's sign folded into its first half (-sin, +sin), so a rotation is one
+    roll and one fused multiply-add (apply_rope) instead of slicing, negating and concatenating the halves.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : head_dim // 2].neg_()
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for this step's positions, looked up once per forward and shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [tokens, heads, dim] by the per-token cos/sin ([tokens, 1, dim])."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate [tokens, heads, dim] by the per-token cos and signed sin ([tokens, 1, dim], see RotaryEmbedding):
+    x cos + (x2, x1) (-sin, sin), which is the reference's x cos + (-x2, x1) sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

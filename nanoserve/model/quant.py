@@ -116,15 +116,19 @@ class PackedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(ACT)
+        """x in any float dtype -> y in bfloat16 (float32 with a bias): the caller takes it as it is, since a
+        residual add promotes it exactly and the MLP runs bfloat16 into the next packed call."""
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        flat = flat.to(ACT)
         if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
             self.calls["dense"] += 1
             y = torch.nn.functional.linear(flat, self.dense)
         else:
             self.calls[self.format] += 1
             y = self.packed_mm(flat)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(PackedLinear):

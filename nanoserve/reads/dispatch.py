@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from nanoserve.errors import ConfigError
-from nanoserve.reads.gathered import gathered_decode
+from nanoserve.reads.gathered import gathered_decode, gathered_mask
 from nanoserve.reads.tiled import tiled_decode
 
 READ_MODES = ("gathered", "streamed")
@@ -66,7 +66,7 @@ class ReadStats:
         }
 
 
-def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, block: int) -> torch.Tensor:
+def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, block: int, mask=None) -> torch.Tensor:
     """The streamed read for q's device: the Triton kernel with CUDA, its torch twin without (tiled.py)."""
     if q.is_cuda:
         from nanoserve.reads.streamed import streamed_decode  # Triton, imported only where it compiles
@@ -90,15 +90,13 @@ class PagedRead:
             self._kernel = partial(_streamed, block=block)
         self._calls = self._rows = self._score = self._held = 0
 
+    def step(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> StepRead:
+        """This read over one step's decode rows, for every layer of the step to call (see StepRead)."""
+        return StepRead(self, block_table, context_lens, block_size)
+
     def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
-        rows, heads, _ = q.shape
-        if block_table.shape[0] != rows or context_lens.shape[0] != rows:
-            raise ValueError(
-                f"read got {rows} query rows but {block_table.shape[0]} table rows and "
-                f"{context_lens.shape[0]} lengths"
-            )
-        self.charge(rows, heads, block_table.shape[1] * k_cache.shape[1])
-        return self._kernel(q, k_cache, v_cache, block_table, context_lens, scale)
+        """One read on its own (a step's layers go through `step` instead)."""
+        return self.step(block_table, context_lens, k_cache.shape[1]).decode(q, k_cache, v_cache, scale)
 
     def reset(self) -> None:
         """Forget what was counted (reads during warm-up or capture are not serving reads)."""
@@ -118,3 +116,28 @@ class PagedRead:
 
     def stats(self) -> ReadStats:
         return ReadStats(self.mode, self.block, self._calls, self._rows, self._score, self._held)
+
+
+class StepRead:
+    """One step's decode rows (block table and context lengths), read by each layer in turn.
+
+    What depends only on the rows, not on the layer (the gathered read's mask), is built by the first layer's
+    call and reused by the others; it lives only as long as the step's forward, inside a captured graph too.
+    """
+
+    def __init__(self, read: PagedRead, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int):
+        self.read, self.block_table, self.context_lens = read, block_table, context_lens
+        self.width = block_table.shape[1] * block_size
+        self._mask: torch.Tensor | None = None
+        if block_table.shape[0] != context_lens.shape[0]:
+            raise ValueError(f"read got {block_table.shape[0]} table rows and {context_lens.shape[0]} lengths")
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        rows, heads, _ = q.shape
+        if self.block_table.shape[0] != rows:
+            raise ValueError(f"read got {rows} query rows but {self.block_table.shape[0]} table rows")
+        read = self.read
+        read.charge(rows, heads, self.width)
+        if read.mode == "gathered" and self._mask is None:
+            self._mask = gathered_mask(self.block_table, self.context_lens, k_cache.shape[1])
+        return read._kernel(q, k_cache, v_cache, self.block_table, self.context_lens, scale, mask=self._mask)
