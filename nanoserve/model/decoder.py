@@ -8,13 +8,14 @@ from torch import nn
 
 from nanoserve.kv.cache import KVCache
 from nanoserve.model.attention import sdpa
+from nanoserve.model.attrs import Embedding, FastAttributes, Linear
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
 from nanoserve.reads.dispatch import PagedRead, StepRead
 
 
-class Attention(nn.Module):
+class Attention(FastAttributes, nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -24,7 +25,7 @@ class Attention(nn.Module):
             {"q_proj": self.heads * self.dim, "k_proj": self.kv_heads * self.dim, "v_proj": self.kv_heads * self.dim},
             bias=cfg.attention_bias,
         )
-        self.o_proj = nn.Linear(self.heads * self.dim, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.heads * self.dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.dim**-0.5
@@ -73,13 +74,13 @@ class Attention(nn.Module):
         return out.transpose(0, 1)
 
 
-class MLP(nn.Module):
+class MLP(FastAttributes, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
         )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the projections' own dtype throughout: a packed gate_up answers in bfloat16, which the packed down
@@ -88,7 +89,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(FastAttributes, nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -102,7 +103,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class CausalLM(nn.Module):
+class CausalLM(FastAttributes, nn.Module):
     """Parameter names follow the Hugging Face layout, so checkpoints load by name plus a shard map."""
 
     # checkpoint name fragment -> (module attribute holding the merged weight, shard)
@@ -117,10 +118,10 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.model.attrs import FastAttributes
+
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(FastAttributes, nn.Module):
     """RMSNorm computed in float32 and cast back, as the reference implementation does."""
 
     def __init__(self, dim: int, eps: float):
@@ -28,7 +30,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class MergedLinear(nn.Module):
+class MergedLinear(FastAttributes, nn.Module):
     """Several checkpoint projections stored as one weight, so a step runs one larger matmul.
 
     Each shard knows its row range; the loader calls `load_shard` with the checkpoint's name for it, and
@@ -83,7 +85,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return inv_freq
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FastAttributes, nn.Module):
     """Neox-style rotary embedding over a precomputed cos/sin table indexed by position.
 
     `sin` is stored with the rotation's sign folded into its first half (-sin, +sin), so a rotation is one

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanoserve.model.attrs import FastAttributes
 from nanoserve.timing import best_seconds
 
 GROUP = 32  # inputs per scale/zero group: GGUF's Q4 block, and the packed kernel's group size
@@ -92,7 +93,7 @@ class Int4Blocks:
         return Int4Blocks(codes.view(out, k), scale, lo + 8 * scale)
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(FastAttributes, nn.Module):
     """y = x W^T (+ b) on a packed weight-only kernel; calls of at least `dense_from_rows` rows use a dense bf16
     copy instead (see dense_crossover). `calls` counts the calls each kernel actually served."""
 
@@ -205,7 +206,7 @@ def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 5
     return _CROSSOVERS[key]
 
 
-class BF16Linear(nn.Module):
+class BF16Linear(FastAttributes, nn.Module):
     """A dense linear run on a bfloat16 copy of its weight (the output head over a tied, unquantized embedding),
     where it measured fastest for one row (see fastest_head)."""
 
