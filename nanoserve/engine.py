@@ -19,7 +19,14 @@ from nanoserve.kv.cache import KVCache, blocks_from_budget
 from nanoserve.kv.pool import BlockPool
 from nanoserve.model.batch import PrefillSegment, StepBatch, general_batch
 from nanoserve.model.loader import LoadedModel, load_model
-from nanoserve.outputs import CompletionOutput, LogprobSequence, RequestMetrics, RequestOutput
+from nanoserve.outputs import (
+    CompletionOutput,
+    LogprobSequence,
+    RequestMetrics,
+    RequestOutput,
+    TextSoFar,
+    TokenIds,
+)
 from nanoserve.reads.dispatch import PagedRead
 from nanoserve.request import Request
 from nanoserve.sampler import token_logprobs
@@ -331,7 +338,8 @@ class Engine:
             self._request_latency = None
             if len(req.output_ids) > 1:
                 self._tpots.append((now - req.first_token_time) / (len(req.output_ids) - 1))
-        req.text += delta
+        if delta:
+            req.text_pieces.append(delta)
         return req, delta, (token,)
 
     def _outputs(self, emitted: list[tuple[Request, str, tuple[int, ...]]]) -> list[RequestOutput]:
@@ -355,7 +363,7 @@ class Engine:
         text = self.tokenizer.token_text
         wants = req.params.logprobs is not None
         completion = CompletionOutput(
-            req.index, req.text, tuple(req.output_ids), req.finish_reason, req.stop_reason,
+            req.index, TextSoFar(req.text_pieces), TokenIds(req.output_ids), req.finish_reason, req.stop_reason,
             LogprobSequence(req.logprobs, text) if wants else None,
             req.cumulative_logprob if wants else None,
         )

@@ -39,7 +39,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)  # the text emitted so far, as the pieces it came in
     logprobs: list = field(default_factory=list)  # TokenLogprobs per generated token, when asked for
     prompt_logprobs: list | None = None  # position -> TokenLogprobs (None at 0), when asked for
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (when logprobs are computed)
@@ -49,6 +49,10 @@ class Request:
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.
     serial: int = field(default_factory=lambda: next(_serials))
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
 
     @property
     def key(self) -> tuple[int, int]:
