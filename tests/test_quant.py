@@ -11,7 +11,15 @@ from gguf import GGMLQuantizationType
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.model.gguf.dequant import dequantize
-from nanoserve.model.quant import Int4Blocks, Int4Linear, Int8Linear, fastest_head, int4_supported
+from nanoserve.model.quant import (
+    Int4Blocks,
+    Int4Linear,
+    Int8Blocks,
+    Int8GroupLinear,
+    Int8Linear,
+    fastest_head,
+    int4_supported,
+)
 
 pytestmark = pytest.mark.skipif(not int4_supported(torch.device("cpu")), reason="this torch has no int4 CPU kernel")
 
@@ -61,7 +69,8 @@ def test_int8_head_equals_a_float64_matmul_within_its_rounding():
     x = torch.randn(3, 128)
     y, ref = Int8Linear(w)(x).double(), x.double() @ w.double().t()
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-2  # int8 per row and bfloat16 activations
-    assert fastest_head(w) in ("own", "bfloat16", "int8")
+    assert fastest_head(w) in ("own", "bfloat16")  # a dense head is never re-rounded to int8 unasked
+    assert fastest_head(w, mode="int8") in ("own", "bfloat16", "int8")
 
 
 def test_quantize_at_load_round_trips_within_a_step():
@@ -198,3 +207,56 @@ def test_int8_linear_equals_a_float64_matmul_on_its_dequantized_weight():
     assert ((linear(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-2  # bfloat16 activations
     # half a step of rounding plus the kernel's bfloat16 scale (up to another half step at the largest code)
     assert ((linear.dequantize() - w).abs() <= (w.abs().amax(1) / 127)[:, None]).all()
+
+
+def random_q8_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes of random Q8_0 blocks: every code -128..127 occurs, with sane float16 scales."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 32
+    raw = rng.integers(0, 256, size=(n, 34), dtype=np.uint8)
+    raw[:, 0:2] = (rng.uniform(0.0005, 0.01, n).astype(np.float16)).view(np.uint8).reshape(n, 2)
+    return raw.reshape(-1)
+
+
+def test_q8_0_blocks_and_their_two_int4_planes_reproduce_the_files_weights():
+    raw = random_q8_blocks(64, 256)
+    blocks = Int8Blocks.from_gguf(raw, (64, 256))
+    reference = dequantize(raw.copy(), GGMLQuantizationType.Q8_0, (64, 256))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(reference))  # d * q: exact in float32
+    hi, lo = blocks.planes()
+    assert hi.codes.max() <= 15 and lo.codes.max() <= 15
+    assert torch.equal(hi.dequantize() + lo.dequantize(), blocks.dequantize())  # powers of two: exact
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_group_linear_equals_a_float64_matmul_on_the_files_weights(rows):
+    blocks = Int8Blocks.from_gguf(random_q8_blocks(96, 256, seed=2), (96, 256))
+    weight = blocks.dequantize().double()
+    for dense_from_rows in (None, 2):
+        linear = Int8GroupLinear(blocks)
+        linear.use_dense_from(dense_from_rows, blocks.dequantize())
+        x = torch.randn(rows, 256)
+        ref = x.double() @ weight.t()
+        y = linear(x)
+        # bfloat16 activations and scales: the rounding a bfloat16 copy of the weight would add, not int8 per row's
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
+        per_row = Int8Linear(blocks.dequantize())(x).double()
+        assert (y.double() - ref).norm() < (per_row - ref).norm()
+
+
+def test_a_q8_0_file_keeps_its_blocks_and_is_logprobs_close_to_dense(tmp_path):
+    from tests.gguf_fixtures import byte_level_vocab, hf_weights, write_llama_gguf
+
+    weights = hf_weights(len(byte_level_vocab()[0]), tie=True)
+    path = write_llama_gguf(tmp_path / "q8.gguf", weights, qtype="Q8_0")
+    dense = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01, quantization="none")
+    kept = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01)
+    linear = kept.engine.stats().sections["linear"]
+    assert linear["format"] == "int8g32" and linear["int8g32_modules"] == linear["modules"] > 0
+    assert "int8" not in linear["head_us"]  # per-row int8 re-rounds the file's head: only on request
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    prompts = [[1, 5, 9, 20], [3, 4, 5], [7, 30, 31, 40, 41]]
+    for ref, got in zip(dense.generate(prompts, params, use_tqdm=False),
+                        kept.generate(prompts, params, use_tqdm=False)):
+        ok, equal = logprobs_close(got.outputs[0], ref.outputs[0])
+        assert ok, (got.outputs[0].token_ids, ref.outputs[0].token_ids, equal)

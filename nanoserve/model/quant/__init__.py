@@ -1,0 +1,43 @@
+"""The quantized linear seam: a checkpoint's quantized weights kept packed, and the kernel chosen by how many rows
+a call has and by what this machine measures.
+
+blocks.py holds a file's blocks exactly (Int4Blocks, Int8Blocks); linears.py the packed linears that run them
+on torch's weight-only CPU kernels; install.py swaps them into a loaded model and publishes what it did.
+Activations into the kernels are bfloat16 (the kernels are vectorised for nothing else); everything around the
+linears, attention included, stays in the model's own dtype.
+"""
+
+from nanoserve.model.quant.blocks import (
+    GROUP,
+    KEPT_GGUF_TYPES,
+    Int4Blocks,
+    Int8Blocks,
+    QuantBlocks,
+    from_gguf,
+)
+from nanoserve.model.quant.install import (
+    DENSE_MARGIN,
+    QuantStats,
+    dense_crossover,
+    fastest_head,
+    head_forms,
+    head_timings,
+    install_quantized,
+)
+from nanoserve.model.quant.linears import (
+    ACT,
+    BF16Linear,
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    PackedLinear,
+    int4_supported,
+    int8_supported,
+)
+
+__all__ = [
+    "ACT", "DENSE_MARGIN", "GROUP", "KEPT_GGUF_TYPES", "BF16Linear", "Int4Blocks", "Int4Linear", "Int8Blocks",
+    "Int8GroupLinear", "Int8Linear", "PackedLinear", "QuantBlocks", "QuantStats", "dense_crossover",
+    "fastest_head", "from_gguf", "head_forms", "head_timings", "install_quantized", "int4_supported",
+    "int8_supported",
+]

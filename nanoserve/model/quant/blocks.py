@@ -1,0 +1,135 @@
+"""A checkpoint's quantized blocks as torch tensors, exactly as the file defines them.
+
+`Int4Blocks`: codes 0..15 with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero, which is
+what torch's packed int4 CPU kernel computes (GGUF Q4_0 / Q4_1, or a dense weight quantized at load).
+`Int8Blocks`: codes -128..127 with a scale per group of 32 inputs, w = q * scale (GGUF Q8_0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # inputs per scale group: GGUF's Q4 and Q8 block, and the packed kernel's group size
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """A [out, in] weight as 4-bit codes plus a scale and zero per group of 32 inputs: w = (q - 8) * s + z."""
+
+    codes: torch.Tensor  # uint8 [out, in], 0..15
+    scales: torch.Tensor  # float32 [out, in // 32]
+    zeros: torch.Tensor  # float32 [out, in // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these blocks stand for."""
+        out, k = self.shape
+        q = self.codes.view(out, k // GROUP, GROUP).float() - 8
+        return (q * self.scales[..., None] + self.zeros[..., None]).view(out, k)
+
+    def rows(self, order: np.ndarray) -> Int4Blocks:
+        """The same blocks with output rows reordered (GGUF's q/k rows are permuted for its rope layout)."""
+        index = torch.from_numpy(np.ascontiguousarray(order))
+        return Int4Blocks(self.codes[index], self.scales[index], self.zeros[index])
+
+    @staticmethod
+    def cat(parts: list[Int4Blocks]) -> Int4Blocks:
+        """Stacked along the output rows: the merged qkv and gate_up projections."""
+        return Int4Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.zeros for p in parts]))
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:
+        """GGUF Q4_0 (w = d (q - 8)) or Q4_1 (w = d q + m) blocks, exactly: scale d, zero 0 or m + 8 d."""
+        out, k = shape
+        width = {"Q4_0": 18, "Q4_1": 20}[type_name]
+        blocks = raw.reshape(-1, width)
+        d = _f16(blocks, 0)
+        qs = blocks[:, width - 16:]
+        codes = np.empty((blocks.shape[0], GROUP), dtype=np.uint8)
+        codes[:, :16] = qs & 0x0F  # ggml: element j in the low nibble of byte j, element j + 16 in the high one
+        codes[:, 16:] = qs >> 4
+        zero = _f16(blocks, 2) + 8 * d if type_name == "Q4_1" else np.zeros_like(d)
+        groups = (out, k // GROUP)
+        return Int4Blocks(torch.from_numpy(codes.reshape(out, k)), torch.from_numpy(d.reshape(groups)),
+                          torch.from_numpy(zero.reshape(groups)))
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Int4Blocks:
+        """Min-max asymmetric 4-bit quantization per group of 32 (gpt-fast's and torchao's int4 weight-only)."""
+        out, k = weight.shape
+        w = weight.float().view(out, k // GROUP, GROUP)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return Int4Blocks(codes.view(out, k), scale, lo + 8 * scale)
+
+
+@dataclass(frozen=True)
+class Int8Blocks:
+    """A [out, in] weight as 8-bit codes plus a scale per group of 32 inputs: w = q * s (GGUF Q8_0).
+
+    torch has no int8 kernel with a scale per group, and one scale per row (its int8 kernel) would add several
+    times the file's own rounding error. Split each code as q = 16 hi + lo (hi in -8..7, lo in 0..15) and the
+    weight is two 4-bit planes the int4 kernel computes exactly: (hi + 8 - 8) * 16 s + 0 and (lo - 8) * s + 8 s.
+    """
+
+    codes: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # float32 [out, in // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        out, k = self.shape
+        return (self.codes.view(out, k // GROUP, GROUP).float() * self.scales[..., None]).view(out, k)
+
+    def rows(self, order: np.ndarray) -> Int8Blocks:
+        index = torch.from_numpy(np.ascontiguousarray(order))
+        return Int8Blocks(self.codes[index], self.scales[index])
+
+    @staticmethod
+    def cat(parts: list[Int8Blocks]) -> Int8Blocks:
+        return Int8Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+
+    def planes(self) -> tuple[Int4Blocks, Int4Blocks]:
+        """The high and low 4-bit planes whose weights add up to this one's, exactly."""
+        q = self.codes.to(torch.int16)
+        hi = torch.div(q, 16, rounding_mode="floor")
+        lo = q - 16 * hi
+        s = self.scales
+        return (Int4Blocks((hi + 8).to(torch.uint8), 16 * s, torch.zeros_like(s)),
+                Int4Blocks(lo.to(torch.uint8), s.clone(), 8 * s))
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, shape: tuple[int, int]) -> Int8Blocks:
+        """GGUF Q8_0 blocks (an f16 scale d, then 32 int8 codes: w = d q), exactly."""
+        out, k = shape
+        blocks = raw.reshape(-1, 34)
+        d = _f16(blocks, 0)
+        codes = blocks[:, 2:].copy().view(np.int8)
+        return Int8Blocks(torch.from_numpy(codes.reshape(out, k)), torch.from_numpy(d.reshape(out, k // GROUP)))
+
+
+QuantBlocks = Int4Blocks | Int8Blocks
+
+
+def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantBlocks:
+    """The blocks of a GGUF tensor of a type kept as it is (KEPT_GGUF_TYPES)."""
+    if type_name == "Q8_0":
+        return Int8Blocks.from_gguf(raw, shape)
+    return Int4Blocks.from_gguf(raw, type_name, shape)
+
+
+KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # computed by the packed kernels exactly as the file defines them

@@ -1,0 +1,188 @@
+"""Installing the packed linears: which kernel serves which calls, the output head's form, and what is published.
+
+`install_quantized` swaps the decoder's linears for packed ones after loading; `dense_crossover` measures, once
+per weight shape and process, from how many rows a dense bfloat16 copy beats the packed kernel; `fastest_head`
+times the forms the output head can take. QuantStats is the `linear` section of the stats snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanoserve.model.quant.blocks import GROUP, Int4Blocks, Int8Blocks, QuantBlocks
+from nanoserve.model.quant.linears import (
+    ACT,
+    BF16Linear,
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    PackedLinear,
+    int4_packable,
+)
+from nanoserve.timing import best_seconds
+
+ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128)  # call widths timed once per weight shape to find the crossover
+
+_CROSSOVERS: dict[tuple, int | None] = {}  # (format, out, in, threads) -> rows, measured once a process
+
+
+DENSE_MARGIN = 0.85  # the dense copy must take at most this share of the packed kernel's time to be chosen
+
+
+def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 5) -> int | None:
+    """The fewest rows from which a dense bf16 matmul beats the packed kernel on this machine, timed once per
+    format, weight shape and process (about a millisecond per probe); None when the packed kernel always wins.
+
+    A width counts only when the dense copy wins there and at the next width too, by DENSE_MARGIN, each time
+    the best of `repeats`: a probe that a busy neighbour slowed must not send every call to the dense copy.
+    Kept for the process: which kernel serves a call changes its last bits, so two engines in one process (an
+    A/B run, a restart) must choose alike or a switch under test would seem to change the output.
+    """
+    key = (linear.format, linear.out_features, linear.in_features, torch.get_num_threads())
+    if key not in _CROSSOVERS:
+        dense = weight.to(ACT)
+
+        def dense_wins(rows: int) -> bool:
+            x = torch.randn(rows, linear.in_features, dtype=ACT)
+            packed = best_seconds(lambda: linear.packed_mm(x), repeats)
+            return best_seconds(lambda: torch.nn.functional.linear(x, dense), repeats) < DENSE_MARGIN * packed
+
+        wins = [dense_wins(rows) for rows in ROW_PROBES]
+        _CROSSOVERS[key] = next((rows for rows, here, after in zip(ROW_PROBES, wins, [*wins[1:], True])
+                                 if here and after), None)
+    return _CROSSOVERS[key]
+
+
+_HEADS: dict[tuple, dict[str, float]] = {}  # (shape, dtype, threads, forms) -> seconds a row, once a process
+
+
+def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str) -> dict:
+    """The forms the output head can take, each a builder: a bfloat16 copy; the file's own blocks when the head
+    (or the embedding it is tied to) came quantized (int8g32 for Q8_0, int4 for Q4); and int8 per row, which
+    re-rounds the weight, only when --quantization int4 / int8 asked for lossy weights."""
+    forms = {"bfloat16": lambda: BF16Linear(weight)}
+    if blocks is not None and not int4_packable(*blocks.shape):
+        blocks = None
+    if isinstance(blocks, Int8Blocks):
+        forms["int8g32"] = lambda: Int8GroupLinear(blocks)
+    elif isinstance(blocks, Int4Blocks):
+        forms["int4"] = lambda: Int4Linear(blocks, None)
+    if mode in ("int4", "int8") and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        forms["int8"] = lambda: Int8Linear(weight)
+    return forms
+
+
+def head_timings(weight: torch.Tensor, forms: dict, repeats: int = 3) -> dict[str, float]:
+    """Seconds for one row through the head in its own dtype ("own") and in each of `forms`, measured once a
+    process per shape and set of forms (so two engines in one process choose alike)."""
+    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads(), tuple(forms))
+    if key not in _HEADS:
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+        times = {"own": best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats)}
+        for name, build in forms.items():
+            head = build()
+            times[name] = best_seconds(lambda head=head: head(x), repeats)
+        _HEADS[key] = times
+    return _HEADS[key]
+
+
+def fastest_head(weight: torch.Tensor, blocks: QuantBlocks | None = None, mode: str = "auto",
+                 repeats: int = 3) -> str:
+    """Which form runs one row through the head fastest here ("own" = the dense weight as loaded)."""
+    times = head_timings(weight, head_forms(weight, blocks, mode), repeats)
+    return min(times, key=times.get)
+
+
+@dataclass
+class QuantStats:
+    """What the quantized seam holds and did: published as the `linear` section of the stats snapshot."""
+
+    formats: dict[str, int]  # format -> projections packed in it
+    packed_bytes: int
+    dense_bytes: int  # the bf16 copies kept for wide calls, and the head's own form
+    dense_from_rows: dict[str, int | None]  # "format out x in" -> rows from which the dense copy serves
+    calls: dict[str, int]  # calls each kernel served, counted by the modules as they dispatch
+    head: str  # the form the output head runs in (see head_forms), or the model's dtype where that was fastest
+    head_us: dict[str, float]  # the measurement behind `head`: microseconds a row in each form ("own" = as loaded)
+
+    def as_dict(self) -> dict:
+        kinds = sorted(self.formats)
+        return {"format": kinds[0] if len(kinds) == 1 else "+".join(kinds), "group": GROUP,
+                "modules": sum(self.formats.values()), **{f"{k}_modules": n for k, n in self.formats.items()},
+                "packed_bytes": self.packed_bytes, "dense_bytes": self.dense_bytes,
+                "dense_from_rows": dict(self.dense_from_rows),
+                **{f"{k}_calls": n for k, n in self.calls.items()}, "head": self.head,
+                "head_us": dict(self.head_us)}
+
+
+def _packed(blocks: QuantBlocks, bias, sizes) -> PackedLinear:
+    if isinstance(blocks, Int8Blocks):
+        return Int8GroupLinear(blocks, bias, sizes)
+    return Int4Linear(blocks, bias, sizes)
+
+
+def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str) -> QuantStats | None:
+    """Swap the decoder's linears for packed ones. Each whose weights arrived as blocks (`kept`: module path ->
+    shard -> blocks) runs on them: 4-bit blocks as an Int4Linear, GGUF Q8_0 as an Int8GroupLinear. Under mode
+    "int4" or "int8" every other decoder linear is quantized at load to that format. A merged projection whose
+    shards arrived in different forms (some dense, or 4-bit beside 8-bit) stays dense: its blocks are written
+    dequantized. The output head takes the fastest of its forms (see head_forms); blocks kept for it under
+    "lm_head" are the file's own. Returns None when nothing was swapped."""
+    from nanoserve.model.layers import MergedLinear
+
+    calls = {"int4": 0, "int8": 0, "int8g32": 0, "dense": 0}
+    formats: dict[str, int] = {}
+    crossover: dict[str, int | None] = {}
+    packed = dense = 0
+    targets = [(p, m) for p, m in model.named_modules()
+               if isinstance(m, MergedLinear | nn.Linear) and p.startswith("layers.")]
+    for path, module in targets:
+        shards = kept.get(path, {})
+        names = list(module.offsets) if isinstance(module, MergedLinear) else ["weight"]
+        mixed = set(shards) != set(names) or len({type(b) for b in shards.values()}) > 1
+        if shards and (mixed or not int4_packable(module.weight.shape[0], module.weight.shape[1])):
+            for shard, blocks in shards.items():  # a mixed or unpackable projection: dense it is
+                dense_weight = blocks.dequantize().to(module.weight.dtype)
+                if isinstance(module, MergedLinear):
+                    module.load_shard(shard, "weight", dense_weight)
+                else:
+                    module.weight.data.copy_(dense_weight)
+            continue
+        bias, sizes = (module.bias.data if module.bias is not None else None), getattr(module, "sizes", None)
+        if shards:
+            parts = [shards[n] for n in names]
+            blocks = type(parts[0]).cat(parts)
+            linear, weight = _packed(blocks, bias, sizes), blocks.dequantize()
+        elif mode == "int4" and int4_packable(*module.weight.shape):
+            blocks = Int4Blocks.quantize(module.weight.data)
+            linear, weight = Int4Linear(blocks, bias, sizes), blocks.dequantize()
+        elif mode == "int8":
+            linear = Int8Linear(module.weight.data, bias, sizes)
+            weight = linear.dequantize()
+        else:
+            continue
+        rows = dense_crossover(linear, weight)
+        linear.use_dense_from(rows, weight)
+        crossover[f"{linear.format} {linear.out_features}x{linear.in_features}"] = rows
+        linear.calls = calls  # one tally for every module: the snapshot reads it without walking the model
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, linear)
+        formats[linear.format] = formats.get(linear.format, 0) + 1
+        packed += sum(b.numel() * b.element_size() for b in linear.buffers())
+        dense += linear.dense.numel() * 2 if linear.dense is not None else 0
+    if not formats:
+        return None
+    weight, head_blocks = model.lm_head.weight, kept.get("lm_head", {}).get("weight")
+    forms = head_forms(weight, head_blocks, mode)
+    times = head_timings(weight, forms)
+    head_us = {name: round(t * 1e6, 1) for name, t in times.items()}
+    head = min(times, key=times.get)
+    if head == "own":
+        head = str(weight.dtype).removeprefix("torch.")
+    else:
+        model.lm_head = forms[head]()
+        dense += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
+    return QuantStats(formats, packed, dense, crossover, calls, head, head_us)

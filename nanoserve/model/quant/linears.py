@@ -1,0 +1,159 @@
+"""The packed linears: y = x W^T on torch's weight-only CPU kernels, with a dense bfloat16 copy for wide calls.
+
+The packed kernels read a quarter (int4) or half (int8) of the bytes a bfloat16 weight takes, which wins while a
+call is bound by memory (one decode row, a few); once the rows make it bound by compute a dense matmul wins, so
+each linear serves calls of at least `dense_from_rows` rows from a dense copy (see install.dense_crossover).
+Both kernels take bfloat16 activations (they are vectorised for bfloat16 only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoserve.model.attrs import FastAttributes
+from nanoserve.model.quant.blocks import GROUP, Int4Blocks, Int8Blocks
+
+ACT = torch.bfloat16
+
+
+def int4_supported(device: torch.device) -> bool:
+    """Whether this torch has the packed int4 kernel for `device` (the CPU one; CUDA keeps dense weights)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def int8_supported(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def int4_packable(out: int, k: int) -> bool:
+    """The int4 kernel's shape rules: inputs in whole groups of 32, outputs a multiple of 16 (its packing)."""
+    return k % GROUP == 0 and out % 16 == 0
+
+
+def _pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernel's packed weight (its layout depends on the machine: pack where it runs) and its
+    [in // 32, out, 2] bfloat16 scales and zeros."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32).contiguous(), 1)
+    return packed, torch.stack([blocks.scales.t(), blocks.zeros.t()], -1).to(ACT).contiguous()
+
+
+class PackedLinear(FastAttributes, nn.Module):
+    """y = x W^T (+ b) on a packed weight-only kernel; calls of at least `dense_from_rows` rows use a dense bf16
+    copy instead (see dense_crossover). `calls` counts the calls each kernel actually served."""
+
+    format = ""
+
+    def __init__(self, out: int, k: int, bias: torch.Tensor | None, sizes: list[int] | None):
+        super().__init__()
+        self.in_features, self.out_features = k, out
+        self.sizes = sizes or [out]  # a merged projection's split, as MergedLinear has it
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.dense: torch.Tensor | None = None
+        self.dense_from_rows: int | None = None
+        self.calls = {self.format: 0, "dense": 0}
+
+    def use_dense_from(self, rows: int | None, weight: torch.Tensor) -> None:
+        """Serve calls of `rows` rows and more from a bf16 copy of `weight` (None: the packed kernel always)."""
+        self.dense_from_rows = rows
+        self.dense = None if rows is None else weight.to(ACT).contiguous()
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x in any float dtype -> y in bfloat16 (float32 with a bias): the caller takes it as it is, since a
+        residual add promotes it exactly and the MLP runs bfloat16 into the next packed call."""
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        flat = flat.to(ACT)
+        if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
+            self.calls["dense"] += 1
+            y = torch.nn.functional.linear(flat, self.dense)
+        else:
+            self.calls[self.format] += 1
+            y = self.packed_mm(flat)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(PackedLinear):
+    """4-bit codes in groups of 32 (Int4Blocks) on torch's packed int4 CPU kernel."""
+
+    format = "int4"
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None = None,
+                 dense_from_rows: int | None = None):
+        out, k = blocks.shape
+        if not int4_packable(out, k):
+            raise ValueError(f"int4 weights need inputs in groups of {GROUP} and outputs in 16s; this is {out}x{k}")
+        super().__init__(out, k, bias, sizes)
+        packed, scales_and_zeros = _pack_int4(blocks)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        if dense_from_rows is not None:
+            self.use_dense_from(dense_from_rows, blocks.dequantize())
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
+
+
+class Int8Linear(PackedLinear):
+    """A weight quantized to int8 per output row (symmetric) on torch's int8 weight-only CPU kernel: for dense
+    checkpoints under --quantization int8, and for the output head over a GGUF file's Q8_0 embedding, whose
+    32-wide blocks the kernel cannot take as they are (one scale a row is the nearest it computes)."""
+
+    format = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, sizes: list[int] | None = None):
+        out, k = weight.shape
+        super().__init__(out, k, bias, sizes)
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("weight_int8", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(ACT))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+
+
+class Int8GroupLinear(PackedLinear):
+    """8-bit codes with a scale per group of 32 (Int8Blocks, GGUF Q8_0) as two 4-bit planes on the int4 kernel:
+    the file's weights exactly (up to the scales' bfloat16), in the bytes an int8 weight takes."""
+
+    format = "int8g32"
+
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None = None, sizes: list[int] | None = None):
+        out, k = blocks.shape
+        if not int4_packable(out, k):
+            raise ValueError(f"8-bit group weights need inputs in groups of {GROUP} and outputs in 16s; this is "
+                             f"{out}x{k}")
+        super().__init__(out, k, bias, sizes)
+        hi, lo = blocks.planes()
+        for name, plane in (("hi", hi), ("lo", lo)):
+            packed, scales_and_zeros = _pack_int4(plane)
+            self.register_buffer(f"packed_{name}", packed)
+            self.register_buffer(f"scales_and_zeros_{name}", scales_and_zeros)
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return (mm(flat, self.packed_hi, GROUP, self.scales_and_zeros_hi)
+                + mm(flat, self.packed_lo, GROUP, self.scales_and_zeros_lo))
+
+
+class BF16Linear(FastAttributes, nn.Module):
+    """A dense linear run on a bfloat16 copy of its weight (the output head over a tied, unquantized embedding),
+    where it measured fastest for one row (see fastest_head)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight_bf16", weight.detach().to(ACT).contiguous())
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(ACT), self.weight_bf16).to(x.dtype)
+
+
