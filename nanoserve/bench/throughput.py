@@ -1,7 +1,9 @@
-"""`nanoserve bench throughput`: a fixed mixed workload and a single stream, nanoserve vs transformers.
+"""`nanoserve bench throughput`: a fixed mixed workload and a single stream, nanoserve vs its peers.
 
-Both arms run in one process on the same weights, dtype and threads. transformers' arm is batched
-generate with left padding; only the tokens each request asked for count as useful output.
+Every arm runs in one process on the same weights and threads: nanoserve as configured, its dense float32 self
+when the linears are packed, transformers (batched generate with left padding; only the tokens each request
+asked for count as useful output), and llama.cpp on the same GGUF file when llama-cpp-python is installed
+(`pip install 'nanoserve[peers]'`). Single-stream runs are interleaved across arms; the table gives medians.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import torch
 
 from nanoserve.bench.common import machine, memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
+from nanoserve.bench.peers import LlamaCppArm, llama_cpp_available
 from nanoserve.flags import add_engine_flags, engine_flags
 
 
@@ -25,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--single-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="single-stream repeats (interleaved arms; median)")
     p.add_argument("--hf-batch", type=int, default=16, help="transformers' generate batch size")
-    p.add_argument("--skip-hf", action="store_true", help="run nanoserve only")
+    p.add_argument("--skip-hf", action="store_true", help="leave out transformers' arm")
+    p.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp's arm")
     p.add_argument("--out", default="bench-results")
     add_engine_flags(p)
 
@@ -120,6 +124,29 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
+LLAMA_CPP = "llama.cpp"
+
+
+def _slug(arm: str) -> str:
+    return arm.replace(" ", "_").replace(".", "")
+
+
+def llama_cpp_arm(args, engine, work) -> LlamaCppArm | None:
+    """llama.cpp on the engine's own GGUF file, when the model is one and llama-cpp-python is installed."""
+    from pathlib import Path
+
+    from nanoserve.model.loader import default_model_path
+
+    path = Path(engine.config.model) if engine.config.model else default_model_path()
+    if args.skip_llama_cpp or not path.is_file():
+        return None
+    if not llama_cpp_available():
+        print("llama.cpp arm left out: llama-cpp-python is not installed (pip install 'nanoserve[peers]')")
+        return None
+    longest = max(len(p) + n for p, n in work)
+    return LlamaCppArm(path, torch.get_num_threads(), n_ctx=max(longest, args.single_tokens + 64) + 16)
+
+
 def main(args) -> int:
     from nanoserve import LLM
 
@@ -135,24 +162,31 @@ def main(args) -> int:
     bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.model) for arm, llm in arms.items()}
 
     hf = None if args.skip_hf else load_hf(arms.get("nanoserve dense", arms["nanoserve"]).engine)
+    llama_cpp = llama_cpp_arm(args, engine, work)
     for llm in arms.values():
         run_nanoserve_single(llm, single_prompt, 8)  # warm-up
-    single = {arm: [] for arm in (*arms, "transformers")}
+    single = {arm: [] for arm in (*arms, "transformers", LLAMA_CPP)}
     for _ in range(args.repeats):  # arms interleaved, so a noisy neighbour hits them alike
         for arm, llm in arms.items():
             single[arm].append(run_nanoserve_single(llm, single_prompt, args.single_tokens))
         if hf is not None:
             single["transformers"].append(run_hf_single(hf, single_prompt, args.single_tokens))
+        if llama_cpp is not None:
+            single[LLAMA_CPP].append(llama_cpp.single(single_prompt, args.single_tokens))
     mixed = {arm: run_nanoserve_mixed(llm, work) for arm, llm in arms.items()}
     rss_after_nanoserve = peak_rss_mib()
     if hf is not None:
         mixed["transformers"] = run_hf_mixed(hf, work, args.hf_batch, pad_id=0)
+    if llama_cpp is not None:
+        mixed[LLAMA_CPP] = llama_cpp.mixed(work)
     gc.collect()
 
     rows = []
     for arm in mixed:
         s = statistics.median(single[arm]) if single[arm] else None
-        bound = bounds.get(arm, bounds.get("nanoserve dense", bounds["nanoserve"]))
+        bound = bounds.get(arm, bounds.get("nanoserve dense", bounds["nanoserve"]))  # transformers: dense
+        if arm == LLAMA_CPP:  # the same file's blocks as nanoserve's packed arm reads
+            bound = bounds["nanoserve"]
         rows.append({
             "arm": arm,
             "mixed_tok_s": mixed[arm]["tok_s"],
@@ -171,10 +205,10 @@ def main(args) -> int:
     )
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
-    for other in ("nanoserve dense", "transformers"):
+    for other in ("nanoserve dense", "transformers", LLAMA_CPP):
         if other in by_arm:
-            ratios[f"mixed_vs_{other.replace(' ', '_')}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
-            ratios[f"single_vs_{other.replace(' ', '_')}"] = by_arm["nanoserve"]["single_tok_s"] / \
+            ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
+            ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \
                 by_arm[other]["single_tok_s"]
     print(f"\nmachine: {machine()}")
     print(f"memory read bandwidth {bandwidth:.1f} GB/s; bandwidth bound per arm (tok/s): "
@@ -189,6 +223,7 @@ def main(args) -> int:
     path = write_results(args.out, "throughput", {
         "flags": flags, "bandwidth_gbs": bandwidth, "bound_tok_s": bounds, "single_runs": single, "mixed": mixed,
         "ratios": ratios, "linear": linear, "peak_rss_mib": peak_rss_mib(),
+        "llama_cpp_python": llama_cpp.version if llama_cpp is not None else None,
         "rss_after_nanoserve_mib": rss_after_nanoserve,
     }, rows, args)
     print(f"wrote {path}")

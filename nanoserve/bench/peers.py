@@ -1,0 +1,56 @@
+"""The peers a user would pick instead, as benchmark arms: llama.cpp (llama-cpp-python, the `peers` extra) on
+the same GGUF file and threads. transformers' arm lives beside nanoserve's in throughput.py.
+
+llama-cpp-python's `Llama` runs one sequence at a time (continuous batching is llama-server's, a separate
+binary), so its mixed-workload arm serves the requests one after another: what a user of that package gets.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LlamaCppArm:
+    """llama.cpp on `path` with `threads` threads (for decode and for prompt batches alike), greedy."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int):
+        import llama_cpp
+
+        self.version = llama_cpp.__version__
+        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads,
+                                   n_ctx=n_ctx, verbose=False)
+
+    def _run(self, prompt: list[int], n: int) -> tuple[float, float]:
+        """(seconds to the first token, seconds for the n - 1 after it), EOS ignored."""
+        start = time.perf_counter()
+        first = None
+        made = 0
+        for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            made += 1
+            if first is None:
+                first = time.perf_counter()
+            if made == n:
+                break
+        return first - start, time.perf_counter() - first
+
+    def single(self, prompt: list[int], n: int) -> float:
+        """Decode tokens/s of one stream after its first token (the same measure as the other arms)."""
+        _, decode = self._run(prompt, n)
+        return (n - 1) / decode
+
+    def mixed(self, work: list[tuple[list[int], int]]) -> dict:
+        t = time.perf_counter()
+        for prompt, n in work:
+            self._run(prompt, n)
+        dt = time.perf_counter() - t
+        tokens = sum(n for _, n in work)
+        return {"seconds": dt, "output_tokens": tokens, "tok_s": tokens / dt, "peak_running": 1}
