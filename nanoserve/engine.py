@@ -152,7 +152,8 @@ class Engine:
         captured.capture(shapes=[max(path.buckets.shapes)])
         reserve = captured.stats.pool_bytes
         del path, captured, scratch
-        torch.cuda.empty_cache()
+        with torch.cuda.device(self.device):  # empty_cache empties the current device's cache: name ours
+            torch.cuda.empty_cache()
         return reserve
 
     def _resolve_max_model_len(self) -> int:

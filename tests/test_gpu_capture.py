@@ -120,3 +120,28 @@ def test_capture_refuses_a_path_it_cannot_replay():
                                                             "compaction": False}):
         with pytest.raises(GateError, match="needs persistent inputs, decode buckets"):
             check_capture_possible(DecodePath(4, 8, 16, cuda, **{**switches, **off}), cuda)
+
+
+def test_every_graph_writes_one_shared_logits_buffer_and_the_pool_counts_it(ckpt):
+    llm = cuda_llm(ckpt, cuda_graphs=True, max_num_seqs=16)
+    captured = llm.engine.captured
+    rows = max(shape[0] for shape in captured.graphs)
+    assert captured.logits.shape == (rows, llm.engine.model_config.vocab_size)
+    capture = llm.engine.stats().as_dict()["capture"]
+    assert capture["pool_bytes"] >= captured.logits.nbytes  # the emptied-cache measure cannot come out short
+    prompts, params = [p for p, _ in MIXED[:5]], [s for _, s in MIXED[:5]]
+    assert tokens(llm.generate(prompts, params)) == tokens(cuda_llm(ckpt).generate(prompts, params))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+@pytest.mark.parametrize("streamed", [False, True])
+def test_capture_and_the_streamed_read_run_on_a_second_device(ckpt, streamed):
+    """Capture on cuda:1 while cuda:0 is current: every call names the engine's device."""
+    prompts, params = [p for p, _ in MIXED[:5]], [s for _, s in MIXED[:5]]
+    want = tokens(cuda_llm(ckpt, streamed_read=streamed).generate(prompts, params))
+    torch.cuda.set_device(0)
+    llm = make(ckpt, device="cuda:1", dtype="float32", kv_cache_gib=0.05, cuda_graphs=True, max_num_seqs=16,
+               streamed_read=streamed)
+    assert llm.engine.captured.logits.device == torch.device("cuda:1")
+    assert tokens(llm.generate(prompts, params)) == want
+    assert llm.engine.stats().as_dict()["capture"]["replays"] > 0

@@ -12,6 +12,7 @@ nanoserve sets before Triton can be imported): correct, and far slower than the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -116,13 +117,15 @@ def streamed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sm = torch.empty_like(mx)
     q = q.contiguous()
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    _streamed_decode[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, table, context_lens, acc, mx, sm,
-        scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0),
-        block_size, tiles_per_split,
-        GROUP=group, G_PAD=g_pad, D=dim, BLOCK=block, SPLITS=splits,
-        F32_DOT=k_cache.dtype == torch.float32 or INTERPRETED,  # the interpreter's half-precision dot is wrong
-    )
+    launch = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with launch:  # Triton launches on the current device: make it q's (an engine on cuda:1, in any thread)
+        _streamed_decode[(rows, kv_heads, splits)](
+            q, k_cache, v_cache, table, context_lens, acc, mx, sm,
+            scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            table.stride(0), block_size, tiles_per_split,
+            GROUP=group, G_PAD=g_pad, D=dim, BLOCK=block, SPLITS=splits,
+            F32_DOT=k_cache.dtype == torch.float32 or INTERPRETED,  # the interpreter's half-precision dot is wrong
+        )
     return merge_splits(acc, mx, sm, group).to(q.dtype).reshape(rows, heads, dim)
 
 
