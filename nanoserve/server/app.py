@@ -23,6 +23,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from nanoserve.errors import NanoserveError
 from nanoserve.server.chat import ChatResponder
 from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
+from nanoserve.server.disconnect import ClientGone, unless_disconnected
 from nanoserve.server.fanout import Fanout
 from nanoserve.server.host import EngineHost, HostStopped
 from nanoserve.server.metrics import Metrics
@@ -181,7 +182,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
                 "chat_template": tokenizer.chat_template}
 
     @app.post("/v1/completions", responses={**ERRORS, **streamed(CompletionResponse)})
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         admit(body)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens 0 generates nothing; it is only meaningful with echo (to score the "
@@ -195,10 +196,10 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         rid = request_id(body, "cmpl")
         fanout = await Fanout(host, ids, params, rid).open(body.user)
         responder = CompletionResponder(body, fanout, [p[0] for p in prompts], tokenizer, model_name, rid, metrics)
-        return responder.stream() if body.stream else await responder.whole()
+        return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 
     @app.post("/v1/chat/completions", responses={**ERRORS, **streamed(ChatResponse)})
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
         admit(body)
         if body.chat_template is not None and not trust_request_chat_template:
             raise APIError(400, "chat_template from a request is rendered on the server, so this server refuses "
@@ -210,7 +211,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         rid = request_id(body, "chatcmpl")
         fanout = await Fanout(host, [ids], params, rid).open(body.user)
         responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics)
-        return responder.stream() if body.stream else await responder.whole()
+        return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 
     return app
 
@@ -232,6 +233,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NanoserveError)
     async def _refused(_, exc: NanoserveError):
         return _error(400, str(exc), param=getattr(exc, "field", None))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_, exc: ClientGone):
+        # nobody is there to read it; 499 is the status proxies log for a client that closed the connection
+        return _error(499, str(exc), "client_closed_request")
 
     @app.exception_handler(HostStopped)
     async def _stopped(_, exc: HostStopped):
