@@ -42,3 +42,31 @@ def test_serve_prints_its_address_and_stops_on_ctrl_c(tiny_checkpoint):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
+    """The socket is bound first: the refusal names the port and --port, and no model is loaded (the model path
+    given here does not exist, and that error would come first if the load ran first)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "nanoserve.cli", "serve", str(tmp_path / "no-such-model"),
+                               "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr and "--port" in proc.stderr
+    assert "serving" not in proc.stdout
+
+
+def test_port_zero_serves_on_the_free_port_it_bound(tiny_checkpoint):
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    server = Server(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, kv_cache_gib=0.01),
+                    port=0).start()
+    try:
+        assert server.address[1] != 0 and httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()

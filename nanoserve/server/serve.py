@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -10,6 +11,7 @@ import uvicorn
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
+from nanoserve.errors import ConfigError
 from nanoserve.server.app import build_app
 from nanoserve.server.host import EngineHost
 
@@ -22,16 +24,23 @@ class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, served_model_name: str | None = None, max_waiting: int = 256,
                  progress=None, trust_request_chat_template: bool = False):
-        """`progress` (a callable taking a phase name) hears the engine's start-up phases."""
-        engine = Engine(config, progress=progress)
+        """`progress` (a callable taking a phase name) hears the engine's start-up phases.
+
+        The listening socket is bound first, before the model loads: a port already in use is refused at once
+        with the fix, not after a load and a "serving" line (and uvicorn serves on this very socket, so nothing
+        can take the port in between). Port 0 binds a free one."""
+        self.socket = bind_listener(host, port)
+        try:
+            engine = Engine(config, progress=progress)
+        except BaseException:
+            self.socket.close()
+            raise
         self.host = EngineHost(engine).start()
         self.model_name = served_model_name or engine.loaded.name
         self.app = build_app(self.host, self.model_name, api_key=api_key, max_waiting=max_waiting,
                              trust_request_chat_template=trust_request_chat_template)
-        if port == 0:
-            port = _free_port(host)
-        self.address = (host, port)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+        self.address = (host, self.socket.getsockname()[1])
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.address[1], log_level="warning",
                                                      timeout_graceful_shutdown=5))
         self._thread: threading.Thread | None = None
 
@@ -47,7 +56,7 @@ class Server:
     def run(self) -> None:
         print(f"nanoserve: serving {self.model_name} at {self.url}/v1 (Ctrl-C to stop)", flush=True)
         try:
-            self.uvicorn.run()
+            self.uvicorn.run(sockets=[self.socket])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
             pass
         finally:
@@ -55,7 +64,8 @@ class Server:
         print("nanoserve: stopped", flush=True)
 
     def start(self) -> Server:
-        self._thread = threading.Thread(target=self.uvicorn.run, name="nanoserve-http", daemon=True)
+        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]},
+                                        name="nanoserve-http", daemon=True)
         self._thread.start()
         while not self.uvicorn.started:
             if not self._thread.is_alive():
@@ -70,7 +80,18 @@ class Server:
         self.host.shutdown(drain=False)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) as uvicorn binds one, or a ConfigError naming the port and the fix."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use (another server?); stop that one or "
+                              "choose another port with --port N (--port 0 picks a free one)") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; check --host and --port") from None
+    sock.set_inheritable(True)
+    return sock
