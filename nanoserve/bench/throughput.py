@@ -12,6 +12,7 @@ import gc
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -95,15 +96,18 @@ def run_hf_single(model, prompt, n: int) -> float:
     return (n - 1) / max(total - first, 1e-9)
 
 
-def load_hf(engine):
-    """transformers' model on the same weights: its own GGUF loader, or the same HF directory."""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
+def model_path(engine) -> Path:
+    """The checkpoint the engine loaded (a directory or a GGUF file), for the peers to load the same one."""
     from nanoserve.model.loader import default_model_path
 
-    path = Path(engine.config.model) if engine.config.model else default_model_path()
+    return Path(engine.config.model) if engine.config.model else default_model_path()
+
+
+def load_hf(engine):
+    """transformers' model on the same weights: its own GGUF loader, or the same HF directory."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_path(engine)
     kwargs = {"dtype": engine.dtype}
     if path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
@@ -133,11 +137,7 @@ def _slug(arm: str) -> str:
 
 def llama_cpp_arm(args, engine, work) -> LlamaCppArm | None:
     """llama.cpp on the engine's own GGUF file, when the model is one and llama-cpp-python is installed."""
-    from pathlib import Path
-
-    from nanoserve.model.loader import default_model_path
-
-    path = Path(engine.config.model) if engine.config.model else default_model_path()
+    path = model_path(engine)
     if args.skip_llama_cpp or not path.is_file():
         return None
     if not llama_cpp_available():

@@ -8,7 +8,6 @@ already has, never from a device sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -66,7 +65,7 @@ class ReadStats:
         }
 
 
-def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, block: int, mask=None) -> torch.Tensor:
+def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, block: int) -> torch.Tensor:
     """The streamed read for q's device: the Triton kernel with CUDA, its torch twin without (tiled.py)."""
     if q.is_cuda:
         from nanoserve.reads.streamed import streamed_decode  # Triton, imported only where it compiles
@@ -85,9 +84,6 @@ class PagedRead:
             check_read_block(block)
         self.mode = mode
         self.block = block if mode == "streamed" else None
-        self._kernel = gathered_decode
-        if mode == "streamed":
-            self._kernel = partial(_streamed, block=block)
         self._calls = self._rows = self._score = self._held = 0
 
     def step(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> StepRead:
@@ -97,6 +93,13 @@ class PagedRead:
     def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
         """One read on its own (a step's layers go through `step` instead)."""
         return self.step(block_table, context_lens, k_cache.shape[1]).decode(q, k_cache, v_cache, scale)
+
+    def run(self, q, k_cache, v_cache, block_table, context_lens, scale: float,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel of this mode, uncounted (StepRead counts); `mask` is the gathered read's, built once a step."""
+        if self.mode == "streamed":
+            return _streamed(q, k_cache, v_cache, block_table, context_lens, scale, self.block)
+        return gathered_decode(q, k_cache, v_cache, block_table, context_lens, scale, mask=mask)
 
     def reset(self) -> None:
         """Forget what was counted (reads during warm-up or capture are not serving reads)."""
@@ -140,4 +143,4 @@ class StepRead:
         read.charge(rows, heads, self.width)
         if read.mode == "gathered" and self._mask is None:
             self._mask = gathered_mask(self.block_table, self.context_lens, k_cache.shape[1])
-        return read._kernel(q, k_cache, v_cache, self.block_table, self.context_lens, scale, mask=self._mask)
+        return read.run(q, k_cache, v_cache, self.block_table, self.context_lens, scale, mask=self._mask)
