@@ -126,7 +126,9 @@ def cmd_serve(args) -> int:
 
     server = Server(EngineConfig.from_flags(**flags), host=args.host, port=args.port,
                     api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    shutdown_timeout=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
+                    header_timeout=args.header_timeout)
     server.run()
     return 0
 
@@ -158,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's)")
     serve.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                       help="on SIGINT/SIGTERM, seconds running requests get to finish before they are aborted "
+                            "(every stream still ends with [DONE]); default 10")
+    serve.add_argument("--limit-concurrency", type=int, default=1000, metavar="N",
+                       help="open connections beyond which the server answers 503 (default 1000)")
+    serve.add_argument("--header-timeout", type=float, default=15.0, metavar="S",
+                       help="seconds a client has to send a request's headers before its connection is closed "
+                            "(default 15)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (it is rendered on the server, so "
                             "by default such requests are refused)")

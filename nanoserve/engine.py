@@ -41,6 +41,14 @@ CPU_DEFAULT_KV_GIB = 1.0
 LATENCY_WINDOW = 256  # finished requests (and steps) the published latency percentiles cover
 
 
+class StepFailed(RuntimeError):
+    """A step failed while computing; the requests it carried (`request_ids`) were ended with it."""
+
+    def __init__(self, error: Exception, request_ids: list[str]):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error, self.request_ids = error, request_ids
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  progress: Callable[[str], None] | None = None):
@@ -275,12 +283,38 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. If computing it fails (a kernel, the sampler, the detokenizer), the requests it carried
+        end there, their blocks back in the pool, and StepFailed says which; every other request and the
+        engine itself carry on, so the next step is sound."""
         sched = self.scheduler.schedule()
         emitted: list[tuple[Request, str, tuple[int, ...]]] = [(r, "", ()) for r in self._aborted]
         self._aborted.clear()
         if sched.empty:
             return self._outputs(emitted)
         self._steps += 1
+        try:
+            self._compute(sched, emitted)
+        except Exception as error:
+            raise self._fail_step(sched, error, emitted) from error
+        return self._outputs(emitted)
+
+    def _fail_step(self, sched, error: Exception, emitted) -> StepFailed:
+        """Retire every request of the failed step (all n sequences of each) with finish reason "error"."""
+        failed = {c.request.request_id for c in (*sched.decodes, *sched.prefills)}
+        now = time.monotonic()
+        for rid in failed:
+            for req in self._groups.pop(rid, ()):
+                if not req.finished:
+                    self.scheduler.finish(req, "error")
+                    req.finished_time = now
+                self._streams.pop(req.serial, None)
+                self._finished["error"] += 1
+        self._aborted.extend(r for r, _, _ in emitted if r.request_id not in failed)  # their outputs come next
+        log.error("step %d failed (%s: %s); ended %d request(s): %s", self._steps, type(error).__name__, error,
+                  len(failed), ", ".join(sorted(failed)))
+        return StepFailed(error, sorted(failed))
+
+    def _compute(self, sched, emitted: list) -> None:
         step_started = time.perf_counter()
         logits = None
         prompt_rows: list[tuple[Request, int]] = []
@@ -308,7 +342,6 @@ class Engine:
             for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
                 emitted.append(self._append(req, token, lp, now))
         self._step_times.append(time.perf_counter() - step_started)
-        return self._outputs(emitted)
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple[Request, int]]) -> None:
         """Logprobs of each prompt token given the ones before it, from the logits at the position before it."""

@@ -9,6 +9,9 @@ validated before they reach the engine, and a stream that ends early aborts its 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 import secrets
 import uuid
@@ -18,14 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.base import BaseHTTPMiddleware
 
 from nanoserve.errors import NanoserveError
 from nanoserve.server.chat import ChatResponder
 from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
 from nanoserve.server.disconnect import ClientGone, unless_disconnected
 from nanoserve.server.fanout import Fanout
-from nanoserve.server.host import EngineHost, HostStopped
+from nanoserve.server.host import EngineFailure, EngineHost, HostStopped
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.openapi import ERRORS, install_openapi, ok, streamed
 from nanoserve.server.prompts import chat_prompt, completion_prompts
@@ -48,6 +50,7 @@ from nanoserve.server.schemas import (
 )
 
 MAX_BODY_BYTES = 4 * 2**20
+PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
 log = logging.getLogger("nanoserve.server")
 _warned: set[str] = set()  # unknown field names already named in the log
 
@@ -61,23 +64,67 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, status), status_code=status)
 
 
-class _Guard(BaseHTTPMiddleware):
-    """API key and body size, checked before a route parses anything."""
+class _Guard:
+    """API key and body size, checked before a route parses anything (a pure ASGI middleware).
+
+    The body is counted as it arrives, not trusted from Content-Length: a chunked upload has none, and was read,
+    parsed and tokenized whole before. It is read here up to the limit and handed on; one byte over, the
+    request is answered 413 and the rest is never read.
+    """
 
     def __init__(self, app, api_key: str | None, max_body: int):
-        super().__init__(app)
-        self.api_key, self.max_body = api_key, max_body
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
 
-    async def dispatch(self, request: Request, call_next):
-        if self.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                              "authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return _error(413, f"request body is {int(length)} bytes; the limit is {self.max_body}")
-        return await call_next(request)
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self._expected is not None and scope["path"].startswith("/v1/"):
+            if not secrets.compare_digest(headers.get(b"authorization", b""), self._expected):  # constant time
+                return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                                    "authentication_error")(scope, receive, send)
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            return await self._too_large(int(length), scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left mid-body: nobody to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return await self._too_large(None, scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: http.disconnect, which the routes watch for
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, declared: int | None, scope, receive, send):
+        said = f"{declared} bytes" if declared is not None else f"more than {self.max_body} bytes (counted as sent)"
+        response = _error(413, f"request body is {said}; the limit is {self.max_body} bytes; send a shorter "
+                               "prompt, or split the batch across requests")
+        response.headers["connection"] = "close"  # the unread rest of the body cannot be left on the connection
+        await response(scope, receive, send)
+
+
+_prepare = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="nanoserve-prepare")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """Run CPU-bound request preparation (tokenizing a long prompt, rendering a chat template) on a worker
+    thread: on the event loop, one 4 MB prompt stalled every other stream for seconds."""
+    return await asyncio.get_running_loop().run_in_executor(_prepare, functools.partial(fn, *args, **kwargs))
 
 
 def _version() -> str:
@@ -89,14 +136,15 @@ def _version() -> str:
         return __version__
 
 
-def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_waiting: int = 256,
-              max_body: int = MAX_BODY_BYTES, trust_request_chat_template: bool = False) -> FastAPI:
+def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
-    a template is code the server renders, so without it such a request is refused."""
+    a template is code the server renders, so without it such a request is refused. The waiting queue's limit
+    is the host's (EngineHost(max_waiting=...)): it is checked on the engine thread, where it cannot race."""
     app = FastAPI(title="nanoserve", version=_version())
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
     metrics = Metrics(host.stats, model_name)
-    install_openapi(app, lambda: host.engine.max_model_len)
+    install_openapi(app, lambda: host.serving().max_model_len)
     _install_error_handlers(app)
 
     def check_model(name: str | None) -> None:
@@ -114,19 +162,20 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         if unknown:
             _warned.update(unknown)
             log.warning("ignoring request fields that are neither OpenAI's nor vLLM's: %s", ", ".join(unknown))
-        if host.stats().scheduler.waiting >= max_waiting:
-            raise APIError(503, f"the waiting queue is full ({max_waiting} requests); retry shortly",
-                           "server_error")
 
     def request_id(body, prefix: str) -> str:
         return f"{prefix}-{body.request_id or uuid.uuid4().hex}"
 
-    def room_for(ids: list[int]) -> int:
-        return max(1, host.engine.max_model_len - len(ids))
+    def room_for(engine, ids: list[int]) -> int:
+        return max(1, engine.max_model_len - len(ids))
 
-    @app.get("/health", summary="The engine's stats snapshot (flags, scheduler, KV pool, paged read, rows)")
+    @app.get("/health", summary="The engine's stats snapshot (flags, scheduler, KV pool, paged read, rows); "
+                                "503 with the reason while it is stopped, failing repeatedly, or failed to load")
     async def health():
-        return {"status": "ok" if host.running else "stopped", **host.stats().as_dict()}
+        state = host.health()
+        body = {"status": state.status, "reason": state.reason, "failed_steps_total": host.failures.total,
+                **host.stats().as_dict()}
+        return JSONResponse(body, status_code=200 if state.ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text/plain)",
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
@@ -139,7 +188,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoserve", "root": model_name,
-                "parent": None, "max_model_len": host.engine.max_model_len}
+                "parent": None, "max_model_len": host.serving().max_model_len}
 
     @app.get("/v1/models", responses=ok(ModelList))
     async def models():
@@ -152,22 +201,23 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
 
     @app.post("/tokenize", responses={**ERRORS, **ok(TokenizeResponse)})
     async def tokenize(body: TokenizeRequest):
-        tokenizer = host.engine.tokenizer
+        engine = host.serving()
+        tokenizer = engine.tokenizer
         check_model(body.model)
         if body.messages is not None:
             chat = ChatCompletionRequest.model_construct(messages=body.messages,
                                                          add_generation_prompt=body.add_generation_prompt)
-            ids = chat_prompt(chat, tokenizer)
+            ids = await off_loop(chat_prompt, chat, tokenizer)
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": host.engine.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize", responses={**ERRORS, **ok(DetokenizeResponse)})
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        tokenizer = host.engine.tokenizer
-        vocab = host.engine.model_config.vocab_size
+        engine = host.serving()
+        tokenizer, vocab = engine.tokenizer, engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
@@ -176,9 +226,10 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     @app.get("/tokenizer_info", responses=ok(TokenizerInfo))
     async def tokenizer_info():
         """vLLM's route: what a client needs to tokenize as this server does (lm-eval's remote tokenizer)."""
-        tokenizer = host.engine.tokenizer
+        engine = host.serving()
+        tokenizer = engine.tokenizer
         return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
-                "eos_token": tokenizer.eos_token, "pad_token": None, "model_max_length": host.engine.max_model_len,
+                "eos_token": tokenizer.eos_token, "pad_token": None, "model_max_length": engine.max_model_len,
                 "chat_template": tokenizer.chat_template}
 
     @app.post("/v1/completions", responses={**ERRORS, **streamed(CompletionResponse)})
@@ -187,11 +238,12 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens 0 generates nothing; it is only meaningful with echo (to score the "
                                 "prompt); send max_tokens >= 1", param="max_tokens")
-        tokenizer = host.engine.tokenizer  # read per request: a restart may bring a new engine
-        prompts = completion_prompts(body, tokenizer, host.engine.model_config.vocab_size)
+        engine = host.serving()  # read per request: a restart may bring a new engine
+        tokenizer = engine.tokenizer
+        prompts = await off_loop(completion_prompts, body, tokenizer, engine.model_config.vocab_size)
         ids = [p[1] for p in prompts]
         longest = max(ids, key=len)
-        params = body.sampling_params(engine_max_tokens(body, room_for(longest)), body.logprobs,
+        params = body.sampling_params(engine_max_tokens(body, room_for(engine, longest)), body.logprobs,
                                       prompt_logprobs_wanted(body))
         rid = request_id(body, "cmpl")
         fanout = await Fanout(host, ids, params, rid).open(body.user)
@@ -204,10 +256,11 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         if body.chat_template is not None and not trust_request_chat_template:
             raise APIError(400, "chat_template from a request is rendered on the server, so this server refuses "
                                 "it; start it with --trust-request-chat-template to allow it", param="chat_template")
-        tokenizer = host.engine.tokenizer
-        ids = chat_prompt(body, tokenizer)
+        engine = host.serving()
+        tokenizer = engine.tokenizer
+        ids = await off_loop(chat_prompt, body, tokenizer)
         limit = body.token_limit()
-        params = body.sampling_params(limit if limit is not None else room_for(ids), body.chat_logprobs())
+        params = body.sampling_params(limit if limit is not None else room_for(engine, ids), body.chat_logprobs())
         rid = request_id(body, "chatcmpl")
         fanout = await Fanout(host, [ids], params, rid).open(body.user)
         responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics)
@@ -238,6 +291,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _gone(_, exc: ClientGone):
         # nobody is there to read it; 499 is the status proxies log for a client that closed the connection
         return _error(499, str(exc), "client_closed_request")
+
+    @app.exception_handler(EngineFailure)
+    async def _engine_failed(_, exc: EngineFailure):
+        return _error(500, str(exc), "server_error")
 
     @app.exception_handler(HostStopped)
     async def _stopped(_, exc: HostStopped):

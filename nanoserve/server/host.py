@@ -1,8 +1,12 @@
 """EngineHost: the engine loop in its own thread, and an async stream of outputs per request.
 
 The engine is not thread-safe, so only the host's thread touches it. Callers on an asyncio loop send commands
-(add, abort) through a queue and get each request's outputs through an asyncio.Queue fed with
+(add, abort) through a queue and get each request's outputs through an OutputCollector fed with
 call_soon_threadsafe. A request whose consumer goes away is aborted, so its blocks return to the pool at once.
+
+Faults stay contained: a failed step ends only the requests it carried (each hears the error), a sink that
+raises ends only its own request, and the loop keeps serving; failures that repeat make /health unhealthy.
+Admission is decided on the engine thread, against the queue as it is, so a burst cannot overfill it.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from nanoserve.engine import Engine
+from nanoserve.engine import Engine, StepFailed
 from nanoserve.errors import NanoserveError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.server.collector import OutputCollector
+from nanoserve.server.health import FailureLog, Health
 from nanoserve.stats import EngineStats
 
 log = logging.getLogger("nanoserve.host")
@@ -28,6 +34,14 @@ _IDLE_WAIT_S = 0.05
 
 class HostStopped(NanoserveError):
     """The host is not running (never started, shut down, or restarting)."""
+
+
+class QueueFull(HostStopped):
+    """The waiting queue holds max_waiting requests already; nothing was admitted."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while running this request (a bug or a device fault, not the client's input)."""
 
 
 @dataclass
@@ -45,18 +59,28 @@ class _Abort:
     request_id: str
 
 
+class _AbortAll:
+    pass
+
+
 class EngineHost:
     """Owns one Engine and the thread that steps it."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, max_waiting: int | None = None):
+        """`max_waiting`: requests allowed to wait for a row; one more is refused with QueueFull (a 503)."""
+        self.engine: Engine | None = engine
+        self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._sending = threading.Lock()  # a send and a stop are ordered: no command lands after the last drain
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self._drain_on_stop = False
+        self.failures = FailureLog()
+        self.load_error: str | None = None  # set when a restart left no engine at all
+        self._closed: str | None = None  # why admission is closed (a graceful stop under way)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> EngineHost:
@@ -72,12 +96,14 @@ class EngineHost:
         if self._thread is None:
             return
         self._drain_on_stop = drain
-        self._stop.set()
+        with self._sending:
+            self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError(f"the engine thread did not stop within {timeout}s")
         self._thread = None
+        self._refuse_pending()
 
     def restart(self, config, drain: bool = False, timeout: float | None = 120.0,
                 progress: Callable[[str], None] | None = None) -> None:
@@ -100,20 +126,45 @@ class EngineHost:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         try:
-            self.engine = Engine(config, progress=progress)
+            self._load(config, progress)
         except Exception as e:
             progress(f"the new flags failed ({e}); restoring the previous flags")
-            self.engine = Engine(old_config, progress=progress)
+            try:
+                self._load(old_config, progress)
+            except Exception as again:  # no engine at all: say so on every route and on /health
+                self.load_error = (f"the new flags failed ({e}) and the previous flags failed too ({again}); "
+                                   "restart with flags that load")
+                progress(self.load_error)
+                raise again from e
             raise
-        finally:
-            self._stats = self.engine.stats()
-            self._commands = queue.SimpleQueue()
-            self._sinks.clear()
-            self.start()
+
+    def _load(self, config, progress) -> None:
+        self.engine = Engine(config, progress=progress)
+        self.load_error = None
+        self.failures = FailureLog()
+        self._stats = self.engine.stats()
+        self._commands = queue.SimpleQueue()
+        self._sinks.clear()
+        self.start()
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def serving(self) -> Engine:
+        """The engine now serving, for a route to read its tokenizer and limits; HostStopped (a 503) while a
+        restart has none, or after a restart left none."""
+        engine = self.engine
+        if engine is None or not self.running:
+            raise HostStopped(self.load_error or "the engine is not running; wait for the restart to finish")
+        return engine
+
+    def health(self) -> Health:
+        if self.load_error is not None:
+            return Health("failed", self.load_error)
+        if not self.running:
+            return Health("stopped", "the engine is not running (stopped, or restarting)")
+        return self.failures.health()
 
     def stats(self) -> EngineStats:
         """The snapshot published after the latest step (cheap: no engine access from this thread)."""
@@ -126,12 +177,32 @@ class EngineHost:
         return self._send(prompt, params, sink, request_id, user).result(timeout)
 
     def _send(self, prompt, params, sink, request_id, user=None) -> concurrent.futures.Future:
-        if not self.running or self._stop.is_set():
-            raise HostStopped("the engine is not running; wait for the restart to finish")
         cmd = _Add(prompt, params, request_id, sink, user)
-        self._commands.put(cmd)
+        with self._sending:
+            if self._closed is not None:
+                raise HostStopped(self._closed)
+            if not self.running or self._stop.is_set():
+                raise HostStopped(self.load_error or "the engine is not running; wait for the restart to finish")
+            if self.max_waiting is not None and self._commands.qsize() >= self.max_waiting:
+                raise QueueFull(f"{self._commands.qsize()} requests are already waiting to be admitted; "
+                                "retry shortly")
+            self._commands.put(cmd)
         self._wake.set()
         return cmd.accepted
+
+    def close_admission(self, reason: str) -> None:
+        """Refuse every new request with HostStopped(reason); those already admitted run on."""
+        with self._sending:
+            self._closed = reason
+
+    def live_requests(self) -> int:
+        """Requests admitted (or being admitted) and not yet finished."""
+        return len(self._sinks) + self._commands.qsize()
+
+    def abort_all(self) -> None:
+        """Abort every live request; each ends with finish reason "abort" (a stream with its last chunk)."""
+        self._commands.put(_AbortAll())
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -144,16 +215,16 @@ class EngineHost:
         Closing the stream before its last output (a client that went away) aborts the request.
         """
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = OutputCollector()
 
         def sink(item):
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            loop.call_soon_threadsafe(outputs.put, item)  # raises once the loop is closed: the host aborts
 
         # Awaiting the engine thread's answer holds no executor thread, however many clients arrive at once.
         rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user))
         return self._stream(rid, outputs)
 
-    async def _stream(self, rid: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, rid: str, outputs: OutputCollector) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -186,14 +257,17 @@ class EngineHost:
             if engine.has_unfinished():
                 try:
                     outs = engine.step()
-                except Exception as e:  # a bug, not a client's input: fail every live request, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all(e)
+                except StepFailed as e:  # the engine ended that step's requests and is sound: tell them why
+                    self._step_failed(e.error, e.request_ids)
+                    continue
+                except Exception as e:  # outside a step's compute: nothing says which requests, so all end
+                    log.exception("engine step failed outside its compute")
+                    live = list(self._sinks)
+                    self._step_failed(e, live)
+                    self._fail_all(live)
                     continue
                 for out in outs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is not None:
-                        sink(out)
+                    self._deliver(out.request_id, out)
                     if out.finished:
                         self._sinks.pop(out.request_id, None)
                 self._stats = engine.stats()
@@ -202,6 +276,36 @@ class EngineHost:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
         self._abort_all()
+
+    def _deliver(self, rid: str, item) -> None:
+        """Hand one item to a request's sink; a sink that raises (its loop closed, a caller's bug) loses its
+        request, which is aborted, and nothing else."""
+        sink = self._sinks.get(rid)
+        if sink is None:
+            return
+        try:
+            sink(item)
+        except Exception as e:  # a closed loop's RuntimeError is expected at exit: no traceback for that one
+            log.error("the output sink of request %s failed (%s); aborting that request", rid, e,
+                      exc_info=not isinstance(e, RuntimeError))
+            self._sinks.pop(rid, None)
+            self.engine.abort(rid)
+
+    def _step_failed(self, error: BaseException, request_ids: list[str]) -> None:
+        self.failures.record(error)
+        failure = EngineFailure(f"the engine failed while running this request ({type(error).__name__}: "
+                                f"{error}); other requests carry on; retry it, and report it if it repeats")
+        for rid in request_ids:
+            self._deliver(rid, failure)
+            self._sinks.pop(rid, None)
+        self._stats = self._guarded_stats()
+
+    def _guarded_stats(self) -> EngineStats:
+        try:
+            return self.engine.stats()
+        except Exception:
+            log.exception("the engine's stats failed")
+            return self._stats
 
     def _apply_commands(self) -> None:
         while True:
@@ -212,8 +316,17 @@ class EngineHost:
             if isinstance(cmd, _Abort):
                 self.engine.abort(cmd.request_id)
                 continue
+            if isinstance(cmd, _AbortAll):
+                for rid in list(self._sinks):
+                    self.engine.abort(rid)
+                continue
             if self._stop.is_set():
                 cmd.accepted.set_exception(HostStopped("the engine is shutting down"))
+                continue
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                cmd.accepted.set_exception(QueueFull(f"the waiting queue is full ({waiting} requests, the limit "
+                                                     f"is {self.max_waiting}); retry shortly"))
                 continue
             try:
                 rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, user=cmd.user)
@@ -223,18 +336,37 @@ class EngineHost:
             self._sinks[rid] = cmd.sink
             cmd.accepted.set_result(rid)
 
+    def _refuse_pending(self) -> None:
+        """After the loop has stopped: every send still queued hears that the host stopped."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and not cmd.accepted.done():
+                cmd.accepted.set_exception(HostStopped("the engine is shutting down"))
+
     def _abort_all(self) -> None:
         for rid in list(self._sinks):
             self.engine.abort(rid)
-        for out in self.engine.step():
-            sink = self._sinks.pop(out.request_id, None)
-            if sink is not None:
-                sink(out)
-        self._stats = self.engine.stats()
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            self._step_failed(e, list(self._sinks))
+            return
+        for out in outs:
+            self._deliver(out.request_id, out)
+            self._sinks.pop(out.request_id, None)
+        self._stats = self._guarded_stats()
 
-    def _fail_all(self, error: Exception) -> None:
-        for rid, sink in list(self._sinks.items()):
-            self.engine.abort(rid)
-            sink(RuntimeError(f"the engine failed while running this request: {error}"))
-        self._sinks.clear()
-        self.engine.step()
+    def _fail_all(self, request_ids: list[str]) -> None:
+        """The requests named are aborted so their blocks return; the aborts' step is itself guarded."""
+        for rid in request_ids:
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("aborting request %s failed", rid)
+        try:
+            self.engine.step()
+        except Exception:
+            log.exception("the engine's clean-up step failed too")

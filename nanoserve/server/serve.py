@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import socket
 import threading
 
@@ -14,6 +15,7 @@ from nanoserve.engine import Engine
 from nanoserve.errors import ConfigError
 from nanoserve.server.app import build_app
 from nanoserve.server.host import EngineHost
+from nanoserve.server.http import GracefulServer, header_timeout_protocol
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -23,8 +25,13 @@ class Server:
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, served_model_name: str | None = None, max_waiting: int = 256,
-                 progress=None, trust_request_chat_template: bool = False):
+                 progress=None, trust_request_chat_template: bool = False, shutdown_timeout: float = 10.0,
+                 limit_concurrency: int | None = 1000, header_timeout: float = 15.0):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases.
+
+        On a stop, requests in flight get `shutdown_timeout` seconds to finish before they are aborted.
+        `limit_concurrency` connections (uvicorn's limit: one more is answered 503) and `header_timeout`
+        seconds for a request's headers bound what clients that never finish can hold.
 
         The listening socket is bound first, before the model loads: a port already in use is refused at once
         with the fix, not after a load and a "serving" line (and uvicorn serves on this very socket, so nothing
@@ -35,13 +42,15 @@ class Server:
         except BaseException:
             self.socket.close()
             raise
-        self.host = EngineHost(engine).start()
+        self.host = EngineHost(engine, max_waiting=max_waiting).start()
         self.model_name = served_model_name or engine.loaded.name
-        self.app = build_app(self.host, self.model_name, api_key=api_key, max_waiting=max_waiting,
+        self.app = build_app(self.host, self.model_name, api_key=api_key,
                              trust_request_chat_template=trust_request_chat_template)
         self.address = (host, self.socket.getsockname()[1])
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.address[1], log_level="warning",
-                                                     timeout_graceful_shutdown=5))
+        config = uvicorn.Config(self.app, host=host, port=self.address[1], log_level="warning",
+                                http=header_timeout_protocol(header_timeout), limit_concurrency=limit_concurrency,
+                                timeout_graceful_shutdown=5)
+        self.uvicorn = GracefulServer(config, self.host, shutdown_timeout)
         self._thread: threading.Thread | None = None
 
     @property
@@ -54,13 +63,18 @@ class Server:
         return f"http://{self.address[0]}:{self.address[1]}"
 
     def run(self) -> None:
+        """Serve in the foreground until SIGINT or SIGTERM, then stop gracefully and return (exit status 0)."""
         print(f"nanoserve: serving {self.model_name} at {self.url}/v1 (Ctrl-C to stop)", flush=True)
+        # uvicorn raises the signals it handled again once it has shut down; SIGTERM's default action would
+        # then kill the process (status 143) after a clean stop, so it is made harmless for that moment
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
         try:
             self.uvicorn.run(sockets=[self.socket])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
+        except KeyboardInterrupt:  # the re-raised Ctrl-C
             pass
         finally:
             self.host.shutdown(drain=False)
+            signal.signal(signal.SIGTERM, previous)
         print("nanoserve: stopped", flush=True)
 
     def start(self) -> Server:
