@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
 def test_serve_prints_its_address_and_stops_on_ctrl_c(tiny_checkpoint):
@@ -70,3 +72,62 @@ def test_port_zero_serves_on_the_free_port_it_bound(tiny_checkpoint):
         assert server.address[1] != 0 and httpx.get(server.url + "/health").status_code == 200
     finally:
         server.stop()
+
+
+LAUNCHER = """
+import sys, time
+from nanoserve import cli
+from nanoserve.engine import Engine
+
+real_step = Engine.step
+
+def slow_step(self):  # every step takes 20 ms, so a long answer is still streaming when the signal comes
+    time.sleep(0.02)
+    return real_step(self)
+
+Engine.step = slow_step
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _serve_slowly(tmp_path, model, *flags):
+    launcher = tmp_path / "slow_serve.py"
+    launcher.write_text(LAUNCHER)
+    cmd = [sys.executable, str(launcher), "serve", str(model), "--max-model-len", "512", "--kv-cache-gib", "0.01",
+           "--port", "0", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline, line = time.monotonic() + 120, ""
+    while "serving" not in line and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+    return proc, line.split(" at ")[1].split("/v1")[0]
+
+
+@pytest.mark.parametrize("sig,timeout,tokens,finish", [
+    (signal.SIGINT, "30", 60, "length"),  # time enough: the stream finishes as it would have
+    (signal.SIGTERM, "0.5", 400, "abort"),  # not enough: it is aborted, and still ends properly
+])
+def test_a_stop_signal_ends_every_stream_properly_and_exits_zero(tiny_checkpoint, tmp_path, sig, timeout, tokens,
+                                                                 finish):
+    proc, url = _serve_slowly(tmp_path, tiny_checkpoint("llama"), "--shutdown-timeout", timeout)
+    try:
+        body = {"prompt": "a long story", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    proc.send_signal(sig)
+                    started = time.monotonic()
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == finish
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < float(timeout) + 10
+        output = proc.stdout.read()
+        assert "Traceback" not in output and "Event loop is closed" not in output, output
+        assert "stopping" in output and "nanoserve: stopped" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
