@@ -42,8 +42,9 @@ def test_every_switch_combination_equals_switches_off(ckpt, plain, flags):
     assert inputs["steps"] > 20  # the crowd's decode-only steps went through the path
     if flags["persistent_inputs"]:
         assert inputs["fresh_allocations"] == 0 and inputs["sets"] == 1 and inputs["writes"] > 0
+        assert inputs["buffered_windows"] == 6 * inputs["steps"]
     else:
-        assert inputs["fresh_per_step"] > 0
+        assert inputs["fresh_per_step"] >= 5 and inputs["sets"] == 0
     buckets = llm.engine.stats().as_dict().get("buckets")
     assert (buckets is not None) == flags["decode_buckets"]
     if buckets:
@@ -76,7 +77,66 @@ def test_long_decode_allocates_no_input_and_never_moves_a_buffer(ckpt):
             assert path.table.table.data_ptr() == table_address
     inputs = engine.stats().as_dict()["inputs"]
     assert inputs["steps"] >= 140 and inputs["fresh_allocations"] == 0
-    assert inputs["buffered_windows"] == 5 * inputs["steps"]
+    assert inputs["buffered_windows"] == 6 * inputs["steps"] and inputs["sets"] == 1  # 5 inputs + the table
+
+
+@pytest.mark.parametrize("flags,fresh,windows", [
+    ({"decode_buckets": True}, 6, 0),  # every input built for the step
+    ({"row_compaction": True}, 5, 1),  # the block table is the slot table's window; the rest are built
+    ({"persistent_inputs": True}, 0, 6),
+])
+def test_input_counters_are_measured_per_step(ckpt, flags, fresh, windows):
+    llm = make(ckpt, **flags)
+    llm.generate(["one two", "three"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    inputs = llm.engine.stats().as_dict()["inputs"]
+    assert inputs["fresh_allocations"] == fresh * inputs["steps"] and inputs["fresh_per_step"] == fresh
+    assert inputs["buffered_windows"] == windows * inputs["steps"]
+
+
+def test_a_buffer_that_moves_shows_as_fresh_allocations(ckpt):
+    """The counter is read off the tensors the forward received: a reallocated buffer is caught, though the
+    switch is still on (a counter computed from the switch would still say 0)."""
+    llm = make(ckpt, persistent_inputs=True)
+    path = llm.engine.decode_path
+    llm.generate(["warm"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    before = llm.engine.stats().as_dict()["inputs"]
+    assert before["fresh_allocations"] == 0
+    moved = path.inputs["positions"]
+    moved.buffer = moved.staging = moved.buffer.clone()  # a bug that reallocates instead of writing in place
+    moved._flat = moved.staging.numpy()
+    llm.generate(["again"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    after = llm.engine.stats().as_dict()["inputs"]
+    steps = after["steps"] - before["steps"]
+    assert steps > 0 and after["fresh_allocations"] == steps  # one fresh input (positions) per step
+
+
+def test_the_plan_gates_run_in_production_and_a_failure_is_contained(ckpt, monkeypatch):
+    import nanoserve.decode.path as path_module
+    from nanoserve.decode.path import WINDOW_GATE_EVERY
+    from nanoserve.engine import StepFailed
+
+    llm = make(ckpt, persistent_inputs=True, row_compaction=True)  # verify stays off, as in production
+    engine = llm.engine
+    llm.generate(["a b", "c d e"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    gates = engine.stats().as_dict()["gates"]
+    steps = engine.stats().as_dict()["inputs"]["steps"]
+    assert gates["plan_current_ran"] == steps and gates["plan_current_failed"] == 0
+    assert gates["window_intact_ran"] == -(-steps // WINDOW_GATE_EVERY) and gates["window_intact_every"] == 32
+    real = path_module.decode_rows
+
+    def off_by_one(requests, positions, block_size):  # a bug in the addressing: lengths one short
+        ids, slots, lens = real(requests, positions, block_size)
+        return ids, slots, [n - 1 for n in lens]
+
+    engine.add_request("x y", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), request_id="victim")
+    engine.step()  # the prefill
+    monkeypatch.setattr(path_module, "decode_rows", off_by_one)
+    with pytest.raises(StepFailed, match="stale"):
+        engine.step()
+    monkeypatch.setattr(path_module, "decode_rows", real)
+    assert engine.stats().as_dict()["gates"]["plan_current_failed"] == 1
+    engine.audit()
+    assert llm.generate(["after"], SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"
 
 
 def test_step_inputs_are_windows_of_the_buffers(ckpt):

@@ -12,8 +12,19 @@ from tests.test_streamed_read import CASES, TOLERANCE, dense_oracle, random_case
 pytestmark = pytest.mark.gpu
 
 
-def test_the_kernel_is_compiled_not_interpreted():
-    """Triton's interpreter would pass every test below too; on CUDA the kernel must be compiled."""
+def test_the_kernel_runs_on_the_device_not_in_the_interpreter():
+    """Triton's interpreter would pass every test below too (it runs the kernel on the host, in numpy): the
+    profiler must see the compiled kernel launched on the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, table, lens = random_case(4, 8, 2, 64, 16, torch.float16, seed=1)
+    args = (q.cuda(), k.cuda(), v.cuda(), table.cuda(), lens.cuda(), 64**-0.5, 64)
+    streamed_decode(*args)  # compiled before profiling
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        streamed_decode(*args)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("_streamed_decode" in name for name in kernels), kernels
     assert streamed.INTERPRETED is False
 
 

@@ -8,7 +8,7 @@ the mirror is the buffer). A write goes through the mirror's numpy view (no allo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,29 +73,42 @@ class DecodeInputs:
         return sum(b.bytes_written for b in self.buffers.values())
 
 
+STEP_INPUTS = ("input_ids", "positions", "slots", "decode_context_lens", "logits_indices", "decode_block_table")
+
+
 @dataclass
 class InputStats:
-    """What the decode-only steps handed the forward: tensors allocated fresh vs windows on the buffers.
-
-    Only the step count is kept; the rest follows from the switches (each step of a configuration builds the same
-    tensors). Writes, bytes and row moves are read off the buffers and the slot table when the snapshot is taken
-    (DecodePath.sections).
+    """What the decode-only steps handed the forward, measured: each of a step's six input tensors is looked up
+    by the address of its storage. One that lies in a persistent buffer (the DecodeInputs or the slot table)
+    is a window; any other was allocated for that step. So a buffer that moved, or a code path that built a
+    tensor instead of writing one, shows as a fresh allocation whatever the switches say.
     """
 
     persistent: bool
     table: bool  # the block table lives in a SlotTable (persistent inputs or compaction)
     steps: int = 0  # decode-only steps planned by the fast path
+    fresh_allocations: int = 0  # step inputs whose storage is not a persistent buffer
+    buffered_windows: int = 0  # step inputs that are windows of a persistent buffer
+    _sets: set = field(default_factory=set)  # storage addresses of the steps whose inputs were all windows
+
+    def observe(self, batch, persistent_storages: frozenset[int]) -> None:
+        storages = tuple(getattr(batch, name).untyped_storage().data_ptr() for name in STEP_INPUTS)
+        fresh = sum(ptr not in persistent_storages for ptr in storages)
+        self.steps += 1
+        self.fresh_allocations += fresh
+        self.buffered_windows += len(storages) - fresh
+        if not fresh:
+            self._sets.add(storages)
 
     @property
-    def fresh_per_step(self) -> int:
-        """Input tensors built per step: the four value inputs and the logits rows, plus the block table."""
-        return (0 if self.persistent else 5) + (0 if self.table else 1)
+    def sets(self) -> int:
+        """Distinct sets of buffer addresses the all-window steps used: 1 when one set serves every step."""
+        return len(self._sets)
 
     def as_dict(self) -> dict:
-        return {"persistent": self.persistent, "steps": self.steps,
-                "fresh_allocations": self.fresh_per_step * self.steps,
-                "fresh_per_step": float(self.fresh_per_step) if self.steps else 0.0,
-                "buffered_windows": (5 if self.persistent else 0) * self.steps}
+        return {"persistent": self.persistent, "steps": self.steps, "fresh_allocations": self.fresh_allocations,
+                "fresh_per_step": self.fresh_allocations / self.steps if self.steps else 0.0,
+                "buffered_windows": self.buffered_windows, "sets": self.sets}
 
 
 # ---- gates ----------------------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ from nanoserve.decode.buckets import DecodeBuckets
 from nanoserve.decode.inputs import DecodeInputs, InputStats
 from nanoserve.decode.plan import DecodePlan, check_plan_current, check_window_intact
 from nanoserve.decode.slots import SlotTable
+from nanoserve.errors import GateError
 from nanoserve.model.batch import StepBatch, decode_rows
+
+WINDOW_GATE_EVERY = 32  # check_window_intact reads the block table back (a device sync on CUDA): sampled
 
 
 class DecodePath:
@@ -22,12 +25,16 @@ class DecodePath:
                  full_logits: bool = False, width_axis: bool = True):
         """`full_logits`: logits for every row of the shape, padded ones too (a captured graph's fixed output)."""
         self.block_size, self.device, self.full_logits = block_size, device, full_logits
-        self.verify = False  # run the plan gates every step (tests turn it on)
+        self.verify = False  # run every gate on every step (tests turn it on); otherwise the table gate is sampled
+        self.gates = {"plan_current": [0, 0], "window_intact": [0, 0]}  # gate -> [ran, failed]
         # the streamed read holds one tile whatever the width, so its shapes need no width axis
         self.buckets = DecodeBuckets(max_rows, max_blocks, width_axis=width_axis) if buckets else None
         self.inputs = DecodeInputs(max_rows, device) if persistent else None
         self.table = SlotTable(max_rows, max_blocks, device, compaction) if (persistent or compaction) else None
         self.stats = InputStats(persistent=persistent, table=self.table is not None)
+        self._buffers = frozenset(
+            [b.buffer.untyped_storage().data_ptr() for b in self.inputs.buffers.values()] if self.inputs else []
+        ) | frozenset([self.table.table.untyped_storage().data_ptr()] if self.table is not None else [])
         self.last_plan: DecodePlan | None = None
 
     def build(self, requests: list) -> tuple[StepBatch, list]:
@@ -44,7 +51,6 @@ class DecodePath:
             self.buckets.record(rows, width, shape)
         pad = shape[0] - rows  # padded rows: token 0 at position 0, writing the null block's slot 0, length 1
         ids, positions, slots, lens = ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lens + [1] * pad
-        self.stats.steps += 1
         if self.inputs is not None:
             batch = self._persistent_batch(ids, positions, slots, lens, shape,
                                            logits_rows=shape[0] if self.full_logits else rows)
@@ -63,11 +69,23 @@ class DecodePath:
             context_snapshot=tuple(lens[:rows]) if self.inputs is not None else None,
             write_snapshot=tuple(slots[:rows]) if self.inputs is not None else None,
         )
-        if self.verify:
-            check_plan_current(plan, requests)
-            check_window_intact(plan, bs)
+        self._gate("plan_current", check_plan_current, plan, requests)  # host numbers only: every step
+        if self.verify or self.stats.steps % WINDOW_GATE_EVERY == 0:
+            self._gate("window_intact", check_window_intact, plan, bs)
+        self.stats.observe(batch, self._buffers)
         self.last_plan = plan
         return batch, requests
+
+    def _gate(self, name: str, check, *args) -> None:
+        """Run one gate and count it; a failure is raised (the step fails and its requests end with an error:
+        a forward on a stale plan would be silently wrong)."""
+        counts = self.gates[name]
+        counts[0] += 1
+        try:
+            check(*args)
+        except GateError:
+            counts[1] += 1
+            raise
 
     def placeholder(self, shape: tuple[int, int]) -> StepBatch:
         """A batch of padded rows only, on the persistent buffers: what a capture records against.
@@ -100,10 +118,12 @@ class DecodePath:
             **self.stats.as_dict(),
             "writes": self.inputs.writes if persistent else 0,
             "bytes_written": self.inputs.bytes_written if persistent else 0,
-            "sets": 1 if persistent else 0,
             "buffer_bytes": self.inputs.nbytes + self.table.table.numel() * 8 if persistent else 0,
             "row_moves": self.table.row_moves if self.table is not None else 0,
         }}
         if self.buckets is not None:
             out["buckets"] = self.buckets.as_dict()
+        out["gates"] = {**{f"{name}_{what}": counts[i] for name, counts in self.gates.items()
+                           for i, what in enumerate(("ran", "failed"))},
+                        "window_intact_every": 1 if self.verify else WINDOW_GATE_EVERY}
         return out
