@@ -107,3 +107,21 @@ async def test_restart_with_new_flags_keeps_serving(tiny_checkpoint):
         assert again[0] == before[0]
     finally:
         host.shutdown()
+
+
+async def test_a_stop_ends_every_sequence_of_a_request_with_n_above_one(tiny_checkpoint):
+    """A stop aborts what runs; a request of n = 2 has an output per sequence and only the last is `finished`.
+    (The stop used to hand the request's first aborted output over and forget it, so its client, waiting for
+    the second, hung forever; the soak found it at its mid-run restart.)"""
+    host = EngineHost(engine_for(tiny_checkpoint("llama"))).start()
+    stream = await host.open("a long story", SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=100,
+                                                             ignore_eos=True))
+    first = await stream.__anext__()
+    await asyncio.to_thread(host.shutdown)
+    async def rest():
+        return [out async for out in stream]
+
+    outs = [first] + await asyncio.wait_for(rest(), 10)  # it ends: the last output is `finished`
+    assert outs[-1].finished and {o.outputs[0].index for o in outs} == {0, 1}
+    assert {o.outputs[0].finish_reason for o in outs[-2:]} == {"abort"}
+    assert host.accounting() == {"admitted": 1, "ended": 1, "live": 0, "dropped": 0}

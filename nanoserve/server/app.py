@@ -50,6 +50,7 @@ from nanoserve.server.schemas import (
 )
 
 MAX_BODY_BYTES = 4 * 2**20
+DISCARD_BYTES = 64 * 2**20  # past the limit, bytes read and dropped so the 413 reaches the client
 PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
 log = logging.getLogger("nanoserve.server")
 _warned: set[str] = set()  # unknown field names already named in the log
@@ -86,7 +87,7 @@ class _Guard:
                                     "authentication_error")(scope, receive, send)
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body:
-            return await self._too_large(int(length), scope, receive, send)
+            return await self._too_large(int(length), scope, receive, send, more=True)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -95,7 +96,7 @@ class _Guard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body:
-                return await self._too_large(None, scope, receive, send)
+                return await self._too_large(None, scope, receive, send, more=message.get("more_body", False))
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -110,11 +111,21 @@ class _Guard:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, declared: int | None, scope, receive, send):
+    async def _too_large(self, declared: int | None, scope, receive, send, more: bool):
+        """Answer 413. The rest of the body is read and dropped first (never parsed), up to DISCARD_BYTES:
+        a client that is still uploading reads a response only once its upload is done, so closing on it
+        would show it a connection reset instead of the reason."""
+        discarded = 0
+        while more and discarded <= DISCARD_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # gone
+            discarded += len(message.get("body", b""))
+            more = message.get("more_body", False)
         said = f"{declared} bytes" if declared is not None else f"more than {self.max_body} bytes (counted as sent)"
         response = _error(413, f"request body is {said}; the limit is {self.max_body} bytes; send a shorter "
                                "prompt, or split the batch across requests")
-        response.headers["connection"] = "close"  # the unread rest of the body cannot be left on the connection
+        response.headers["connection"] = "close"
         await response(scope, receive, send)
 
 

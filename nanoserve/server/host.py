@@ -81,6 +81,7 @@ class EngineHost:
         self.failures = FailureLog()
         self.load_error: str | None = None  # set when a restart left no engine at all
         self._closed: str | None = None  # why admission is closed (a graceful stop under way)
+        self.admitted = self.ended = self.dropped = 0  # requests, across restarts (see accounting)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> EngineHost:
@@ -144,6 +145,7 @@ class EngineHost:
         self.failures = FailureLog()
         self._stats = self.engine.stats()
         self._commands = queue.SimpleQueue()
+        self.dropped += len(self._sinks)
         self._sinks.clear()
         self.start()
 
@@ -269,7 +271,7 @@ class EngineHost:
                 for out in outs:
                     self._deliver(out.request_id, out)
                     if out.finished:
-                        self._sinks.pop(out.request_id, None)
+                        self._retire(out.request_id)
                 self._stats = engine.stats()
             else:
                 self._stats = engine.stats()
@@ -288,8 +290,18 @@ class EngineHost:
         except Exception as e:  # a closed loop's RuntimeError is expected at exit: no traceback for that one
             log.error("the output sink of request %s failed (%s); aborting that request", rid, e,
                       exc_info=not isinstance(e, RuntimeError))
-            self._sinks.pop(rid, None)
+            self._retire(rid)
             self.engine.abort(rid)
+
+    def _retire(self, rid: str) -> None:
+        """The request has had its last word (its final output, its error, or a sink that failed)."""
+        if self._sinks.pop(rid, None) is not None:
+            self.ended += 1
+
+    def accounting(self) -> dict:
+        """Requests admitted, ended (each with a final output or an error), live now, and dropped (live when
+        a restart replaced the engine, so never answered): admitted = ended + live + dropped, always."""
+        return {"admitted": self.admitted, "ended": self.ended, "live": len(self._sinks), "dropped": self.dropped}
 
     def _step_failed(self, error: BaseException, request_ids: list[str]) -> None:
         self.failures.record(error)
@@ -297,7 +309,7 @@ class EngineHost:
                                 f"{error}); other requests carry on; retry it, and report it if it repeats")
         for rid in request_ids:
             self._deliver(rid, failure)
-            self._sinks.pop(rid, None)
+            self._retire(rid)
         self._stats = self._guarded_stats()
 
     def _guarded_stats(self) -> EngineStats:
@@ -334,6 +346,7 @@ class EngineHost:
                 cmd.accepted.set_exception(e)
                 continue
             self._sinks[rid] = cmd.sink
+            self.admitted += 1
             cmd.accepted.set_result(rid)
 
     def _refuse_pending(self) -> None:
@@ -354,9 +367,13 @@ class EngineHost:
         except Exception as e:
             self._step_failed(e, list(self._sinks))
             return
-        for out in outs:
+        for out in outs:  # n > 1: a request has one output per sequence, and only its last is `finished`
             self._deliver(out.request_id, out)
-            self._sinks.pop(out.request_id, None)
+            if out.finished:
+                self._retire(out.request_id)
+        for rid in list(self._sinks):  # nothing may be left unanswered by a stop
+            self._deliver(rid, HostStopped("the engine stopped before this request finished"))
+            self._retire(rid)
         self._stats = self._guarded_stats()
 
     def _fail_all(self, request_ids: list[str]) -> None:
