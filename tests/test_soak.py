@@ -13,7 +13,7 @@ def test_a_short_soak_loses_nothing(tiny_checkpoint):
     config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.02,
                           max_num_seqs=8)
     args = argparse.Namespace(duration=20.0, clients=6, max_tokens=24, restart_flags="max_num_seqs=4",
-                              fault_every=97, seed=1)
+                              fault_every=97, traffic_seed=1)
     result = soak(config, args)
     assert not clean(result), (clean(result), result)
     outcomes = result["outcomes"]

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
                    help="flags the mid-run restart applies, as name=value pairs ('' for no restart)")
     p.add_argument("--fault-every", type=int, default=0,
                    help="fail one engine step in N on purpose (0: none); their requests must end with an error")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--traffic-seed", type=int, default=0, help="seeds the traffic mix (the engine has --seed)")
     p.add_argument("--out", default="bench-results")
     add_engine_flags(p)
 
@@ -91,7 +91,7 @@ def _error_kind(status: int, raw: bytes) -> str | None:
 class Soak:
     def __init__(self, url: str, max_model_len: int, args, tally: Tally):
         self.url, self.args, self.tally = url, args, tally
-        self.rng = random.Random(args.seed)
+        self.rng = random.Random(args.traffic_seed)
         self.prompts = pick_prompts(16)
         self.hostile = hostile_bodies(max_model_len)
         self.serial = 0
@@ -258,7 +258,7 @@ class Soak:
         stop = asyncio.Event()
         limits = httpx.Limits(max_connections=self.args.clients + 8)
         async with httpx.AsyncClient(timeout=30, limits=limits) as http:
-            tasks = [asyncio.create_task(self.client(http, self.args.seed * 1000 + i, stop))
+            tasks = [asyncio.create_task(self.client(http, self.args.traffic_seed * 1000 + i, stop))
                      for i in range(self.args.clients)]
             tasks += [asyncio.create_task(self.slow_reader(http, stop)), asyncio.create_task(self.health(http, stop))]
             started = time.monotonic()
@@ -282,6 +282,18 @@ def resident_mib() -> float:
         return 0.0
 
 
+def trimmed_resident_mib() -> float:
+    """Resident memory after glibc has handed its free arenas back (malloc_trim): what is really held, as
+    opposed to what the allocator keeps for reuse. Plain resident memory where glibc is absent."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return resident_mib()
+
+
 def soak(config, args) -> dict:
     """Serve `config` in this process, run the traffic, and return the account (see the module docstring)."""
     from nanoserve.bench.ab import variant
@@ -301,7 +313,7 @@ def soak(config, args) -> dict:
         restarted["seconds"] = time.monotonic() - started
 
     try:
-        rss_start = resident_mib()
+        rss_start = trimmed_resident_mib()
         runner = Soak(server.url, server.host.engine.max_model_len, args, tally)
         duration = asyncio.run(runner.run(args.duration, restart if args.restart_flags else None))
         settle = time.monotonic() + 30
@@ -310,7 +322,11 @@ def soak(config, args) -> dict:
         time.sleep(0.2)
         kv = server.host.stats().kv
         account = server.host.accounting()
+        engine = server.host.engine
+        leftovers = {"groups": len(engine._groups), "streams": len(engine._streams),
+                     "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}
         rss_end = resident_mib()
+        rss_trimmed = trimmed_resident_mib()
     finally:
         server.stop()
     sent = sum(tally.outcomes.values())
@@ -322,6 +338,7 @@ def soak(config, args) -> dict:
         "blocks_held_at_end": kv.blocks_total - kv.blocks_free, "host": account,
         "unanswered": account["admitted"] - account["ended"] - account["live"] - account["dropped"],
         "restart_s": restarted.get("seconds"), "rss_mib_start": rss_start, "rss_mib_end": rss_end,
+        "rss_mib_end_trimmed": rss_trimmed, "engine_leftovers": leftovers,
         "health_polls": len(tally.health_latency), "health_failures": tally.health_failures,
         "health_p50_ms": 1000 * percentiles(tally.health_latency, 0.5)[0] if tally.health_latency else None,
         "health_p99_ms": 1000 * percentiles(tally.health_latency, 0.99)[0] if tally.health_latency else None,
@@ -336,6 +353,8 @@ def clean(result: dict) -> list[str]:
     for key in ("five_xx_not_injected", "blocks_held_at_end", "unanswered", "health_failures"):
         if result[key]:
             problems.append(f"{key} = {result[key]}")
+    if any(result["engine_leftovers"].values()):
+        problems.append(f"the engine still holds {result['engine_leftovers']}")
     if result["host"]["live"] or result["host"]["dropped"]:
         problems.append(f"host: {result['host']}")
     return problems
@@ -358,15 +377,18 @@ def main(args) -> int:
         {"measure": "requests unanswered (must be 0)", "value": result["unanswered"]},
         {"measure": "broken responses (must be 0)", "value": result["outcomes"].get("broken", 0)},
         {"measure": "engine restart (s)", "value": result["restart_s"]},
-        {"measure": "resident memory start / end (MiB)",
-         "value": f"{result['rss_mib_start']:,.0f} / {result['rss_mib_end']:,.0f}"},
+        {"measure": "resident memory start / end / end trimmed (MiB)",
+         "value": f"{result['rss_mib_start']:,.0f} / {result['rss_mib_end']:,.0f} / "
+                  f"{result['rss_mib_end_trimmed']:,.0f}"},
+        {"measure": "engine requests left (groups, streams, rows)", "value": "{groups}, {streams}, {running}+{waiting}"
+         .format(**result["engine_leftovers"])},
         {"measure": "/health polls, p50 / p99 (ms)",
          "value": f"{result['health_polls']}, {result['health_p50_ms']:.1f} / {result['health_p99_ms']:.1f}"},
     ]
     print_table("account", summary, ["measure", "value"])
     for line in result["broken"]:
         print("  broken:", line)
-    path = write_results(args.out, "soak", result, rows + summary, args)
+    path = write_results(args.out, "soak", {**result, "summary": summary}, rows, args)
     print(f"\nwrote {path}")
     problems = clean(result)
     for p in problems:

@@ -87,7 +87,10 @@ class Server:
             self._thread.join(0.02)
         return self
 
-    def stop(self) -> None:
+    def stop(self, shutdown_timeout: float = 0.0) -> None:
+        """Stop from another thread (the console, tests): running requests get `shutdown_timeout` seconds, then
+        are aborted, their streams ended properly (a signal in the foreground gives --shutdown-timeout)."""
+        self.uvicorn.shutdown_timeout = shutdown_timeout
         self.uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
