@@ -68,6 +68,8 @@ class EngineConfig:
     kv_cache_gib: float | None = _flag(None, "KV budget in GiB; unset: 1 GiB on CPU, gpu_memory_utilization on CUDA")
     gpu_memory_utilization: float = _flag(0.9, "share of the card the engine may fill (CUDA, KV budget unset)")
     seed: int = _flag(0, "seeds the generator that unseeded sampled requests draw from")
+    enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix another request already "
+                                              "computed (full blocks, named by content; as vLLM, on by default)")
     decode_buckets: bool = _flag(False, "pad decode-only steps up to a closed set of shapes (rows x table width)")
     persistent_inputs: bool = _flag(False, "decode inputs and block table live in buffers written in place")
     row_compaction: bool = _flag(False, "decode rows keep their table row; a leaving row's place takes the last row")

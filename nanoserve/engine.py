@@ -32,7 +32,15 @@ from nanoserve.request import Request
 from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
 from nanoserve.scheduler import Scheduler
-from nanoserve.stats import EngineStats, KVStats, LatencyStats, RowStats, SchedulerStats, percentiles
+from nanoserve.stats import (
+    EngineStats,
+    KVStats,
+    LatencyStats,
+    PrefixCacheStats,
+    RowStats,
+    SchedulerStats,
+    percentiles,
+)
 from nanoserve.streaming import TextStream
 
 log = logging.getLogger("nanoserve.engine")
@@ -70,7 +78,9 @@ class Engine:
         self.cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = self._resolve_max_model_len()
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   prefix_caching=config.enable_prefix_caching,
+                                   cache_identity=(loaded.name, config.quantization, str(self.dtype)))
         self.decode_path, self.captured = self._decode_fast_path(self.cache, self.max_model_len)
         if self.captured is not None:
             self._progress("capturing CUDA graphs")
@@ -274,6 +284,10 @@ class Engine:
             self._aborted.append(req)
         return bool(live)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block's name (vLLM's reset_prefix_cache); returns how many were named."""
+        return self.pool.reset_cache()
+
     def sequences(self, request_id: str) -> list[Request]:
         """The live sequences of a request (n of them), for inspection; empty once it has finished."""
         return list(self._groups.get(request_id, ()))
@@ -295,6 +309,7 @@ class Engine:
         try:
             self._compute(sched, emitted)
         except Exception as error:
+            self.pool.forget(sched.committed)  # named for content this step was to write, and never did
             raise self._fail_step(sched, error, emitted) from error
         return self._outputs(emitted)
 
@@ -450,6 +465,8 @@ class Engine:
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {})},
             latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),
                                  *percentiles(self._step_times, 0.5, 0.99)),
+            prefix_cache=PrefixCacheStats(s.prefix_caching, s.prefix_queries, s.prefix_hits, self.pool.num_cached,
+                                          self.pool.num_cached_free, self.pool.evictions),
         )
 
 

@@ -8,6 +8,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from nanoserve.kv.prefix import BlockNames
 from nanoserve.sampling import SamplingParams
 
 
@@ -46,6 +47,9 @@ class Request:
     index: int = 0  # which of the request's n completions this sequence is
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
     user: str | None = None  # who sent it, when the client said (OpenAI's `user`)
+    names: BlockNames = field(default_factory=BlockNames)  # content names of its full blocks (prefix caching)
+    committed: int = 0  # of its blocks, how many leading ones have been named in the pool
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (usage)
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.
     serial: int = field(default_factory=lambda: next(_serials))

@@ -36,6 +36,22 @@ class KVStats:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """Automatic prefix caching, in tokens as vLLM counts it: tokens looked up and tokens found cached."""
+
+    enabled: bool
+    queries: int = 0  # tokens of the requests that looked (each admission, preemption's re-admission too)
+    hits: int = 0  # of those, tokens served from cached blocks
+    cached_blocks: int = 0  # blocks holding named content, held or free
+    cached_free_blocks: int = 0  # of those, free: kept until the pool needs them
+    evictions: int = 0  # cached blocks handed out for new content
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True)
 class RowStats:
     """One live request as the running-rows table shows it."""
 
@@ -81,6 +97,7 @@ class EngineStats:
     paged_read: ReadStats
     rows: tuple[RowStats, ...]
     latency: LatencyStats = LatencyStats(window=0)
+    prefix_cache: PrefixCacheStats = PrefixCacheStats(enabled=False)
     sections: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
 
     def as_dict(self) -> dict:
@@ -95,6 +112,7 @@ class EngineStats:
             "kv": {**asdict(self.kv), "usage": self.kv.usage},
             "paged_read": self.paged_read.as_dict(),
             "latency": asdict(self.latency),
+            "prefix_cache": {**asdict(self.prefix_cache), "hit_rate": self.prefix_cache.hit_rate},
             "rows": [asdict(r) for r in self.rows],
             **self.sections,
         }

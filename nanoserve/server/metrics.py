@@ -42,6 +42,8 @@ class _SnapshotCollector:
         yield counter("num_preemptions", "Requests preempted by recompute.", s.scheduler.preemptions)
         yield counter("prompt_tokens", "Prompt tokens prefilled.", s.scheduler.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", s.scheduler.generation_tokens_total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache.queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from cached blocks.", s.prefix_cache.hits)
         success = CounterMetricFamily(P + "request_success", "Finished requests by reason.",
                                       labels=[*labels, "finished_reason"])
         for reason, n in sorted(s.scheduler.finished.items()):

@@ -1,0 +1,189 @@
+"""Automatic prefix caching against the engine without it: the same bytes, fewer computed tokens, a pool whose
+audit holds after every step, and a cache that never serves content it does not hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine import StepFailed
+from tests.test_engine_crowd import BLOCK_BYTES
+
+SYSTEM = "You are a helpful assistant. Answer briefly and truthfully. " * 3  # several blocks of shared prefix
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def seeded(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, seed=seed, max_tokens=12, ignore_eos=True)
+
+
+def crowd(tokenizer) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts sharing prefixes of every kind: none, part of a block, exactly k blocks, the whole prompt."""
+    base = tokenizer.encode(SYSTEM)
+    k_blocks = base[: (len(base) // 16) * 16]
+    return [
+        (base + tokenizer.encode(" What is two plus two?"), GREEDY),
+        (base + tokenizer.encode(" Name a colour."), seeded(1)),
+        (k_blocks, GREEDY),  # exactly k blocks: the whole prompt cached but its last block
+        (k_blocks + tokenizer.encode(" and more"), seeded(2)),
+        (base[:9] + tokenizer.encode(" unrelated tail text"), GREEDY),  # part of one block only
+        (tokenizer.encode("Nothing shared at all here."), seeded(3)),
+        (base + tokenizer.encode(" What is two plus two?"), GREEDY),  # the whole prompt again
+        (base + tokenizer.encode(" What is two plus two?"), seeded(4)),
+    ]
+
+
+def make(ckpt, caching: bool, **flags) -> LLM:
+    return LLM(model=str(ckpt), enable_prefix_caching=caching, **{"max_model_len": 256, "kv_cache_gib": 0.01, **flags})
+
+
+def run_audited(llm: LLM, prompts) -> dict[str, list[int]]:
+    """Add the crowd in waves (so later prompts find earlier ones cached) and audit after every step."""
+    engine, out = llm.engine, {}
+    for wave in (prompts[:3], prompts[3:]):
+        for i, (ids, params) in enumerate(wave, start=len(out)):
+            engine.add_request(ids, params, request_id=f"r{prompts.index((ids, params))}-{i}")
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+            engine.audit()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def cold(ckpt):
+    llm = make(ckpt, caching=False)
+    return run_audited(llm, crowd(llm.engine.tokenizer))
+
+
+@pytest.mark.parametrize("flags", [
+    {},
+    {"kv_cache_gib": 10 * BLOCK_BYTES / 2**30, "max_model_len": 144},  # small: evicts and preempts
+    {"decode_buckets": True, "persistent_inputs": True, "row_compaction": True},
+    {"streamed_read": True},
+    {"max_num_batched_tokens": 24, "max_num_seqs": 4},  # chunked prefill from cached blocks
+], ids=["plain", "small-pool", "fast-path", "streamed", "chunked"])
+def test_outputs_equal_the_engine_without_caching(ckpt, cold, flags):
+    llm = make(ckpt, caching=True, **flags)
+    warm = run_audited(llm, crowd(llm.engine.tokenizer))
+    assert warm == cold
+    cache = llm.engine.stats().prefix_cache
+    assert cache.enabled and cache.hits > 0 and cache.queries > cache.hits
+    if "max_model_len" in flags:
+        assert cache.evictions > 0 and llm.engine.stats().scheduler.preemptions > 0
+
+
+def test_a_cached_prompt_computes_only_its_tail_and_its_logprobs_equal_a_cold_run(ckpt):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    cold = make(ckpt, caching=False).generate([SYSTEM + " Why?"], params)[0]
+    llm = make(ckpt, caching=True)
+    llm.generate([SYSTEM + " How?"], params)
+    warm = llm.generate([SYSTEM + " Why?"], params)[0]
+    prompt_len = len(warm.prompt_token_ids)
+    cached = llm.engine.stats().prefix_cache.hits
+    assert 16 <= cached < prompt_len and cached % 16 == 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    for w, c in zip(warm.outputs[0].logprobs.entries(), cold.outputs[0].logprobs.entries()):
+        assert dict(w.top).keys() == dict(c.top).keys()
+        assert max(abs(a - dict(c.top)[t]) for t, a in w.top) < 1e-4
+
+
+def test_the_whole_prompt_cached_still_computes_its_last_token(ckpt):
+    llm = make(ckpt, caching=True)
+    ids = llm.engine.tokenizer.encode(SYSTEM)[:32]  # exactly two blocks
+    llm.generate([ids], GREEDY)
+    engine = llm.engine
+    engine.add_request(ids, GREEDY, request_id="again")
+    (req,) = engine.sequences("again")
+    sched = engine.scheduler.schedule()
+    assert req.num_cached_tokens == 16 and sched.prefills[0].length == 16  # one block reused, one computed
+    engine.pool.free(req.blocks)  # undo the hand-scheduled step: this test only reads the plan
+    req.blocks = []
+
+
+def test_same_step_arrivals_share_blocks_instead_of_allocating_twice(ckpt):
+    llm = make(ckpt, caching=True)
+    engine = llm.engine
+    ids = engine.tokenizer.encode(SYSTEM)[:40]
+    engine.add_request(ids, GREEDY, request_id="a")
+    engine.add_request(ids, GREEDY, request_id="b")
+    engine.step()  # both admitted in this one step
+    (a,), (b,) = engine.sequences("a"), engine.sequences("b")
+    assert a.blocks[:2] == b.blocks[:2] and a.blocks[2] != b.blocks[2]
+    assert engine.pool.num_used == 4  # two shared full blocks, and each one's partial third
+    engine.audit()
+    while engine.has_unfinished():
+        engine.step()
+    solo = make(ckpt, caching=False).generate([ids], GREEDY)[0].outputs[0].token_ids
+    assert engine.stats().scheduler.finished == {"length": 2}
+    assert llm.generate([ids], GREEDY)[0].outputs[0].token_ids == solo
+
+
+def test_n_completions_share_their_prompt_blocks(ckpt):
+    llm = make(ckpt, caching=True)
+    engine = llm.engine
+    engine.add_request(SYSTEM, SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=4), request_id="n3")
+    engine.step()
+    seqs = engine.sequences("n3")
+    assert len({tuple(s.blocks[:2]) for s in seqs}) == 1  # one copy of the shared full blocks
+    assert engine.stats().prefix_cache.hits > 0
+
+
+def test_a_colliding_hash_never_reuses_a_block_whose_content_differs(ckpt, cold):
+    llm = make(ckpt, caching=True)
+    llm.engine.scheduler.hash_fn = lambda parent, tokens: b"every block has this name"
+    warm = run_audited(llm, crowd(llm.engine.tokenizer))
+    assert warm == cold
+    assert llm.engine.stats().prefix_cache.hits > 0  # the one name still serves the prefix it really holds
+
+
+def test_a_failed_step_leaves_no_names_for_content_it_never_wrote(ckpt):
+    llm = make(ckpt, caching=True)
+    engine = llm.engine
+    real = engine.model.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    engine.model.forward = broken
+    engine.add_request(SYSTEM, GREEDY, request_id="doomed")
+    with pytest.raises(StepFailed):
+        engine.step()
+    engine.model.forward = real
+    assert engine.pool.num_cached == 0
+    out = llm.generate([SYSTEM], GREEDY)[0]
+    assert engine.stats().prefix_cache.hits == 0
+    assert out.outputs[0].token_ids == make(ckpt, caching=False).generate([SYSTEM], GREEDY)[0].outputs[0].token_ids
+
+
+def test_reset_forgets_and_a_new_engine_starts_empty(ckpt):
+    llm = make(ckpt, caching=True)
+    llm.generate([SYSTEM], GREEDY)
+    assert llm.engine.stats().prefix_cache.cached_blocks > 0
+    assert llm.engine.reset_prefix_cache() > 0
+    llm.generate([SYSTEM], GREEDY)
+    assert llm.engine.stats().prefix_cache.hits == 0
+    fresh = make(ckpt, caching=True).engine.stats().prefix_cache
+    assert (fresh.cached_blocks, fresh.hits, fresh.queries) == (0, 0, 0)
+
+
+def test_prompt_logprobs_requests_compute_every_position(ckpt):
+    llm = make(ckpt, caching=True)
+    llm.generate([SYSTEM], GREEDY)
+    with_lp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    out = llm.generate([SYSTEM], with_lp)[0]
+    assert all(e is not None for e in out.prompt_logprobs.entries()[1:])
+    assert llm.engine.stats().prefix_cache.hits == 0
+
+
+def test_off_means_off(ckpt):
+    llm = make(ckpt, caching=False)
+    llm.generate([SYSTEM, SYSTEM], GREEDY)
+    cache = llm.engine.stats().prefix_cache
+    assert not cache.enabled and (cache.queries, cache.hits, cache.cached_blocks) == (0, 0, 0)
