@@ -422,7 +422,7 @@ class Engine:
         metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_tuple, [completion], done, delta, delta_ids, metrics,
-            prompt_logprobs,
+            prompt_logprobs, first.num_cached_tokens,
         )
 
     # ---- observation --------------------------------------------------------------------------------

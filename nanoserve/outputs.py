@@ -175,6 +175,7 @@ class RequestOutput:
     delta_token_ids: tuple[int, ...] = ()
     metrics: RequestMetrics | None = field(default=None, compare=False)
     prompt_logprobs: LogprobSequence | None = None  # None first, then one dict per prompt token
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None: caching off)
 
     @property
     def usage(self) -> dict:

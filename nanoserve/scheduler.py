@@ -134,7 +134,10 @@ class Scheduler:
         return self.pool.match(names, lambda i: req.tokens(i * bs, (i + 1) * bs))
 
     def _count_lookup(self, req: Request, cached: int) -> None:
-        if not self.prefix_caching or req.prompt_logprobs is not None:
+        if not self.prefix_caching:
+            return
+        if req.prompt_logprobs is not None:  # it did not look: none of its prompt came from the cache
+            req.num_cached_tokens = 0
             return
         self.prefix_queries += req.num_tokens
         self.prefix_hits += cached

@@ -187,3 +187,38 @@ def test_off_means_off(ckpt):
     llm.generate([SYSTEM, SYSTEM], GREEDY)
     cache = llm.engine.stats().prefix_cache
     assert not cache.enabled and (cache.queries, cache.hits, cache.cached_blocks) == (0, 0, 0)
+
+
+def test_usage_reports_cached_tokens_and_reset_is_an_operator_route(ckpt):
+    import httpx
+
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    s = Server(EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01), port=0, api_key="k").start()
+    auth = {"Authorization": "Bearer k"}
+    try:
+        body = {"prompt": SYSTEM, "max_tokens": 2}
+        first = httpx.post(s.url + "/v1/completions", json=body, headers=auth).json()["usage"]
+        second = httpx.post(s.url + "/v1/completions", json=body, headers=auth).json()["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert second["prompt_tokens_details"]["cached_tokens"] == (first["prompt_tokens"] - 1) // 16 * 16 > 0
+        chat = {"messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True}}
+        for _ in range(2):
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=chat, headers=auth) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: {")]
+        import json
+
+        assert json.loads(events[-1][6:])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert httpx.post(s.url + "/reset_prefix_cache").status_code == 401
+        reset = httpx.post(s.url + "/reset_prefix_cache", headers=auth)
+        assert reset.status_code == 200 and reset.json()["blocks_forgotten"] > 0
+        again = httpx.post(s.url + "/v1/completions", json=body, headers=auth).json()["usage"]
+        assert again["prompt_tokens_details"] == {"cached_tokens": 0}
+        health = httpx.get(s.url + "/health").json()["prefix_cache"]
+        assert health["enabled"] and health["hits"] > 0 and 0 < health["hit_rate"] < 1
+        metrics = httpx.get(s.url + "/metrics").text
+        assert "nanoserve:prefix_cache_hits_total" in metrics and "nanoserve:prefix_cache_queries_total" in metrics
+    finally:
+        s.stop()

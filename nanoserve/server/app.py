@@ -50,6 +50,7 @@ from nanoserve.server.schemas import (
 )
 
 MAX_BODY_BYTES = 4 * 2**20
+GUARDED = ("/v1/", "/reset_prefix_cache")  # what --api-key protects: generation, models, operator actions
 DISCARD_BYTES = 64 * 2**20  # past the limit, bytes read and dropped so the 413 reaches the client
 PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
 log = logging.getLogger("nanoserve.server")
@@ -81,7 +82,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._expected is not None and scope["path"].startswith("/v1/"):
+        if self._expected is not None and scope["path"].startswith(GUARDED):
             if not secrets.compare_digest(headers.get(b"authorization", b""), self._expected):  # constant time
                 return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                                     "authentication_error")(scope, receive, send)
@@ -192,6 +193,12 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/reset_prefix_cache", summary="Forget every cached KV block's name (vLLM's route); requests "
+                                             "running keep their blocks. Guarded by the API key.")
+    async def reset_prefix_cache():
+        forgotten = await host.call(lambda engine: engine.reset_prefix_cache())
+        return {"reset": True, "blocks_forgotten": forgotten}
 
     @app.get("/version", responses=ok(Version))
     async def version():

@@ -124,9 +124,9 @@ class CompletionResponder:
             out["prompt_logprobs"] = prompt_logprobs_json(scored.entries(), self.name) if scored else None
         return out
 
-    def _usage(self) -> tuple[int, int]:
-        prompt, completion = self.fanout.usage_counts()
-        return (prompt, 0) if self.echo is not None and self.echo.only else (prompt, completion)
+    def _usage(self) -> tuple[int, int, int | None]:
+        prompt, completion, cached = self.fanout.usage_counts()
+        return (prompt, 0, cached) if self.echo is not None and self.echo.only else (prompt, completion, cached)
 
     def _observe(self, out) -> None:
         if out.outputs[0].finish_reason is not None:

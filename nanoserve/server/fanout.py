@@ -34,6 +34,7 @@ class Fanout:
         self.host, self.prompts, self.params, self.request_id = host, prompts, params, request_id
         self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
         self.prompt_logprobs: list = [None] * len(prompts)  # per prompt, once its prefill is done
+        self.cached_tokens: list[int | None] = [None] * len(prompts)  # per prompt, from the prefix cache
         self._streams: list = []
 
     def engine_id(self, prompt: int) -> str:
@@ -61,14 +62,18 @@ class Fanout:
                 choice.completion = out.outputs[0]
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[p] = out.prompt_logprobs
+                if out.num_cached_tokens is not None:
+                    self.cached_tokens[p] = out.num_cached_tokens
                 yield choice, out
         finally:
             await self.close()
 
-    def usage_counts(self) -> tuple[int, int]:
-        """(prompt tokens, completion tokens) so far: each prompt counted once, every choice's tokens."""
+    def usage_counts(self) -> tuple[int, int, int | None]:
+        """(prompt tokens, completion tokens, prompt tokens served from the prefix cache, None while caching is
+        off) so far: each prompt counted once, every choice's tokens."""
         completion = sum(len(c.completion.token_ids) for c in self.choices if c.completion is not None)
-        return sum(len(ids) for ids in self.prompts), completion
+        known = [c for c in self.cached_tokens if c is not None]
+        return sum(len(ids) for ids in self.prompts), completion, sum(known) if known else None
 
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:

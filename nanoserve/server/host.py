@@ -63,6 +63,14 @@ class _AbortAll:
     pass
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread (the engine is not thread-safe) and answer with its result."""
+
+    fn: Callable
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
 class EngineHost:
     """Owns one Engine and the thread that steps it."""
 
@@ -206,6 +214,16 @@ class EngineHost:
         self._commands.put(_AbortAll())
         self._wake.set()
 
+    async def call(self, fn: Callable):
+        """`fn(engine)` run on the engine thread between steps; its result (or its exception) comes back here."""
+        cmd = _Call(fn)
+        with self._sending:
+            if self._closed is not None or not self.running or self._stop.is_set():
+                raise HostStopped(self._closed or self.load_error or "the engine is not running")
+            self._commands.put(cmd)
+        self._wake.set()
+        return await asyncio.wrap_future(cmd.done)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
         self._wake.set()
@@ -332,6 +350,12 @@ class EngineHost:
                 for rid in list(self._sinks):
                     self.engine.abort(rid)
                 continue
+            if isinstance(cmd, _Call):
+                try:
+                    cmd.done.set_result(cmd.fn(self.engine))
+                except Exception as e:
+                    cmd.done.set_exception(e)
+                continue
             if self._stop.is_set():
                 cmd.accepted.set_exception(HostStopped("the engine is shutting down"))
                 continue
@@ -356,8 +380,9 @@ class EngineHost:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add) and not cmd.accepted.done():
-                cmd.accepted.set_exception(HostStopped("the engine is shutting down"))
+            future = cmd.accepted if isinstance(cmd, _Add) else cmd.done if isinstance(cmd, _Call) else None
+            if future is not None and not future.done():
+                future.set_exception(HostStopped("the engine is shutting down"))
 
     def _abort_all(self) -> None:
         for rid in list(self._sinks):

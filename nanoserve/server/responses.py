@@ -68,6 +68,10 @@ def prompt_logprobs_json(entries: Sequence[TokenLogprobs | None], name: TokenTex
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens` when the prefix cache is on, as OpenAI reports it."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body

@@ -10,10 +10,15 @@ from pydantic import BaseModel
 FinishReason = Literal["stop", "length", "abort"] | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # present while prefix caching is on
 
 
 class PromptLogprob(BaseModel):
