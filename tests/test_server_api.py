@@ -162,7 +162,10 @@ def test_text_parts_are_joined_and_equal_the_string(server):
     b = post(server, "/v1/chat/completions", {**GREEDY, "messages": [
         {"role": "user", "content": "What is\nthe capital of France?"}]})
     assert a.json()["choices"][0]["message"]["content"] == b.json()["choices"][0]["message"]["content"]
-    assert a.json()["usage"] == b.json()["usage"]
+    ua, ub = a.json()["usage"], b.json()["usage"]
+    assert ua["prompt_tokens"] == ub["prompt_tokens"] and ua["completion_tokens"] == ub["completion_tokens"]
+    # the same prompt ids: the second finds the first's full blocks in the prefix cache
+    assert ub["prompt_tokens_details"]["cached_tokens"] == (ub["prompt_tokens"] - 1) // 16 * 16
 
 
 @pytest.mark.parametrize("messages,needle", [

@@ -42,6 +42,19 @@ class LlamaCppArm:
                 break
         return first - start, time.perf_counter() - first
 
+    def first_token_and_answer(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        """(seconds to the first token, the n tokens), greedy. `generate` reuses the longest prefix this
+        context already evaluated (llama-cpp-python's own prompt cache); `llm.reset()` first to compute all."""
+        start = time.perf_counter()
+        first, tokens = None, []
+        for token in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            tokens.append(token)
+            if first is None:
+                first = time.perf_counter() - start
+            if len(tokens) == n:
+                break
+        return first, tokens
+
     def single(self, prompt: list[int], n: int) -> float:
         """Decode tokens/s of one stream after its first token (the same measure as the other arms)."""
         _, decode = self._run(prompt, n)
