@@ -94,7 +94,7 @@ def run_shared(arms: dict, llama_cpp: LlamaCppArm | None, n: int, system_tokens:
     questions = [tokenizer.encode(f" Question {i}: {q}", add_special_tokens=False)
                  for i, q in enumerate(pick_prompts(n))]
     prompts = [system + q for q in questions]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=TOP)
     out = {}
     for name, llm in arms.items():
         llm.engine.reset_prefix_cache()
@@ -107,7 +107,7 @@ def run_shared(arms: dict, llama_cpp: LlamaCppArm | None, n: int, system_tokens:
         queries, hits = after.queries - before.queries, after.hits - before.hits
         out[name] = {"tok_s": n * output_len / wall, "seconds": wall, "ttft": ttfts,
                      "hit_rate": hits / queries if queries else 0.0,
-                     "texts": [r.outputs[0].token_ids for r in results]}
+                     "outputs": [r.outputs[0] for r in results]}
     if llama_cpp is not None:
         llama_cpp.llm.reset()
         start = time.perf_counter()
@@ -119,6 +119,25 @@ def run_shared(arms: dict, llama_cpp: LlamaCppArm | None, n: int, system_tokens:
         wall = time.perf_counter() - start
         out[CPP] = {"tok_s": n * output_len / wall, "seconds": wall, "ttft": ttfts, "hit_rate": None}
     return out
+
+
+TOP = 5  # logprobs kept per token, for the "logprobs close" verdict
+
+
+def verdicts(a: list, b: list) -> dict:
+    """vLLM's "logprobs close" rule between two arms' greedy outputs: identical, or at the first token where
+    they part each arm's token is among the other's top-5 (numerics, not a wrong token), or not close."""
+    counts = {"identical": 0, "close": 0, "not close": 0}
+    for x, y in zip(a, b):
+        xs, ys = list(x.token_ids), list(y.token_ids)
+        if xs == ys:
+            counts["identical"] += 1
+            continue
+        i = next(i for i, (s, t) in enumerate(zip(xs, ys)) if s != t)
+        xe, ye = x.logprobs.entries()[i], y.logprobs.entries()[i]
+        ok = xs[i] in dict(ye.top) and ys[i] in dict(xe.top)
+        counts["close" if ok else "not close"] += 1
+    return counts
 
 
 def _median_lists(runs: list[list[float]]) -> list[float]:
@@ -167,13 +186,20 @@ def main(args) -> int:
     print_table(f"(b) {args.shared_requests} requests sharing a {args.system_tokens}-token system prompt, "
                 f"{args.output_len} tokens each, all arriving at once (median of {args.repeats})", shared_rows,
                 list(shared_rows[0]))
-    identical = all(c["answers_identical"] for c in chats) and all(
-        s[ON]["texts"] == s[OFF]["texts"] for s in shared)
+    chat_same = sum(c["answers_identical"] for c in chats)
+    shared_verdicts = [verdicts(s[ON]["outputs"], s[OFF]["outputs"]) for s in shared]
+    identical = chat_same == len(chats) and all(v["identical"] == args.shared_requests for v in shared_verdicts)
+    for s in shared:  # not JSON
+        for arm in (ON, OFF):
+            del s[arm]["outputs"]
     ratio_chat = ttft[OFF][-1] / ttft[ON][-1]
     ratio_shared = shared_rows[0]["output tok/s"] / shared_rows[1]["output tok/s"]
     print(f"\nturn {args.turns}: TTFT {ratio_chat:.1f}x lower with the cache (target 5x); shared prompt: "
-          f"{ratio_shared:.1f}x the throughput (target 2x); outputs identical on and off: {identical}")
-    payload = {"chat": chat_rows, "shared": shared_rows, "identical": identical, "turn_ratio": ratio_chat,
+          f"{ratio_shared:.1f}x the throughput (target 2x)")
+    print(f"cache on vs off: chats with every answer identical {chat_same} of {len(chats)}; shared-prompt "
+          f"outputs per repeat {shared_verdicts} (close: they part at a near-tie, each token in the other's top {TOP})")
+    payload = {"chat": chat_rows, "shared": shared_rows, "identical": identical, "chats_identical": chat_same,
+               "shared_verdicts": shared_verdicts, "turn_ratio": ratio_chat,
                "shared_ratio": ratio_shared, "llama_cpp": llama_cpp.version if llama_cpp else None,
                "chat_runs": [c["ttft"] for c in chats]}
     path = write_results(args.out, "prefix", payload, chat_rows, args)
