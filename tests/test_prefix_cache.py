@@ -222,3 +222,16 @@ def test_usage_reports_cached_tokens_and_reset_is_an_operator_route(ckpt):
         assert "nanoserve:prefix_cache_hits_total" in metrics and "nanoserve:prefix_cache_queries_total" in metrics
     finally:
         s.stop()
+
+
+def test_a_preempted_request_finds_its_own_blocks_again(ckpt):
+    """Distinct prompts share nothing, so every hit here is a preempted request re-finding its own blocks."""
+    flags = {"kv_cache_gib": 10 * BLOCK_BYTES / 2**30, "max_model_len": 144}
+    prompts = [f"{word} " * 20 for word in ("alpha", "beta", "gamma", "delta")]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = make(ckpt, caching=True, **flags)
+    warm = llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    assert stats.scheduler.preemptions > 0 and stats.prefix_cache.hits > 0
+    cold = make(ckpt, caching=False, **flags).generate(prompts, params)
+    assert [w.outputs[0].token_ids for w in warm] == [c.outputs[0].token_ids for c in cold]
