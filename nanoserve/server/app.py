@@ -182,7 +182,9 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         return max(1, engine.max_model_len - len(ids))
 
     @app.get("/health", summary="The engine's stats snapshot (flags, scheduler, KV pool, paged read, rows); "
-                                "503 with the reason while it is stopped, failing repeatedly, or failed to load")
+                                "503 with the reason while it is stopped, failing repeatedly, or failed to load",
+             responses={503: {"description": "The snapshot, with status stopped, unhealthy or failed and the "
+                                             "reason"}})
     async def health():
         state = host.health()
         body = {"status": state.status, "reason": state.reason, "failed_steps_total": host.failures.total,
@@ -194,7 +196,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/reset_prefix_cache", summary="Forget every cached KV block's name (vLLM's route); requests "
+    @app.post("/reset_prefix_cache", responses={401: ERRORS[401], 503: ERRORS[503]}, summary="Forget every cached KV block's name (vLLM's route); requests "
                                              "running keep their blocks. Guarded by the API key.")
     async def reset_prefix_cache():
         forgotten = await host.call(lambda engine: engine.reset_prefix_cache())
