@@ -337,12 +337,16 @@ class EngineHost:
             log.exception("the engine's stats failed")
             return self._stats
 
-    def _apply_commands(self) -> None:
+    def _queued(self):
+        """The commands waiting now, taken off the queue one by one."""
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for cmd in self._queued():
             if isinstance(cmd, _Abort):
                 self.engine.abort(cmd.request_id)
                 continue
@@ -375,11 +379,7 @@ class EngineHost:
 
     def _refuse_pending(self) -> None:
         """After the loop has stopped: every send still queued hears that the host stopped."""
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued():
             future = cmd.accepted if isinstance(cmd, _Add) else cmd.done if isinstance(cmd, _Call) else None
             if future is not None and not future.done():
                 future.set_exception(HostStopped("the engine is shutting down"))
