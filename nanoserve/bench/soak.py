@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -275,8 +276,6 @@ def resident_mib() -> float:
     """This process's resident memory (Linux /proc; 0 elsewhere)."""
     try:
         with open("/proc/self/statm") as f:
-            import os
-
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return 0.0

@@ -152,7 +152,6 @@ class EngineHost:
         self.load_error = None
         self.failures = FailureLog()
         self._stats = self.engine.stats()
-        self._commands = queue.SimpleQueue()
         self.dropped += len(self._sinks)
         self._sinks.clear()
         self.start()
@@ -188,17 +187,23 @@ class EngineHost:
 
     def _send(self, prompt, params, sink, request_id, user=None) -> concurrent.futures.Future:
         cmd = _Add(prompt, params, request_id, sink, user)
+        self._enqueue(cmd, bounded=True)
+        return cmd.accepted
+
+    def _enqueue(self, cmd, bounded: bool = False) -> None:
+        """Queue a command for the engine thread, or refuse it (HostStopped) while admission is closed or the
+        loop is not running. Checked and queued under the lock a stop takes, so nothing lands after the last
+        drain; `bounded` commands are also refused (QueueFull) once max_waiting are queued."""
         with self._sending:
             if self._closed is not None:
                 raise HostStopped(self._closed)
             if not self.running or self._stop.is_set():
                 raise HostStopped(self.load_error or "the engine is not running; wait for the restart to finish")
-            if self.max_waiting is not None and self._commands.qsize() >= self.max_waiting:
+            if bounded and self.max_waiting is not None and self._commands.qsize() >= self.max_waiting:
                 raise QueueFull(f"{self._commands.qsize()} requests are already waiting to be admitted; "
                                 "retry shortly")
             self._commands.put(cmd)
         self._wake.set()
-        return cmd.accepted
 
     def close_admission(self, reason: str) -> None:
         """Refuse every new request with HostStopped(reason); those already admitted run on."""
@@ -217,11 +222,7 @@ class EngineHost:
     async def call(self, fn: Callable):
         """`fn(engine)` run on the engine thread between steps; its result (or its exception) comes back here."""
         cmd = _Call(fn)
-        with self._sending:
-            if self._closed is not None or not self.running or self._stop.is_set():
-                raise HostStopped(self._closed or self.load_error or "the engine is not running")
-            self._commands.put(cmd)
-        self._wake.set()
+        self._enqueue(cmd)
         return await asyncio.wrap_future(cmd.done)
 
     def abort(self, request_id: str) -> None:
