@@ -176,10 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from nanoserve.bench import ab, graphs, inputs, linear, prefix, reads, soak, throughput, wire
+    from nanoserve.bench import ab, graphs, inputs, linear, prefill, prefix, reads, soak, throughput, wire
     from nanoserve.bench import serve as serve_bench
 
-    for module in (throughput, serve_bench, linear, ab, inputs, graphs, wire, reads, soak, prefix):
+    for module in (throughput, serve_bench, linear, ab, inputs, graphs, wire, reads, soak, prefix, prefill):
         module.add_parser(bench_sub)
         bench_sub.choices[module.__name__.rsplit(".", 1)[1]].set_defaults(bench_main=module.main)
     bench.set_defaults(func=cmd_bench)

@@ -138,7 +138,7 @@ class Engine:
         batch = StepBatch(
             input_ids=ids, positions=positions, slots=ids % self.config.block_size,
             num_decode=0, decode_block_table=ids[:0, None], decode_context_lens=ids[:0],
-            prefills=(PrefillSegment(0, n, 0, ids[:1]),), logits_indices=ids[-1:],
+            prefills=(PrefillSegment(0, n, 0),), logits_indices=ids[-1:],
         )
         with torch.inference_mode():
             self.model(batch, cache, PagedRead("gathered"))

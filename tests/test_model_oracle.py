@@ -54,7 +54,7 @@ def full_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         slots=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)]),
         num_decode=0, decode_block_table=torch.zeros(0, 1, dtype=torch.long),
         decode_context_lens=torch.zeros(0, dtype=torch.long),
-        prefills=(PrefillSegment(0, n, 0, torch.tensor(blocks)),), logits_indices=torch.arange(n),
+        prefills=(PrefillSegment(0, n, 0),), logits_indices=torch.arange(n),
     )
     with torch.inference_mode():
         return engine.model(batch, cache, PagedRead())

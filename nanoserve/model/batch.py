@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.model.prefill import SharedPast, share_pasts
+
 
 @dataclass(frozen=True)
 class PrefillSegment:
@@ -18,8 +20,7 @@ class PrefillSegment:
 
     start: int
     length: int
-    context_start: int
-    block_table: torch.Tensor  # [blocks] covering context_start + length tokens
+    context_start: int  # > 0: the segment continues a sequence whose past it reads from the cache
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class StepBatch:
     decode_context_lens: torch.Tensor  # [num_decode]
     prefills: tuple[PrefillSegment, ...]
     logits_indices: torch.Tensor  # [sampled rows] which tokens' hidden states become logits
+    shared_pasts: tuple[SharedPast, ...] = ()  # continuing segments grouped by the cache blocks of their pasts
 
 
 def decode_rows(requests: list, positions: list[int], block_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -65,7 +67,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         _mark_prompt(c, row, prompt_at, prompt_rows)
     width = max((-(-n // bs) for n in lens), default=0)
     table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
-    segments = []
+    segments, tables = [], []
     for c in prefills:
         req = c.request
         start = len(ids)
@@ -73,8 +75,8 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         span = range(c.start, c.start + c.length)
         positions.extend(span)
         slots.extend(req.blocks[p // bs] * bs + p % bs for p in span)
-        blocks = torch.tensor(req.blocks[: -(-(c.start + c.length) // bs)], device=device)
-        segments.append(PrefillSegment(start, c.length, c.start, blocks))
+        tables.append(req.blocks)
+        segments.append(PrefillSegment(start, c.length, c.start))
         _mark(c, len(ids) - 1, logits_at, sampled)
         _mark_prompt(c, start, prompt_at, prompt_rows)
     batch = StepBatch(
@@ -86,6 +88,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         decode_context_lens=torch.tensor(lens, dtype=torch.long, device=device),
         prefills=tuple(segments),
         logits_indices=torch.tensor(logits_at + prompt_at, dtype=torch.long, device=device),
+        shared_pasts=share_pasts(segments, tables, bs, device),
     )
     return batch, sampled, prompt_rows
 

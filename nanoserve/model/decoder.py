@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kv.cache import KVCache
-from nanoserve.model.attention import sdpa
 from nanoserve.model.attrs import Embedding, FastAttributes, Linear
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from nanoserve.model.prefill import prefill_attention
 from nanoserve.reads.dispatch import PagedRead, StepRead
 
 
@@ -51,27 +51,10 @@ class Attention(FastAttributes, nn.Module):
             parts = []
             if nd:
                 parts.append(read.decode(q[:nd], cache.k[self.layer], cache.v[self.layer], self.scale))
-            for seg in batch.prefills:
-                parts.append(self._prefill(q, k, v, seg, cache))
+            parts.append(prefill_attention(q, k, v, batch.prefills, batch.shared_pasts, cache.k[self.layer],
+                                           cache.v[self.layer], self.scale))
             out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return self.o_proj(out.reshape(tokens, self.heads * self.dim))
-
-    def _prefill(self, q, k, v, seg, cache: KVCache) -> torch.Tensor:
-        """Causal attention for one segment; a chunk that continues a sequence reads its past from the cache."""
-        sl = slice(seg.start, seg.start + seg.length)
-        qs = q[sl].transpose(0, 1)  # [heads, len, dim]
-        if seg.context_start == 0:
-            ks, vs = k[sl], v[sl]
-            mask, causal = None, True
-        else:
-            total = seg.context_start + seg.length
-            ks = cache.k[self.layer].index_select(0, seg.block_table).flatten(0, 1)[:total]
-            vs = cache.v[self.layer].index_select(0, seg.block_table).flatten(0, 1)[:total]
-            rows = torch.arange(seg.length, device=q.device)[:, None] + seg.context_start
-            mask = torch.arange(total, device=q.device)[None, :] <= rows
-            causal = False
-        out = sdpa(qs, ks.transpose(0, 1), vs.transpose(0, 1), mask=mask, causal=causal, scale=self.scale)
-        return out.transpose(0, 1)
 
 
 class MLP(FastAttributes, nn.Module):
