@@ -202,16 +202,20 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         user: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated.
 
-        `user` names who sent it (OpenAI's field); its rows in the stats snapshot carry it.
+        `user` names who sent it (OpenAI's field); its rows in the stats snapshot carry it. With a `cache_salt`
+        (vLLM's) the request shares prefix-cache blocks only with requests that carry the same salt.
         With `params.n` > 1 the request is n sequences sharing the prompt (see SamplingParams.for_completion).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}; send one per tenant")
         if request_id in self._groups:
             raise RequestError(f"request id {request_id!r} is already in use; pick a unique id")
         text, ids = self._prompt_ids(prompt)
@@ -234,7 +238,8 @@ class Engine:
             own = params if params.n == 1 else params.for_completion(index)
             if index:  # the prompt's logprobs are the same for every completion: compute them once
                 own = dataclasses.replace(own, prompt_logprobs=None)
-            req = Request(request_id, text, ids, own, max_tokens, index=index, bad_word_ids=bad_words, user=user)
+            req = Request(request_id, text, ids, own, max_tokens, index=index, bad_word_ids=bad_words, user=user,
+                          cache_salt=cache_salt)
             if own.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
             if arrival_time is not None:

@@ -48,8 +48,8 @@ class LLM:
         params = self._params_for(len(prompts), sampling_params)
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+            for (prompt, salt), p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt))
         except Exception:
             for rid in ids:  # refuse the whole call without leaving half of it queued
                 self.engine.abort(rid)
@@ -135,15 +135,17 @@ def _as_prompt_list(prompts) -> list:
                        f"{type(prompts).__name__}")
 
 
-def _prompt_input(prompt, i: int) -> str | list[int]:
-    """A prompt of any accepted form as the text or token ids the engine takes; anything else is refused."""
+def _prompt_input(prompt, i: int) -> tuple[str | list[int], str | None]:
+    """A prompt of any accepted form as the text or token ids the engine takes, and its cache salt; anything
+    else is refused."""
     if isinstance(prompt, str):
-        return prompt
+        return prompt, None
     if isinstance(prompt, Sequence) and all(_is_token(t) for t in prompt):
-        return list(prompt)
+        return list(prompt), None
     if isinstance(prompt, Mapping):
-        if prompt.get("multi_modal_data") is not None:
-            raise RequestError(f"prompt {i} has multi_modal_data, but this model takes text only; send text")
+        for key in ("multi_modal_data", "mm_processor_kwargs", "token_type_ids"):
+            if prompt.get(key) is not None:
+                raise RequestError(f"prompt {i} has {key}, but this model takes text only; send text or token ids")
         keys = _TOKENS_KEYS if "prompt_token_ids" in prompt else _TEXT_KEYS
         unknown = sorted(set(prompt) - keys)
         if unknown:
@@ -153,10 +155,10 @@ def _prompt_input(prompt, i: int) -> str | list[int]:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(_is_token(t) for t in ids):
                 raise RequestError(f"prompt {i}: prompt_token_ids must be a list of ints")
-            return list(ids)
+            return list(ids), prompt.get("cache_salt")
         if not isinstance(prompt.get("prompt"), str):
             raise RequestError(f"prompt {i}: 'prompt' must be a string (or send 'prompt_token_ids')")
-        return prompt["prompt"]
+        return prompt["prompt"], prompt.get("cache_salt")
     raise RequestError(f"prompt {i} must be a string, a list of token ids, {{'prompt': text}} or "
                        f"{{'prompt_token_ids': [ids]}}, got {type(prompt).__name__}")
 

@@ -130,8 +130,14 @@ class Scheduler:
         if not self.prefix_caching or req.prompt_logprobs is not None:
             return []
         bs = self.pool.block_size
-        names = req.names.extend(req.tokens, (req.num_tokens - 1) // bs, bs, self.root, self.hash_fn)
-        return self.pool.match(names, lambda i: req.tokens(i * bs, (i + 1) * bs))
+        root = self._root(req)
+        names = req.names.extend(req.tokens, (req.num_tokens - 1) // bs, bs, root, self.hash_fn)
+        return self.pool.match(names, lambda i: req.tokens(i * bs, (i + 1) * bs), root)
+
+    def _root(self, req: Request) -> bytes:
+        """The root of a request's chain of names: the engine's, or one of its own under a cache salt (vLLM's
+        cache_salt: requests share cached blocks only with requests that carry the same salt)."""
+        return self.root if req.cache_salt is None else root_hash(self.root, req.cache_salt)
 
     def _count_lookup(self, req: Request, cached: int) -> None:
         if not self.prefix_caching:
@@ -152,10 +158,12 @@ class Scheduler:
         full = end // bs
         if full <= req.committed:
             return
-        names = req.names.extend(req.tokens, full, bs, self.root, self.hash_fn)
+        root = self._root(req)
+        names = req.names.extend(req.tokens, full, bs, root, self.hash_fn)
         for i in range(req.committed, full):
             block = req.blocks[i]
-            if self.pool.commit(block, names[i], req.tokens(i * bs, (i + 1) * bs), req.blocks[i - 1] if i else None):
+            if self.pool.commit(block, names[i], req.tokens(i * bs, (i + 1) * bs), req.blocks[i - 1] if i else None,
+                                root):
                 out.committed.append(block)
         req.committed = full
 

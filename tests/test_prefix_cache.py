@@ -7,6 +7,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import StepFailed
+from nanoserve.errors import RequestError
 from tests.test_engine_crowd import BLOCK_BYTES
 
 SYSTEM = "You are a helpful assistant. Answer briefly and truthfully. " * 3  # several blocks of shared prefix
@@ -235,3 +236,46 @@ def test_a_preempted_request_finds_its_own_blocks_again(ckpt):
     assert stats.scheduler.preemptions > 0 and stats.prefix_cache.hits > 0
     cold = make(ckpt, caching=False, **flags).generate(prompts, params)
     assert [w.outputs[0].token_ids for w in warm] == [c.outputs[0].token_ids for c in cold]
+
+
+@pytest.mark.parametrize("colliding", [False, True], ids=["sha256", "colliding-hash"])
+def test_a_cache_salt_shares_blocks_only_within_the_salt(ckpt, colliding):
+    """vLLM's cache_salt: a tenant's salt keeps its cached blocks from every other salt (and from unsalted
+    requests), even under a hash that names every block alike."""
+    llm = make(ckpt, caching=True)
+    if colliding:
+        llm.engine.scheduler.hash_fn = lambda parent, tokens: b"every block has this name"
+    hits = lambda: llm.engine.stats().prefix_cache.hits  # noqa: E731
+    llm.generate([{"prompt": SYSTEM, "cache_salt": "tenant-a"}], GREEDY)
+    for other in ({"prompt": SYSTEM}, {"prompt": SYSTEM, "cache_salt": "tenant-b"}):
+        llm.generate([other], GREEDY)
+        assert hits() == 0
+    before = hits()
+    out = llm.generate([{"prompt": SYSTEM, "cache_salt": "tenant-a"}], GREEDY)[0]
+    assert hits() > before and out.num_cached_tokens > 0
+    llm.engine.audit()
+    with pytest.raises(RequestError, match="cache_salt must be a non-empty string"):
+        llm.generate([{"prompt": SYSTEM, "cache_salt": ""}], GREEDY)
+
+
+def test_the_server_honours_cache_salt(ckpt):
+    import httpx
+
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    s = Server(EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01), port=0).start()
+    try:
+        def cached(salt):
+            body = {"prompt": SYSTEM, "max_tokens": 2, **({"cache_salt": salt} if salt else {})}
+            r = httpx.post(s.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert [cached("a"), cached("b"), cached(None), cached("a")][:3] == [0, 0, 0]
+        assert cached("b") > 0
+        chat = {"messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 2, "cache_salt": ""}
+        refused = httpx.post(s.url + "/v1/chat/completions", json=chat)
+        assert refused.status_code == 400 and "cache_salt" in refused.text
+    finally:
+        s.stop()

@@ -56,6 +56,7 @@ COMMON = {
     "stream": (True, CHANGES, {}),
     "stream_options": ({"include_usage": True}, CHANGES, {"stream": True}),
     "user": ("alice", CHANGES, {}),
+    "cache_salt": ("tenant-a", CHANGES, {}),
     "request_id": ("my-request", CHANGES, {}),
     "add_special_tokens": (None, CHANGES, {}),  # per route below: the non-default for that route
     "truncate_prompt_tokens": (2, CHANGES, {}),
@@ -137,13 +138,15 @@ def server(bos_checkpoint):
 
 @pytest.fixture
 def seen(server, monkeypatch):
-    """What reached the engine: (prompt ids, sampling params, user, request id) per add_request."""
+    """What reached the engine: (prompt ids, sampling params, (user, cache salt), request id) per add_request."""
     engine, calls = server.engine, []
     real = engine.add_request
 
-    def spy(prompt, params=None, request_id=None, arrival_time=None, user=None):
-        calls.append((list(prompt) if not isinstance(prompt, str) else prompt, repr(params), user, request_id))
-        return real(prompt, params, request_id=request_id, arrival_time=arrival_time, user=user)
+    def spy(prompt, params=None, request_id=None, arrival_time=None, user=None, cache_salt=None):
+        calls.append((list(prompt) if not isinstance(prompt, str) else prompt, repr(params), (user, cache_salt),
+                      request_id))
+        return real(prompt, params, request_id=request_id, arrival_time=arrival_time, user=user,
+                    cache_salt=cache_salt)
 
     monkeypatch.setattr(engine, "add_request", spy)
     return calls

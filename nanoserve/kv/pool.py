@@ -32,7 +32,7 @@ class Cached:
 
     name: bytes
     tokens: tuple[int, ...]
-    parent: tuple[int, int]
+    parent: tuple  # (block id, generation); a first block's is (NULL_BLOCK, -1, the chain's root)
     generation: int
 
 
@@ -100,10 +100,11 @@ class BlockPool:
                 self._free[b] = None
 
     # ---- prefix caching -------------------------------------------------------------------------------
-    def match(self, names: Sequence[bytes], tokens_of) -> list[int]:
+    def match(self, names: Sequence[bytes], tokens_of, root: bytes = b"") -> list[int]:
         """The longest run of committed blocks for a sequence whose full blocks are named `names`
-        (`tokens_of(i)` gives block i's token ids); each hit is checked against its stored content."""
-        hits, parent = [], ROOT
+        (`tokens_of(i)` gives block i's token ids) and whose chain starts at `root` (a cache salt's); each hit
+        is checked against its stored content."""
+        hits, parent = [], (*ROOT, root)
         for i, name in enumerate(names):
             block = self._named.get(name)
             if block is None:
@@ -126,14 +127,15 @@ class BlockPool:
                 del self._free[b]
             self.refcounts[b] += 1
 
-    def commit(self, block: int, name: bytes, tokens: Sequence[int], parent_block: int | None) -> bool:
+    def commit(self, block: int, name: bytes, tokens: Sequence[int], parent_block: int | None,
+               root: bytes = b"") -> bool:
         """Name a block that is full (or will be once this step runs). `parent_block` is the sequence's block
         before it (None for its first). Returns True when it was named now; False when it cannot be: its name is taken by another
         block (the content is already cached), it is named already, or its parent is not itself committed."""
         if block in self._content or name in self._named:
             return False
         if parent_block is None:
-            parent = ROOT
+            parent = (*ROOT, root)  # a first block also records the chain's root: two salts never meet
         elif parent_block in self._content:
             parent = (parent_block, self._content[parent_block].generation)
         else:

@@ -266,7 +266,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         params = body.sampling_params(engine_max_tokens(body, room_for(engine, longest)), body.logprobs,
                                       prompt_logprobs_wanted(body))
         rid = request_id(body, "cmpl")
-        fanout = await Fanout(host, ids, params, rid).open(body.user)
+        fanout = await Fanout(host, ids, params, rid).open(body.user, body.cache_salt)
         responder = CompletionResponder(body, fanout, [p[0] for p in prompts], tokenizer, model_name, rid, metrics)
         return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 
@@ -282,7 +282,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         limit = body.token_limit()
         params = body.sampling_params(limit if limit is not None else room_for(engine, ids), body.chat_logprobs())
         rid = request_id(body, "chatcmpl")
-        fanout = await Fanout(host, [ids], params, rid).open(body.user)
+        fanout = await Fanout(host, [ids], params, rid).open(body.user, body.cache_salt)
         responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics)
         return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 

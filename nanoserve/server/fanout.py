@@ -40,11 +40,12 @@ class Fanout:
     def engine_id(self, prompt: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt}"
 
-    async def open(self, user: str | None = None) -> Fanout:
+    async def open(self, user: str | None = None, cache_salt: str | None = None) -> Fanout:
         """Submit every prompt (a refusal raises here, before any response is started, and frees the rest)."""
         try:
             for p, ids in enumerate(self.prompts):
-                self._streams.append(await self.host.open(ids, self.params, request_id=self.engine_id(p), user=user))
+                self._streams.append(await self.host.open(ids, self.params, request_id=self.engine_id(p), user=user,
+                                                            cache_salt=cache_salt))
         except BaseException:
             await self.close()
             raise

@@ -51,6 +51,7 @@ class _Add:
     request_id: str | None
     sink: Callable[[RequestOutput | BaseException], None]
     user: str | None = None
+    cache_salt: str | None = None
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -181,12 +182,12 @@ class EngineHost:
 
     # ---- requests -----------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, sink: Callable, request_id: str | None = None,
-               timeout: float = 60.0, user: str | None = None) -> str:
+               timeout: float = 60.0, user: str | None = None, cache_salt: str | None = None) -> str:
         """Queue a request from any thread; returns its id, or raises the engine's refusal (nothing held)."""
-        return self._send(prompt, params, sink, request_id, user).result(timeout)
+        return self._send(prompt, params, sink, request_id, user, cache_salt).result(timeout)
 
-    def _send(self, prompt, params, sink, request_id, user=None) -> concurrent.futures.Future:
-        cmd = _Add(prompt, params, request_id, sink, user)
+    def _send(self, prompt, params, sink, request_id, user=None, cache_salt=None) -> concurrent.futures.Future:
+        cmd = _Add(prompt, params, request_id, sink, user, cache_salt)
         self._enqueue(cmd, bounded=True)
         return cmd.accepted
 
@@ -229,8 +230,8 @@ class EngineHost:
         self._commands.put(_Abort(request_id))
         self._wake.set()
 
-    async def open(self, prompt, params: SamplingParams, request_id: str | None = None, user: str | None = None
-                   ) -> AsyncIterator[RequestOutput]:
+    async def open(self, prompt, params: SamplingParams, request_id: str | None = None, user: str | None = None,
+                   cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit now (a refusal raises here, before any response is started) and return the output stream.
 
         Closing the stream before its last output (a client that went away) aborts the request.
@@ -242,7 +243,7 @@ class EngineHost:
             loop.call_soon_threadsafe(outputs.put, item)  # raises once the loop is closed: the host aborts
 
         # Awaiting the engine thread's answer holds no executor thread, however many clients arrive at once.
-        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user))
+        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user, cache_salt))
         return self._stream(rid, outputs)
 
     async def _stream(self, rid: str, outputs: OutputCollector) -> AsyncIterator[RequestOutput]:
@@ -370,7 +371,8 @@ class EngineHost:
                                                      f"is {self.max_waiting}); retry shortly"))
                 continue
             try:
-                rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, user=cmd.user)
+                rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, user=cmd.user,
+                                              cache_salt=cmd.cache_salt)
             except Exception as e:
                 cmd.accepted.set_exception(e)
                 continue

@@ -40,7 +40,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "logits_processors": ((None,), "custom logits processors are not supported; use logit_bias, "
                                    "allowed_token_ids or bad_words"),
     "priority": ((None, 0), "request priorities are not supported; requests are served in arrival order"),
-    "cache_salt": ((None,), "there is no prefix cache to salt"),
     "kv_transfer_params": ((None,), "KV transfer between servers is not supported"),
     "mm_processor_kwargs": ((None,), "this model takes text only"),
     "prompt_embeds": ((None,), "prompt embeddings are not supported; send text or token ids"),
@@ -117,6 +116,7 @@ class _Request(BaseModel):
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
     return_tokens_as_token_ids: StrictBool = False
     response_format: ResponseFormat | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: share cached blocks only within a salt
     # UNSUPPORTED fields, declared so the schema names them and their refusal is documented
     suffix: Any = None
     use_beam_search: Any = None
@@ -129,7 +129,6 @@ class _Request(BaseModel):
     structured_outputs: Any = None
     logits_processors: Any = None
     priority: Any = None
-    cache_salt: Any = None
     kv_transfer_params: Any = None
     mm_processor_kwargs: Any = None
     prompt_embeds: Any = None
