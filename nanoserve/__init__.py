@@ -17,6 +17,8 @@ from nanoserve.engine import Engine  # noqa: E402
 from nanoserve.llm import LLM  # noqa: E402
 from nanoserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanoserve.sampling import SamplingParams  # noqa: E402
+from nanoserve.structured.params import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"

@@ -42,6 +42,8 @@ from nanoserve.stats import (
     percentiles,
 )
 from nanoserve.streaming import TextStream
+from nanoserve.structured.grammars import Grammars
+from nanoserve.structured.mask import GrammarMasker
 
 log = logging.getLogger("nanoserve.engine")
 
@@ -85,7 +87,9 @@ class Engine:
         if self.captured is not None:
             self._progress("capturing CUDA graphs")
             self.captured.capture()
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed),
+                               GrammarMasker(self.grammars.stats))
         self._groups: dict[str, list[Request]] = {}  # request id -> its sequences (n of them), until all finish
         self._streams: dict[int, TextStream] = {}  # Request.serial -> the sequence's text
         self._aborted: list[Request] = []
@@ -233,13 +237,14 @@ class Engine:
                 f"max_model_len {self.max_model_len}; lower max_tokens to at most {room} or shorten the prompt"
             )
         bad_words = self._bad_word_ids(params.bad_words)
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         group = []
         for index in range(params.n):
             own = params if params.n == 1 else params.for_completion(index)
             if index:  # the prompt's logprobs are the same for every completion: compute them once
                 own = dataclasses.replace(own, prompt_logprobs=None)
             req = Request(request_id, text, ids, own, max_tokens, index=index, bad_word_ids=bad_words, user=user,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, matcher=grammar.matcher() if grammar else None)
             if own.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
             if arrival_time is not None:
@@ -355,8 +360,8 @@ class Engine:
             if not chunk.request.output_ids and chunk.completes:  # a prompt's first completion
                 self._prompt_tokens += len(chunk.request.prompt_ids)
         if sampled:
-            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, self.tokenizer.eos_token_ids, r.bad_word_ids)
-                    for r in sampled]
+            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, self.tokenizer.eos_token_ids, r.bad_word_ids,
+                                r.matcher) for r in sampled]
             result = self.sampler(logits, rows)
             now = time.monotonic()
             for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
@@ -374,6 +379,8 @@ class Engine:
         """Add a sampled token, decide whether the sequence is done, and say what it can emit."""
         if req.first_token_time is None:
             req.first_token_time = now
+        if req.matcher is not None:
+            req.matcher.consume(token)
         req.output_ids.append(token)
         self._generation_tokens += 1
         if logprobs is not None:

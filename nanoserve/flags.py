@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Sequence
 
 from nanoserve.config import EngineConfig
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.params import StructuredOutputsParams
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -59,6 +61,8 @@ SAMPLING_HELP: dict[str, str] = {
     "logit_bias": "add BIAS (-100..100) to token ID's logit before the pick (repeatable ID=BIAS)",
     "allowed_token_ids": "sample only among these token ids (repeatable, or a comma list)",
     "bad_words": "a word the output must never complete (repeatable)",
+    "structured_outputs": "constrain the output, as JSON: {\"json\": SCHEMA}, {\"json_object\": true}, "
+                          "{\"regex\": RE}, {\"choice\": [A, B]} or {\"grammar\": LARK_OR_GBNF}",
 }
 # The engine's --seed seeds unseeded requests' generator; the request's own seed needs another name.
 SAMPLING_FLAG_NAMES = {"seed": "--sample-seed"}
@@ -84,12 +88,24 @@ def _bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS such as 1234=-100, got {text!r}") from None
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as {{\"regex\": \"[0-9]+\"}}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _kind(name: str, hint) -> str:
-    """bool, int, float, str, ints, strs or bias: how a SamplingParams field is typed on a command line."""
+    """bool, int, float, str, ints, strs, bias or json: how a SamplingParams field is typed on a command line."""
     members = [hint]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [m for m in typing.get_args(hint) if m is not type(None)]
     for m in members:
+        if m is StructuredOutputsParams:
+            return "json"
         origin, args = typing.get_origin(m), typing.get_args(m)
         if origin is dict and args == (int, float):
             return "bias"
@@ -126,6 +142,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=_int_list, action="extend", metavar="ID[,ID...]", **common)
         elif kind == "strs":
             group.add_argument(flag, action="append", metavar="TEXT", **common)
+        elif kind == "json":
+            group.add_argument(flag, type=_json_object, metavar="JSON", **common)
         else:
             group.add_argument(flag, type=_bias, action="append", metavar="ID=BIAS", **common)
 

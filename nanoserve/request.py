@@ -48,6 +48,7 @@ class Request:
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
     user: str | None = None  # who sent it, when the client said (OpenAI's `user`)
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt (vLLM's)
+    matcher: object | None = None  # its structured output's grammar state (nanoserve.structured.Matcher)
     names: BlockNames = field(default_factory=BlockNames)  # content names of its full blocks (prefix caching)
     committed: int = 0  # of its blocks, how many leading ones have been named in the pool
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (usage)

@@ -1,8 +1,10 @@
 """The batched `Sampler` that turns a [rows, vocab] logits batch into one next token per row.
 
-It applies, in the order vLLM and transformers use: repetition penalty, presence/frequency
-penalties, min_tokens masking, logit_bias, allowed_token_ids and bad_words, then argmax for
-greedy rows, or temperature, top-k, top-p, min-p and a random draw for the others.
+It applies, in the order vLLM and transformers use: a structured output's grammar mask, repetition
+penalty, presence/frequency penalties, min_tokens masking, logit_bias, allowed_token_ids and bad_words,
+then argmax for greedy rows, or temperature, top-k, top-p, min-p and a random draw for the others.
+Where the later bans would leave a constrained row no token at all (min_tokens holding back the end of
+sequence its complete grammar demands), the grammar's mask alone decides: the output stays valid.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from itertools import chain
 import torch
 
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.mask import GrammarMasker
 
 __all__ = ["SampleResult", "Sampler", "SamplingRow", "TokenLogprobs", "token_logprobs"]
 
@@ -48,6 +51,7 @@ class SamplingRow:
     output_ids: Sequence[int] = ()
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     bad_word_ids: Sequence[Sequence[int]] = ()  # params.bad_words as token sequences (the engine encodes them)
+    matcher: object | None = None  # the sequence's structured-output grammar (nanoserve.structured.Matcher)
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def _needs_processing(row: SamplingRow) -> bool:
     """Whether the row's logits change before its pick (penalties, bans, biases, an allow-list)."""
     p = row.params
     return bool(_needs_penalties(p) or _min_tokens_mask(row) or p.logit_bias or p.allowed_token_ids
-                or row.bad_word_ids)
+                or row.bad_word_ids or row.matcher is not None)
 
 
 def _banned_words(row: SamplingRow) -> set[int]:
@@ -164,8 +168,9 @@ class Sampler:
     `torch.manual_seed` makes a whole run repeatable.
     """
 
-    def __init__(self, default_generator: torch.Generator | None = None):
+    def __init__(self, default_generator: torch.Generator | None = None, masker: GrammarMasker | None = None):
         self.default_generator = default_generator
+        self.masker = masker if masker is not None else GrammarMasker()
         # One scratch generator per device, re-seeded for every seeded row.
         self._scratch: dict[torch.device, torch.Generator] = {}
 
@@ -194,11 +199,15 @@ class Sampler:
     # -- stages, public so that tests and debugging can see each distribution --
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Logits after penalties, min_tokens masking, logit_bias, allowed_token_ids and bad_words: what greedy
-        rows take the argmax of."""
+        """Logits after the grammar mask, penalties, min_tokens masking, logit_bias, allowed_token_ids and
+        bad_words: what greedy rows take the argmax of."""
         self._check(logits, rows)
         out = logits.to(torch.float32, copy=True)
         vocab = out.shape[-1]
+        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if constrained:
+            self.masker.apply(out, constrained, [rows[i].matcher for i in constrained])
+            grammar_only = out[constrained]
         penalised = [i for i, r in enumerate(rows) if _needs_penalties(r.params)]
         if penalised:
             self._apply_penalties(out, [rows[i] for i in penalised], penalised, vocab)
@@ -214,6 +223,11 @@ class Sampler:
             banned = [t for t in _min_tokens_mask(row) | _banned_words(row) if t < vocab]
             if banned:
                 out[i, banned] = -math.inf
+        if constrained:
+            index = torch.tensor(constrained, device=out.device)
+            dead = (out[index] == -math.inf).all(dim=-1)
+            if bool(dead.any()):
+                out[index[dead]] = grammar_only[dead]
         return out
 
     def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

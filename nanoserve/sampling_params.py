@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nanoserve.errors import RequestError
+from nanoserve.structured.params import StructuredOutputsError, StructuredOutputsParams
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "SamplingParamsError"]
+__all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
 
 # vLLM treats temperatures below this as greedy: dividing by them overflows float32.
 _GREEDY_EPS = 1e-5
@@ -85,6 +86,8 @@ class SamplingParams:
     `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits before the pick,
     `allowed_token_ids` restricts the pick to those ids, and `bad_words` are never completed.
     `detokenize=False` returns token ids with empty text (stop strings then cannot be used).
+    `structured_outputs` (a StructuredOutputsParams, or a dict of its fields) constrains the output to a JSON
+    schema, a regex, a choice or a grammar.
     """
 
     n: int = 1
@@ -109,6 +112,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, message: str) -> None:
@@ -210,6 +214,13 @@ class SamplingParams:
             fail("allowed_token_ids", "allowed_token_ids is empty, so no token could be sampled; "
                                       "list at least one id, or pass None to allow every token")
         self.bad_words = self._normalise_words(self.bad_words)
+        try:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        except StructuredOutputsError as e:
+            fail("structured_outputs", str(e))
+        if self.structured_outputs is not None and self.ignore_eos:
+            fail("ignore_eos", "ignore_eos would run a structured output past the end its grammar allows; "
+                               "drop ignore_eos (max_tokens still bounds the output)")
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:

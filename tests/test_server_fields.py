@@ -61,7 +61,13 @@ COMMON = {
     "add_special_tokens": (None, CHANGES, {}),  # per route below: the non-default for that route
     "truncate_prompt_tokens": (2, CHANGES, {}),
     "return_tokens_as_token_ids": (True, CHANGES, {"logprobs": 1}),
-    "response_format": ({"type": "json_object"}, REFUSED, {}),
+    "response_format": ({"type": "json_object"}, CHANGES, {}),
+    "structured_outputs": ({"choice": ["yes", "no"]}, CHANGES, {}),
+    "guided_json": ({"type": "object"}, CHANGES, {}),
+    "guided_regex": ("[0-9]+", CHANGES, {}),
+    "guided_choice": (["yes", "no"], CHANGES, {}),
+    "guided_grammar": ('start: "yes" | "no"', CHANGES, {}),
+    "guided_whitespace_pattern": ("", REFUSED, {}),  # alone it shapes nothing; with guided_json see below
 }
 COMPLETION = {
     **COMMON,
@@ -97,7 +103,11 @@ MESSAGE = {
                    {"role": "assistant"}),
     "tool_call_id": ("c", REFUSED, {"role": "tool"}),
 }
-RESPONSE_FORMAT = {"type": ("json_schema", REFUSED, {})}
+RESPONSE_FORMAT = {
+    "type": ("json_object", CHANGES, {}),
+    # beside type "text" a schema is refused (it would be ignored); with type "json_schema", tests/test_structured.py
+    "json_schema": ({"name": "n", "schema": {"type": "object"}}, REFUSED, {}),
+}
 TOKENIZE = {
     "model": ("other", CHANGES, {}),
     "prompt": ("Other words", CHANGES, {}),
@@ -221,7 +231,7 @@ def test_every_message_field_is_honoured_or_refused(server, seen):
     walk(server, seen, "/v1/chat/completions", CHAT_BASE, MESSAGE, ChatMessage, nest=nest)
 
 
-def test_response_format_text_is_the_default_and_others_are_refused(server, seen):
+def test_every_response_format_field_is_honoured(server, seen):
     walk(server, seen, "/v1/chat/completions", CHAT_BASE, RESPONSE_FORMAT, ResponseFormat,
          nest=lambda body, fields: {**body, "response_format": {"type": "text", **fields}})
 

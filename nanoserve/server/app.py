@@ -133,6 +133,13 @@ class _Guard:
 _prepare = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="nanoserve-prepare")
 
 
+async def compiled(engine, params) -> None:
+    """Compile a request's structured-output grammar off the event loop and off the engine's step (a bad one is
+    a 400 here); the engine thread then finds it in the compiled cache."""
+    if params.structured_outputs is not None:
+        await off_loop(engine.grammars.compile, params.structured_outputs)
+
+
 async def off_loop(fn, *args, **kwargs):
     """Run CPU-bound request preparation (tokenizing a long prompt, rendering a chat template) on a worker
     thread: on the event loop, one 4 MB prompt stalled every other stream for seconds."""
@@ -266,6 +273,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         params = body.sampling_params(engine_max_tokens(body, room_for(engine, longest)), body.logprobs,
                                       prompt_logprobs_wanted(body))
         rid = request_id(body, "cmpl")
+        await compiled(engine, params)
         fanout = await Fanout(host, ids, params, rid).open(body.user, body.cache_salt)
         responder = CompletionResponder(body, fanout, [p[0] for p in prompts], tokenizer, model_name, rid, metrics)
         return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
@@ -282,6 +290,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         limit = body.token_limit()
         params = body.sampling_params(limit if limit is not None else room_for(engine, ids), body.chat_logprobs())
         rid = request_id(body, "chatcmpl")
+        await compiled(engine, params)
         fanout = await Fanout(host, [ids], params, rid).open(body.user, body.cache_salt)
         responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics)
         return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from nanoserve.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from nanoserve.structured.params import StructuredOutputsParams
 
 
 def _number(value: Any) -> Any:
@@ -32,11 +33,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((None, False), "beam search is not supported; use n with sampling, or greedy decoding"),
     "length_penalty": ((None, 1.0), "length_penalty applies to beam search, which is not supported"),
     "spaces_between_special_tokens": ((None, True), "special tokens are always decoded with their spaces"),
-    "guided_json": ((None,), "structured outputs are not supported yet; validate the output yourself"),
-    "guided_regex": ((None,), "structured outputs are not supported yet; validate the output yourself"),
-    "guided_choice": ((None,), "structured outputs are not supported yet; validate the output yourself"),
-    "guided_grammar": ((None,), "structured outputs are not supported yet; validate the output yourself"),
-    "structured_outputs": ((None,), "structured outputs are not supported yet; validate the output yourself"),
     "logits_processors": ((None,), "custom logits processors are not supported; use logit_bias, "
                                    "allowed_token_ids or bad_words"),
     "priority": ((None, 0), "request priorities are not supported; requests are served in arrival order"),
@@ -70,16 +66,38 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # usage (so far) on every chunk, as vLLM sends it
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema is enforced whatever `strict` says."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text":
-            raise ValueError(f"response_format type {self.type!r} is not supported yet (structured outputs); "
-                             "send {'type': 'text'} or none, and validate the output yourself")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format json_schema goes with type 'json_schema' (and only with it): send "
+                             "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
         return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return None
+
+
+# vLLM's older per-field names for structured outputs -> the StructuredOutputsParams field each sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class _Request(BaseModel):
@@ -116,17 +134,18 @@ class _Request(BaseModel):
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
     return_tokens_as_token_ids: StrictBool = False
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: share cached blocks only within a salt
     # UNSUPPORTED fields, declared so the schema names them and their refusal is documented
     suffix: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     logits_processors: Any = None
     priority: Any = None
     kv_transfer_params: Any = None
@@ -141,6 +160,12 @@ class _Request(BaseModel):
                 return name, f"{name} is not supported: {why}"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options only apply to a streamed response; send stream: true too"
+        given = [name for name in ("response_format", "structured_outputs", *GUIDED) if self._asks(name)]
+        if len(given) > 1:
+            return given[1], (f"{' and '.join(given)} each constrain the output; send one of them")
+        if self.guided_whitespace_pattern is not None and not any(getattr(self, name) is not None for name in GUIDED):
+            return "guided_whitespace_pattern", ("guided_whitespace_pattern shapes a guided_json output; send it "
+                                                 "with guided_json (or use structured_outputs.whitespace_pattern)")
         if self.best_of not in (None, self.n):
             return "best_of", (f"best_of={self.best_of} with n={self.n} is not supported: every completion is "
                                "returned; send best_of equal to n, or none")
@@ -148,6 +173,21 @@ class _Request(BaseModel):
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
+
+    def _asks(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and not (name == "response_format" and value.type == "text")
+
+    def constraint(self) -> StructuredOutputsParams | dict | None:
+        """The output's constraint, from whichever field gave it (refusal() has made sure only one did)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.constraint()
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        guided = {field: getattr(self, name) for name, field in GUIDED.items() if getattr(self, name) is not None}
+        if guided and self.guided_whitespace_pattern is not None:
+            guided["whitespace_pattern"] = self.guided_whitespace_pattern
+        return guided or None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
@@ -159,6 +199,7 @@ class _Request(BaseModel):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=self.constraint(),
         )
 
 

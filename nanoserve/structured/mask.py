@@ -1,0 +1,47 @@
+"""The per-step token mask of constrained rows: filled by llguidance (in parallel across rows), applied to
+those rows' logits only, so the batch's other rows are untouched."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from nanoserve.structured.grammars import GrammarStats, Matcher
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarMasker:
+    """Fills one bitmask row per constrained sequence and sets every token its grammar forbids to -inf."""
+
+    def __init__(self, stats: GrammarStats | None = None, threads: int | None = None):
+        self.stats = stats if stats is not None else GrammarStats()
+        self._threads = threads or max(1, torch.get_num_threads())
+        self._executor = None
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
+        """Mask `logits[rows]` ([rows, vocab] float32, modified in place) by each row's matcher."""
+        started = time.perf_counter()
+        vocab = logits.shape[-1]
+        words = -(-vocab // 32)
+        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+        self._fill(matchers, bitmask)
+        allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), -math.inf)
+        self.stats.masked_rows += len(rows)
+        self.stats.mask_seconds += time.perf_counter() - started
+
+    def _fill(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
+        import llguidance
+
+        if len(matchers) == 1:
+            row = bitmask[0]
+            matchers[0].inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            return
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=self._threads)
+        self._executor.unsafe_compute_mask_ptr([(m.inner, i) for i, m in enumerate(matchers)],
+                                               bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])

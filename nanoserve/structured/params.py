@@ -1,0 +1,93 @@
+"""`StructuredOutputsParams`: what a request's output must match, with vLLM's names.
+
+Exactly one constraint per request: a JSON schema (`json`), any JSON object (`json_object`), a regular expression
+(`regex`), one of a list of strings (`choice`), or a grammar (`grammar`: Lark, or GBNF as llama.cpp writes it).
+Whitespace inside JSON is free unless `disable_any_whitespace` (compact JSON) or a `whitespace_pattern` says
+otherwise. A value that cannot work raises SamplingParamsError naming the field, so the server answers 400.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from nanoserve.errors import RequestError
+
+__all__ = ["StructuredOutputsParams"]
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputsError(RequestError):
+    """A structured-outputs value the engine refuses; `field` names where it was given."""
+
+    field = "structured_outputs"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputsError(
+                f"structured_outputs takes exactly one of {', '.join(_KINDS)}, got "
+                f"{', '.join(given) if given else 'none'}; send one constraint per request")
+        if isinstance(self.json, str):
+            try:
+                schema = jsonlib.loads(self.json)
+            except ValueError as e:
+                raise StructuredOutputsError(f"structured_outputs.json is not valid JSON ({e}); send a JSON "
+                                             "schema object or its text") from None
+            object.__setattr__(self, "json", schema)
+        if self.json is not None and not isinstance(self.json, (Mapping, bool)):
+            raise StructuredOutputsError(f"structured_outputs.json must be a JSON schema (an object), got "
+                                         f"{type(self.json).__name__}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StructuredOutputsError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, Sequence) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise StructuredOutputsError("structured_outputs.choice must be a non-empty list of non-empty "
+                                             "strings, e.g. ['yes', 'no']")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) not in (None, True, False):
+                raise StructuredOutputsError(f"structured_outputs.{name} must be true or false")
+        if self.disable_any_whitespace and self.whitespace_pattern is not None:
+            raise StructuredOutputsError("disable_any_whitespace and whitespace_pattern disagree; send one")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical text of the constraint: equal constraints share one compiled grammar."""
+        return jsonlib.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True,
+                             default=list)
+
+    @classmethod
+    def coerce(cls, value: object) -> StructuredOutputsParams | None:
+        """A StructuredOutputsParams, or a dict of its fields (the body's form), as the dataclass."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            names = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise StructuredOutputsError(f"structured_outputs has unknown fields {unknown}; it takes "
+                                             f"{', '.join(sorted(names))}")
+            return cls(**value)
+        raise StructuredOutputsError(f"structured_outputs must be a StructuredOutputsParams or a dict, got "
+                                     f"{type(value).__name__}")
