@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import sys
 import time
@@ -133,6 +134,11 @@ def cmd_serve(args) -> int:
     return 0
 
 
+# each is nanoserve/bench/<name>.py with add_parser(sub) and main(args), run as `nanoserve bench <name>`
+BENCHMARKS = ("throughput", "serve", "linear", "ab", "inputs", "graphs", "wire", "reads", "soak", "prefix", "prefill",
+              "grammar")
+
+
 def cmd_bench(args) -> int:
     return args.bench_main(args)
 
@@ -176,12 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from nanoserve.bench import ab, graphs, inputs, linear, prefill, prefix, reads, soak, throughput, wire
-    from nanoserve.bench import serve as serve_bench
-
-    for module in (throughput, serve_bench, linear, ab, inputs, graphs, wire, reads, soak, prefix, prefill):
+    for name in BENCHMARKS:
+        module = importlib.import_module(f"nanoserve.bench.{name}")
         module.add_parser(bench_sub)
-        bench_sub.choices[module.__name__.rsplit(".", 1)[1]].set_defaults(bench_main=module.main)
+        bench_sub.choices[name].set_defaults(bench_main=module.main)
     bench.set_defaults(func=cmd_bench)
     return parser
 
