@@ -83,6 +83,12 @@ def _needs_processing(row: SamplingRow) -> bool:
                 or row.bad_word_ids or row.matcher is not None)
 
 
+def _bans_tokens(row: SamplingRow) -> bool:
+    """Whether anything after the grammar mask can set a row's logits to -inf."""
+    return bool(row.params.allowed_token_ids or row.bad_word_ids or _min_tokens_mask(row)
+                or any(b == -math.inf for b in (row.params.logit_bias or {}).values()))
+
+
 def _banned_words(row: SamplingRow) -> set[int]:
     """Last tokens of the bad words whose other tokens end the output so far (a one-token word always)."""
     out = row.output_ids
@@ -207,7 +213,9 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
         if constrained:
             self.masker.apply(out, constrained, [rows[i].matcher for i in constrained])
-            grammar_only = out[constrained]
+        # constrained rows that later bans could leave with no token: their grammar-only logits are kept
+        guarded = [i for i in constrained if _bans_tokens(rows[i])]
+        grammar_only = out[guarded] if guarded else None
         penalised = [i for i, r in enumerate(rows) if _needs_penalties(r.params)]
         if penalised:
             self._apply_penalties(out, [rows[i] for i in penalised], penalised, vocab)
@@ -223,8 +231,8 @@ class Sampler:
             banned = [t for t in _min_tokens_mask(row) | _banned_words(row) if t < vocab]
             if banned:
                 out[i, banned] = -math.inf
-        if constrained:
-            index = torch.tensor(constrained, device=out.device)
+        if guarded:
+            index = torch.tensor(guarded, device=out.device)
             dead = (out[index] == -math.inf).all(dim=-1)
             if bool(dead.any()):
                 out[index[dead]] = grammar_only[dead]

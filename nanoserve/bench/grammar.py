@@ -4,8 +4,9 @@
 while walking a valid output of it: llguidance (what the engine uses) and xgrammar beside it when installed,
 both on the loaded model's tokenizer.
 (b) A decode step with N constrained rows against N unconstrained ones, arms interleaved: step ms, the mask's own
-ms per step (measured inside the sampler), and the ratio. Constrained rows follow a regex of 600 letters, so none
-can end before the step count; unconstrained rows ignore EOS.
+ms per step (measured inside the sampler), and the ratio. Constrained rows write a JSON object whose one string
+is at least 3,000 characters long (JSON output, which cannot end before the step count); unconstrained rows
+ignore EOS.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ PERSON_VALUE = {"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["ma
 WIDE = {"type": "object", "properties": {f"field_{i}": {"type": ["string", "integer", "boolean"]} for i in range(40)},
         "required": [f"field_{i}" for i in range(40)]}
 WIDE_VALUE = {f"field_{i}": (i if i % 3 == 0 else f"v{i}" if i % 3 == 1 else True) for i in range(40)}
-STEP_REGEX = "[a-z ]{600}"
+LONG_STRING = {"type": "object", "properties": {"text": {"type": "string", "minLength": 3000}}, "required": ["text"]}
 
 
 def add_parser(sub) -> None:
@@ -136,7 +137,7 @@ def _decode_steps(engine, rows: int, steps: int, constrained: bool) -> tuple[lis
 
     if constrained:
         params = SamplingParams(temperature=1.0, seed=1, max_tokens=steps + 1,
-                                structured_outputs={"regex": STEP_REGEX})
+                                structured_outputs={"json": LONG_STRING})
     else:
         params = SamplingParams(temperature=1.0, seed=1, max_tokens=steps + 1, ignore_eos=True)
     for i in range(rows):
@@ -180,7 +181,7 @@ def main(args) -> int:
     print_table(f"(a) compile and mask per token on {engine.model_config.vocab_size:,} tokens", compiles,
                 list(compiles[0]))
     steps = step_rows(engine, args.rows, args.steps, args.repeats)
-    print_table(f"(b) decode step with N constrained rows (regex) vs N unconstrained, median over "
+    print_table(f"(b) decode step with N constrained rows (JSON) vs N unconstrained, median over "
                 f"{args.repeats} interleaved repeats", steps, list(steps[0]))
     path = write_results(args.out, "grammar", {"compile": compiles, "steps": steps}, steps, args)
     print(f"wrote {path}")

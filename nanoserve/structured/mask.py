@@ -10,7 +10,9 @@ import torch
 
 from nanoserve.structured.grammars import GrammarStats, Matcher
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# byte value -> its 8 bits, least significant first, as "forbidden" flags: a little-endian int32 bitmask read as
+# bytes lists tokens in order (token 32w + b is bit b % 8 of byte 4w + b // 8)
+_FORBIDDEN = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0
 
 
 class GrammarMasker:
@@ -28,9 +30,12 @@ class GrammarMasker:
         words = -(-vocab // 32)
         bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
         self._fill(matchers, bitmask)
-        allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), -math.inf)
+        forbidden = _FORBIDDEN[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab].to(logits.device)
+        if rows == list(range(logits.shape[0])):  # every row constrained: in place, no gather and scatter
+            logits.masked_fill_(forbidden, -math.inf)
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(forbidden, -math.inf)
         self.stats.masked_rows += len(rows)
         self.stats.mask_seconds += time.perf_counter() - started
 
