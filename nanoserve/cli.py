@@ -11,6 +11,7 @@ import time
 
 from nanoserve.errors import ConfigError, NanoserveError
 from nanoserve.flags import add_engine_flags, add_sampling_flags, engine_flags, sampling_params
+from nanoserve.tools.parsers import PARSERS
 
 # Sampling fields generate cannot show (it streams one completion's text), each with where to get them.
 _GENERATE_SHOWS_NOT = {
@@ -129,7 +130,7 @@ def cmd_serve(args) -> int:
                     api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                     trust_request_chat_template=args.trust_request_chat_template,
                     shutdown_timeout=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
-                    header_timeout=args.header_timeout)
+                    header_timeout=args.header_timeout, tool_call_parser=args.tool_call_parser)
     server.run()
     return 0
 
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (it is rendered on the server, so "
                             "by default such requests are refused)")
+    serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                       help="the format tool_choice 'auto' reads calls in (default: the chat template's own, "
+                            "Hermes <tool_call> blocks where it writes them or renders no tools)")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

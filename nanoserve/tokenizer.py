@@ -197,6 +197,14 @@ class Tokenizer:
             return self.encode(text, add_special_tokens=False)
         return text
 
+    def template_reads(self, variable: str, chat_template: str | None = None) -> bool:
+        """Whether the chat template (the request's own, or the one used with tools) reads `variable`."""
+        return variable in _variables(chat_template or self._template_source(tools=[]))
+
+    def template_source(self, chat_template: str | None = None, tools: Any = None) -> str:
+        """The template text a conversation would be rendered with."""
+        return chat_template or self._template_source(tools)
+
     def _template_source(self, tools: Any) -> str:
         if not self._chat_templates:
             raise RequestError(

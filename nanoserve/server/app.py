@@ -48,6 +48,7 @@ from nanoserve.server.schemas import (
     TokenizerInfo,
     Version,
 )
+from nanoserve.tools.parsers import parser_for
 
 MAX_BODY_BYTES = 4 * 2**20
 GUARDED = ("/v1/", "/reset_prefix_cache")  # what --api-key protects: generation, models, operator actions
@@ -156,9 +157,10 @@ def _version() -> str:
 
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
-    a template is code the server renders, so without it such a request is refused. The waiting queue's limit
+    a template is code the server renders, so without it such a request is refused. `tool_call_parser` names
+    the format tool_choice 'auto' reads calls in, when the chat template's own is not the one to use. The waiting queue's limit
     is the host's (EngineHost(max_waiting=...)): it is checked on the engine thread, where it cannot race."""
     app = FastAPI(title="nanoserve", version=_version())
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
@@ -286,13 +288,16 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
                                 "it; start it with --trust-request-chat-template to allow it", param="chat_template")
         engine = host.serving()
         tokenizer = engine.tokenizer
-        ids = await off_loop(chat_prompt, body, tokenizer)
+        tools = body.tool_request()
+        parser = parser_for(tools, tokenizer.template_source(body.chat_template, tools=[]) if tools else "",
+                            bool(tools) and tokenizer.template_reads("tools", body.chat_template), tool_call_parser)
+        ids = await off_loop(chat_prompt, body, tokenizer, tools)
         limit = body.token_limit()
         params = body.sampling_params(limit if limit is not None else room_for(engine, ids), body.chat_logprobs())
         rid = request_id(body, "chatcmpl")
         await compiled(engine, params)
         fanout = await Fanout(host, [ids], params, rid).open(body.user, body.cache_salt)
-        responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics)
+        responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics, parser)
         return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 
     return app

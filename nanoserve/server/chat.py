@@ -1,4 +1,6 @@
-"""POST /v1/chat/completions: n choices, logprobs, usage on every chunk when asked (continuous_usage_stats)."""
+"""POST /v1/chat/completions: n choices, logprobs, usage on every chunk when asked (continuous_usage_stats), and
+tool calls read out of each choice's text by the request's parser (nanoserve.tools.parsers), streamed as
+`delta.tool_calls` pieces."""
 
 from __future__ import annotations
 
@@ -7,11 +9,15 @@ import time
 from nanoserve.server.fanout import Choice, Fanout, sse
 from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.responses import chat_logprobs, prompt_logprobs_json, token_namer, usage
+from nanoserve.tools.parsers import Arguments, CallStart, Content, joined
 
 
 class ChatResponder:
-    def __init__(self, body: ChatCompletionRequest, fanout: Fanout, tokenizer, model: str, rid: str, metrics):
+    def __init__(self, body: ChatCompletionRequest, fanout: Fanout, tokenizer, model: str, rid: str, metrics,
+                 parser=None):
+        """`parser` makes each choice's tool-call parser (None: the reply is text)."""
         self.body, self.fanout, self.model, self.rid, self.metrics = body, fanout, model, rid, metrics
+        self.parser = parser
         self.name = token_namer(tokenizer, body.return_tokens_as_token_ids)
         self.created = int(time.time())
         self.base = {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": model}
@@ -33,12 +39,27 @@ class ChatResponder:
     async def _events(self):
         for choice in self.fanout.choices:  # every choice opens with its role, before any text
             yield self._chunk(choice, {"role": "assistant", "content": ""}, None, None)
+        parsers = {choice.index: self.parser() for choice in self.fanout.choices} if self.parser else None
         async for choice, out in self.fanout.outputs():
             c = choice.completion
             if c.finish_reason is not None:
                 self.metrics.observe(out)
-            if out.delta_text or c.finish_reason is not None:
-                yield self._chunk(choice, {"content": out.delta_text}, self._new_logprobs(choice), c.finish_reason)
+            if parsers is None:
+                if out.delta_text or c.finish_reason is not None:
+                    yield self._chunk(choice, {"content": out.delta_text}, self._new_logprobs(choice),
+                                      c.finish_reason)
+                continue
+            parser = parsers[choice.index]
+            events = parser.feed(out.delta_text) if out.delta_text else []
+            if c.finish_reason is not None:
+                events += parser.finish()
+            for event in events:
+                if isinstance(event, CallStart):
+                    choice.called_tools = True
+                yield self._chunk(choice, _delta(event), self._new_logprobs(choice), None)
+            if c.finish_reason is not None:
+                reason = "tool_calls" if choice.called_tools and c.finish_reason == "stop" else c.finish_reason
+                yield self._chunk(choice, {}, self._new_logprobs(choice), reason)
         options = self.body.stream_options
         if options is not None and options.include_usage:
             yield {**self.base, "choices": [], "usage": usage(*self.fanout.usage_counts())}
@@ -63,5 +84,24 @@ class ChatResponder:
     def _choice_json(self, choice: Choice) -> dict:
         c = choice.completion
         logprobs = chat_logprobs(c.logprobs.entries(), self.name) if self.body.chat_logprobs() is not None else None
-        return {"index": choice.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if self.parser is not None:
+            parser = self.parser()
+            content, calls = joined(parser.feed(c.text) + parser.finish())
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+                "stop_reason": c.stop_reason}
+
+
+def _delta(event) -> dict:
+    """One parser event as a streamed chunk's delta (OpenAI's shape for content and tool-call pieces)."""
+    if isinstance(event, Content):
+        return {"content": event.text}
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    assert isinstance(event, Arguments)
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}

@@ -27,6 +27,7 @@ class Choice:
     sent_logprobs: int = 0  # logprob entries already streamed
     sent_chars: int = 0  # characters already streamed (text_offset of the next piece)
     started: bool = False  # a first chunk (role, or echoed prompt) was sent
+    called_tools: bool = False  # a tool call was streamed (its finish reason is then "tool_calls")
 
 
 class Fanout:

@@ -8,8 +8,10 @@ from typing import Any
 from nanoserve.errors import RequestError
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from nanoserve.tokenizer import Tokenizer
+from nanoserve.tools.prompt import template_arguments, with_tool_prompt, written_calls
+from nanoserve.tools.spec import ToolRequest
 
-# message keys a template may or may not render; a conversation that uses one is checked to change the prompt
+# message keys a template may or may not render
 _TEMPLATE_ONLY_KEYS = ("name", "tool_calls", "tool_call_id")
 
 
@@ -50,12 +52,19 @@ def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size
     return out
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The conversation rendered with the chat template (or the request's own) and encoded."""
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> list[int]:
+    """The conversation rendered with the chat template (or the request's own) and encoded, with the request's
+    tools where its tool_choice shows them to the model (see nanoserve.tools.prompt)."""
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+    _check_tool_results(messages)
     variables = dict(body.chat_template_kwargs or {})
     if body.documents is not None:
         variables["documents"] = body.documents
+    if tools is not None and tools.template_tools() is not None:
+        if tokenizer.template_reads("tools", body.chat_template):
+            variables["tools"] = tools.template_tools()
+        else:
+            messages = with_tool_prompt(messages, tools)
 
     def render(msgs: list[dict]) -> str:
         return tokenizer.apply_chat_template(
@@ -71,12 +80,33 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
         except RequestError:  # the template needs the key, so it reads it
             return False
 
-    for key in _TEMPLATE_ONLY_KEYS:
-        if any(key in m for m in messages) and renders_the_same_without(key):
-            raise PromptError(f"messages.{key}", f"this model's chat template does not render a message's "
-                                                 f"{key!r}, so it would be dropped; send the conversation without it")
+    if any("tool_calls" in m for m in messages) and renders_the_same_without("tool_calls"):
+        messages = [written_calls(m) if "tool_calls" in m else m for m in messages]  # written into the text
+        text = render(messages)
+    if any("name" in m for m in messages) and renders_the_same_without("name"):
+        raise PromptError("messages.name", "this model's chat template does not render a message's 'name', so it "
+                                           "would be dropped; send the conversation without it")
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     return _truncated(ids, body.truncate_prompt_tokens)
+
+
+def _check_tool_results(messages: list[dict]) -> None:
+    """Every tool result answers a call of an earlier assistant turn. Templates that do not render the id (the
+    default model's, Qwen2.5's) show results in the order of the calls, so an id that matches no call, or a
+    result with none, is refused rather than shown to the model as an answer to something it never asked."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        for call in m.get("tool_calls") or ():
+            if isinstance(call, dict) and isinstance(call.get("id"), str):
+                called.add(call["id"])
+        if m.get("tool_call_id") is not None and m["role"] != "tool":
+            raise PromptError(f"messages.{i}.tool_call_id", f"messages[{i}] is a {m['role']} message; tool_call_id "
+                                                            "belongs on a tool message (the result of a call)")
+        if m["role"] == "tool":
+            if m.get("tool_call_id") not in called:
+                raise PromptError(f"messages.{i}.tool_call_id", f"messages[{i}] is a tool result for "
+                                  f"{m.get('tool_call_id')!r}, which no earlier assistant tool call has; send the "
+                                  "assistant turn with its tool_calls before their results")
 
 
 def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -89,7 +119,7 @@ def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
     for key in _TEMPLATE_ONLY_KEYS:
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
-    return out
+    return template_arguments(out)
 
 
 def _text(content: str | list[dict], i: int) -> str:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 
 from nanoserve.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from nanoserve.structured.params import StructuredOutputsParams
+from nanoserve.tools.spec import ToolRequest, tool_request
 
 
 def _number(value: Any) -> Any:
@@ -43,9 +44,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 CHAT_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     **UNSUPPORTED,
-    "tools": ((None, []), "tool calling is not supported yet; describe the tools in a system message"),
-    "tool_choice": ((None, "none"), "tool calling is not supported yet; send no tool_choice"),
-    "parallel_tool_calls": ((None,), "tool calling is not supported yet; send no parallel_tool_calls"),
     "functions": ((None, []), "function calling is not supported; describe the functions in a system message"),
     "function_call": ((None, "none"), "function calling is not supported; send no function_call"),
     "audio": ((None,), "this model writes text only"),
@@ -256,6 +254,31 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # the schema is enforced with tool_choice required or named; see refusal()
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Request):
     unsupported: ClassVar[dict[str, tuple[tuple, str]]] = CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(min_length=1)
@@ -268,9 +291,9 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -287,6 +310,16 @@ class ChatCompletionRequest(_Request):
         inner = {f"messages[].{k}" for m in self.messages for k in (m.model_extra or ())}
         return sorted({*super().unknown_fields(), *inner})
 
+    def tool_request(self) -> ToolRequest | None:
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return tool_request(tools, choice, self.parallel_tool_calls)
+
+    def constraint(self) -> StructuredOutputsParams | dict | None:
+        tools = self.tool_request()
+        enforced = tools.constraint() if tools is not None else None
+        return enforced if enforced is not None else super().constraint()
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -296,6 +329,15 @@ class ChatCompletionRequest(_Request):
     def refusal(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true; send both"
+        tools = self.tool_request()
+        if tools is not None and tools.choice in ("required", "named"):
+            given = [name for name in ("response_format", "structured_outputs", *GUIDED) if self._asks(name)]
+            if given:
+                return given[0], (f"tool_choice {tools.choice!r} constrains the output to tool calls, and {given[0]} "
+                                  "constrains it too; send one of them")
+        if tools is not None and tools.choice == "auto" and any(t.function.strict for t in self.tools or ()):
+            return "tools", ("strict tools are enforced by tool_choice 'required' or a named function; with 'auto' "
+                             "the model's arguments are parsed as written. Send one of those, or strict: false")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             return "max_completion_tokens", ("max_tokens and max_completion_tokens disagree; send one of them "
                                              "(max_tokens is the older name of max_completion_tokens)")

@@ -26,6 +26,7 @@ class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, served_model_name: str | None = None, max_waiting: int = 256,
                  progress=None, trust_request_chat_template: bool = False, shutdown_timeout: float = 10.0,
+                 tool_call_parser: str | None = None,
                  limit_concurrency: int | None = 1000, header_timeout: float = 15.0):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases.
 
@@ -45,7 +46,8 @@ class Server:
         self.host = EngineHost(engine, max_waiting=max_waiting).start()
         self.model_name = served_model_name or engine.loaded.name
         self.app = build_app(self.host, self.model_name, api_key=api_key,
-                             trust_request_chat_template=trust_request_chat_template)
+                             trust_request_chat_template=trust_request_chat_template,
+                             tool_call_parser=tool_call_parser)
         self.address = (host, self.socket.getsockname()[1])
         config = uvicorn.Config(self.app, host=host, port=self.address[1], log_level="warning",
                                 http=header_timeout_protocol(header_timeout), limit_concurrency=limit_concurrency,
