@@ -249,3 +249,24 @@ def test_llm_accepts_vllms_offline_form(ckpt):
     spec = StructuredOutputsParams(choice=["alpha", "beta"])
     out = llm.generate(["?"], SamplingParams(temperature=0, max_tokens=5, structured_outputs=spec), use_tqdm=False)
     assert out[0].outputs[0].text in ("alpha", "beta")
+
+
+def test_disable_additional_properties_closes_every_listed_object():
+    from nanoserve.structured.schema import closed
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"properties": {"d": {}}}}},
+              "$defs": {"e": {"properties": {}}}, "anyOf": [{"properties": {"f": {}}, "additionalProperties": True}]}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["e"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+def test_an_open_schema_can_be_closed_per_request(ckpt):
+    llm = make(ckpt)
+    schema = {"type": "object", "properties": {"k": {"enum": ["v"]}}, "required": ["k"]}
+    spec = {"json": schema, "disable_additional_properties": True, "disable_any_whitespace": True}
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec), use_tqdm=False)
+    assert out[0].outputs[0].text == '{"k":"v"}'

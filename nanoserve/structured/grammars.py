@@ -20,8 +20,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from nanoserve.structured.params import StructuredOutputsError, StructuredOutputsParams
+from nanoserve.structured.schema import closed
 
 CACHE_SIZE = 256  # distinct constraints kept compiled
+# Whitespace between JSON tokens, unless the request says otherwise: a line break with up to 32 spaces or tabs
+# of indent, or up to 32 of them inline. Enough for pretty-printed JSON; what it rules out are runs of blank
+# lines, in which a weak model (or random weights) can spend its whole budget without closing the object.
+JSON_WHITESPACE = r"(\r?\n[\x20\x09]{0,32})|([\x20\x09]{1,32})"
 
 
 @dataclass
@@ -122,9 +127,11 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     try:
         if spec.kind in ("json", "json_object"):
             schema = spec.json if spec.kind == "json" else {"type": "object"}
+            if spec.disable_additional_properties:
+                schema = closed(schema)
             options = {"whitespace_flexible": not spec.disable_any_whitespace}
-            if spec.whitespace_pattern is not None:
-                options["whitespace_pattern"] = spec.whitespace_pattern
+            if not spec.disable_any_whitespace:
+                options["whitespace_pattern"] = spec.whitespace_pattern or JSON_WHITESPACE
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)

@@ -2,8 +2,9 @@
 
 Exactly one constraint per request: a JSON schema (`json`), any JSON object (`json_object`), a regular expression
 (`regex`), one of a list of strings (`choice`), or a grammar (`grammar`: Lark, or GBNF as llama.cpp writes it).
-Whitespace inside JSON is free unless `disable_any_whitespace` (compact JSON) or a `whitespace_pattern` says
-otherwise. A value that cannot work raises SamplingParamsError naming the field, so the server answers 400.
+Whitespace inside JSON is bounded (see grammars.JSON_WHITESPACE) unless `disable_any_whitespace` (compact JSON) or a
+`whitespace_pattern` says otherwise; `disable_additional_properties` closes every object to keys it does not
+list. A value that cannot work raises SamplingParamsError naming the field, so the server answers 400.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
@@ -62,7 +64,7 @@ class StructuredOutputsParams:
                 raise StructuredOutputsError("structured_outputs.choice must be a non-empty list of non-empty "
                                              "strings, e.g. ['yes', 'no']")
             object.__setattr__(self, "choice", tuple(self.choice))
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
             if getattr(self, name) not in (None, True, False):
                 raise StructuredOutputsError(f"structured_outputs.{name} must be true or false")
         if self.disable_any_whitespace and self.whitespace_pattern is not None:

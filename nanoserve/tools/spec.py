@@ -5,6 +5,8 @@
 - `required`: the reply is a JSON array of one or more calls to declared tools, enforced by the grammar engine
   (one call when parallel_tool_calls is false), so it works on any model.
 - a named function: the reply is that function's arguments, enforced by its parameters schema.
+Enforced arguments hold only the parameters a function declares (its objects closed to other keys, as OpenAI's
+strict mode requires of a schema), unless its schema sets additionalProperties itself.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class ToolRequest:
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar that enforces `required` or a named function; None for auto and none."""
         if self.choice == "named":
-            return StructuredOutputsParams(json=dict(self.function(self.named).parameters))
+            return StructuredOutputsParams(json=dict(self.function(self.named).parameters),
+                                           disable_additional_properties=True)
         if self.choice == "required":
             calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name},
                                                                  "arguments": dict(f.parameters)},
@@ -60,7 +63,7 @@ class ToolRequest:
             schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return StructuredOutputsParams(json=schema)
+            return StructuredOutputsParams(json=schema, disable_additional_properties=True)
         return None
 
     def function(self, name: str) -> Function:
