@@ -270,3 +270,13 @@ def test_an_open_schema_can_be_closed_per_request(ckpt):
     spec = {"json": schema, "disable_additional_properties": True, "disable_any_whitespace": True}
     out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec), use_tqdm=False)
     assert out[0].outputs[0].text == '{"k":"v"}'
+
+
+def test_the_stats_snapshot_counts_compiles_and_masks(ckpt):
+    llm = make(ckpt)
+    assert "structured" not in llm.engine.stats().as_dict()  # absent until a constraint is used
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs={"regex": "[0-9]{4}"})
+    llm.generate(["a", "b"], params, use_tqdm=False)
+    section = llm.engine.stats().as_dict()["structured"]
+    assert section["compiles"] == 1 and section["cache_hits"] == 1
+    assert section["masked_rows"] == 8 and section["mask_ms_per_row"] > 0 and section["compile_ms"] > 0

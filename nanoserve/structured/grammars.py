@@ -37,6 +37,12 @@ class GrammarStats:
     masked_rows: int = 0  # rows whose logits a grammar masked
     mask_seconds: float = 0.0  # filling and applying those masks
 
+    def as_dict(self) -> dict:
+        """The stats snapshot's `structured` section (present once a constraint was compiled)."""
+        return {"compiles": self.compiles, "cache_hits": self.cache_hits,
+                "compile_ms": round(1000 * self.compile_seconds, 3), "masked_rows": self.masked_rows,
+                "mask_ms_per_row": round(1000 * self.mask_seconds / self.masked_rows, 4) if self.masked_rows else 0.0}
+
 
 class Matcher:
     """One sequence's position in its grammar: which tokens may come next, advanced token by token."""
