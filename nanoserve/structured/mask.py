@@ -22,6 +22,13 @@ class GrammarMasker:
         self.stats = stats if stats is not None else GrammarStats()
         self._threads = threads or max(1, torch.get_num_threads())
         self._executor = None
+        self._tables: dict = {}
+
+    def _table(self, device) -> torch.Tensor:
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = _FORBIDDEN.to(device)
+        return table
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
         """Mask `logits[rows]` ([rows, vocab] float32, modified in place) by each row's matcher."""
@@ -30,7 +37,9 @@ class GrammarMasker:
         words = -(-vocab // 32)
         bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
         self._fill(matchers, bitmask)
-        forbidden = _FORBIDDEN[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab].to(logits.device)
+        # the bitmask crosses to the logits' device (vocab / 8 bytes a row) and is unpacked there
+        packed = bitmask.view(torch.uint8).to(logits.device, non_blocking=True).long()
+        forbidden = self._table(logits.device)[packed].view(len(rows), -1)[:, :vocab]
         if rows == list(range(logits.shape[0])):  # every row constrained: in place, no gather and scatter
             logits.masked_fill_(forbidden, -math.inf)
         else:
