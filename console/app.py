@@ -128,7 +128,8 @@ class NanoserveConsole(App):
         if server is not None and phase == "serving":
             return f"serving {server.model_name} at {server.url}/v1"
         if self.load_error is not None:
-            return phase
+            return (f"the engine did not load: {self.load_error}\nNothing is served. Quit (q) and start again with a "
+                    "model that loads; nanoserve-console without --model runs the embedded default model.")
         what = self.config.model or "the embedded default model"
         return f"{what}: {phase}… {time.monotonic() - self.phase_since:.1f} s"
 
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     app = NanoserveConsole(config, port=args.port, refresh_s=args.refresh)
     app.set_keymap(keymap)
     app.run()
+    if app.load_error is not None:  # the screen is gone: the reason stays in the terminal, and scripts see it
+        print(f"nanoserve-console: the engine did not load: {app.load_error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -448,6 +448,10 @@ class Engine:
             self._request_latency = (*percentiles(self._ttfts, 0.5, 0.99), *percentiles(self._tpots, 0.5, 0.99))
         return self._request_latency
 
+    def decided(self) -> dict:
+        """What the flags left unset came to at load: the context length and the KV pool's size as built."""
+        return {"max_model_len": self.max_model_len, "kv_cache_gib": round(self.cache.nbytes / 2**30, 3)}
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         now = time.monotonic()

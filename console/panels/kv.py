@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from console.numbers import count, size
 from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
@@ -10,13 +11,14 @@ class KVPanel(TextPanel):
     def show(self, stats: EngineStats) -> None:
         kv, sched = stats.kv, stats.scheduler
         self.set_text(
-            f"blocks used  {kv.blocks_used} / {kv.blocks_total}  (free {kv.blocks_free})\n"
-            f"usage        {kv.usage:.1%}\n"
-            f"block size   {kv.block_size} tokens, {kv.bytes / 2**20:.1f} MiB\n"
+            f"blocks used  {count(kv.blocks_used)} / {count(kv.blocks_total)}  (free {count(kv.blocks_free)})\n"
+            f"usage        {kv.usage:.1%}  ({count(kv.blocks_used * kv.block_size)} of "
+            f"{count(kv.blocks_total * kv.block_size)} tokens)\n"
+            f"block size   {kv.block_size} tokens; pool {size(kv.bytes)}\n"
             f"{prefix_line(stats)}\n"
-            f"preemptions  {sched.preemptions}\n"
-            f"running      {sched.running}  waiting {sched.waiting}  peak {sched.peak_running}\n"
-            f"generated    {sched.generation_tokens_total} tokens in {sched.steps} steps"
+            f"preemptions  {count(sched.preemptions)}\n"
+            f"running      {count(sched.running)}  waiting {count(sched.waiting)}  peak {count(sched.peak_running)}\n"
+            f"generated    {count(sched.generation_tokens_total)} tokens in {count(sched.steps)} steps"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from console.numbers import count
 from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
@@ -12,8 +13,8 @@ class ReadPanel(TextPanel):
         block = "-" if read.block is None else read.block
         self.set_text(
             f"mode         {read.mode}  block {block}\n"
-            f"calls        {read.calls}  rows {read.rows}\n"
-            f"score cells  {read.score_cells}\n"
-            f"held cells   {read.held_cells}\n"
+            f"calls        {count(read.calls)}  rows {count(read.rows)}\n"
+            f"score cells  {count(read.score_cells)}\n"
+            f"held cells   {count(read.held_cells)}\n"
             f"saving       {read.saving:.3f} (charged / held)"
         )

@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
+from console.numbers import by_reason, count, decimal
 from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
@@ -62,9 +63,9 @@ class ThroughputPanel(Vertical):
         sched = stats.scheduler
         lat = stats.latency
         self.query_one("#throughput-text", TextPanel).set_text(
-            f"prompt      {prompt_rate:8.1f} tok/s  total {sched.prompt_tokens_total}\n"
-            f"generation  {generation_rate:8.1f} tok/s  total {sched.generation_tokens_total}\n"
-            f"finished    {sum(sched.finished.values())}  {dict(sched.finished)}\n"
+            f"prompt      {decimal(prompt_rate):>8} tok/s  total {count(sched.prompt_tokens_total)}\n"
+            f"generation  {decimal(generation_rate):>8} tok/s  total {count(sched.generation_tokens_total)}\n"
+            f"finished    {count(sum(sched.finished.values()))}  {by_reason(sched.finished)}\n"
             f"TTFT ms     p50 {_ms(lat.ttft_p50)}  p99 {_ms(lat.ttft_p99)}  (last {lat.window} requests)\n"
             f"TPOT ms     p50 {_ms(lat.tpot_p50)}  p99 {_ms(lat.tpot_p99)}\n"
             f"step ms     p50 {_ms(lat.step_p50)}  p99 {_ms(lat.step_p99)}"
@@ -74,4 +75,4 @@ class ThroughputPanel(Vertical):
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+    return "-" if seconds is None else decimal(seconds * 1000)

@@ -100,7 +100,9 @@ class ABScreen(ConsoleScreen):
     # ---- actions ------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Run while idle, Stop while running (None: the footer greys the other out)."""
-        return {"run_ab": not self.running, "stop_ab": self.running}.get(action, True) or None
+        if action not in ("run_ab", "stop_ab"):
+            return super().check_action(action, parameters)
+        return {"run_ab": not self.running, "stop_ab": self.running}[action] or None
 
     @on(Button.Pressed, "#run")
     @on(Input.Submitted)
@@ -178,7 +180,7 @@ class ABScreen(ConsoleScreen):
                              Text(snippet(v.text_a)), Text(snippet(v.text_b)), key=str(v.index))
         counters = self.query_one("#counters", DataTable)
         for name, value_a, value_b in result.counter_rows():
-            counters.add_row(Text(name), Text(show(value_a)), Text(show(value_b)), key=name)
+            counters.add_row(Text(name), Text(show(value_a, name)), Text(show(value_b, name)), key=name)
         summary = self.query_one("#ab-summary", Static)
         summary.update(result.summary())
         summary.styles.color = "green" if result.all_identical and result.crowded else "red"

@@ -33,7 +33,8 @@ class ConsoleScreen(Screen):
     firing: screens poll with `every_while_shown`, whose timers pause while the screen is out of view.
     """
 
-    BINDINGS = [Binding("escape", "blur", "Unfocus", show=False, id="blur")]
+    # shown in the footer only while a text field has the focus: it is what gives the letter keys back
+    BINDINGS = [Binding("escape", "blur", "Leave field: keys", id="blur")]
     AUTO_FOCUS = ""  # nothing focused on arrival (matches no widget), so the letter keys answer until a field is chosen
 
     def __init__(self, **kwargs):
@@ -42,6 +43,18 @@ class ConsoleScreen(Screen):
 
     def action_blur(self) -> None:
         self.set_focus(None)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Esc appears in the footer while a text field holds the letter keys, and not otherwise."""
+        if action == "blur":
+            return isinstance(self.focused, Input)
+        return True
+
+    def on_descendant_focus(self, event) -> None:
+        self.refresh_bindings()
+
+    def on_descendant_blur(self, event) -> None:
+        self.refresh_bindings()
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")
@@ -85,7 +98,9 @@ class ConsoleScreen(Screen):
         return self.app.status_line()
 
     def show_status(self) -> None:
-        self.query_one("#status", TextPanel).set_text(self.status_text())  # an unchanged line costs no repaint
+        status = self.query_one("#status", TextPanel)
+        status.set_text(self.status_text())  # an unchanged line costs no repaint
+        status.set_class(self.app.load_error is not None, "failed")
 
     def refresh_header(self) -> None:
         self.show_status()

@@ -36,10 +36,10 @@ class ChatError(Exception):
 class ChatScreen(ConsoleScreen):
     """Multi-turn chat; `history` holds the finished turns the next request sends, as OpenAI messages."""
 
-    AUTO_FOCUS = "#chat-log"  # not the prompt: it would swallow the app's one-letter screen keys on arrival
+    AUTO_FOCUS = "#chat-input"  # type straight away; Esc leaves the field for the screen keys (the footer says so)
     BINDINGS = [
         Binding("enter", "focus_prompt", "Write", id="chat_prompt"),
-        Binding("escape", "cancel", "Cancel", id="chat_cancel"),
+        Binding("escape", "cancel", "Cancel / leave field", id="chat_cancel"),
         Binding("ctrl+l", "clear", "New chat", id="chat_clear"),
     ]
 

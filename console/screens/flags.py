@@ -134,6 +134,7 @@ class FlagsScreen(ConsoleScreen):
 
     def on_mount(self) -> None:
         self.every_while_shown(0.1, self.follow_restart)
+        self.every_while_shown(self.app.refresh_s, self.show_decided)
 
     # ---- reading the form ---------------------------------------------------------------------------
     def proposed(self) -> EngineConfig:
@@ -149,7 +150,27 @@ class FlagsScreen(ConsoleScreen):
                 if getattr(old, c.spec.name) != getattr(new, c.spec.name)}
 
     def say(self, message: str) -> None:
-        self.query_one("#flags-message", Static).update(message)
+        """The form's answer, below the buttons and as a toast, since the form is taller than most terminals."""
+        line = self.query_one("#flags-message", Static)
+        line.update(message)
+        if message:
+            line.scroll_visible(animate=False)
+            failed = message.startswith(("not applied", "the new flags failed", "a restart is already"))
+            self.notify(message, severity="error" if failed else "information", timeout=8)
+
+    def show_decided(self) -> None:
+        """An unset flag's placeholder shows what it came to at load (the engine's own numbers)."""
+        server = self.app.server
+        if server is None:
+            return
+        try:
+            decided = server.host.serving().decided()
+        except Exception:  # restarting: the next tick shows it
+            return
+        for control in self.controls:
+            if control.spec.optional and control.spec.name in decided:
+                widget = self.query_one(f"#{control.widget_id}", Input)
+                widget.placeholder = f"unset: {decided[control.spec.name]} at load"
 
     # ---- actions ------------------------------------------------------------------------------------
     @on(Button.Pressed, "#flags-apply-button")
@@ -180,9 +201,12 @@ class FlagsScreen(ConsoleScreen):
     @on(Button.Pressed, "#flags-reset-button")
     def action_reset(self) -> None:
         """Put the flags in force back into the form."""
+        self.write_form()
+        self.say("form reset to the flags in force")
+
+    def write_form(self) -> None:
         for control in self.controls:
             control.write(self.query_one(f"#{control.widget_id}"), getattr(self.app.config, control.spec.name))
-        self.say("form reset to the flags in force")
 
     # ---- the restart --------------------------------------------------------------------------------
     def start_restart(self, config: EngineConfig, drain: bool) -> None:
@@ -206,13 +230,15 @@ class FlagsScreen(ConsoleScreen):
         for at, phase in new:
             self.restart_log.append(f"{at - track['started']:6.1f} s  {phase}")
         if new:
-            self.query_one("#flags-progress", Static).update("restart:\n" + "\n".join(self.restart_log))
+            progress = self.query_one("#flags-progress", Static)
+            progress.update("restart:\n" + "\n".join(self.restart_log))
+            progress.scroll_visible(animate=False)
         if not done:
             return
         elapsed = self.app.phases[-1][0] - track["started"]  # the restart's last phase: right even if seen late
         self._tracking = None
         error = self.app.restart_error
-        self.action_reset()
+        self.write_form()
         if error is None:
             self.say(f"restarted in {elapsed:.1f} s; the flags above are in force")
         else:

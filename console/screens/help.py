@@ -20,6 +20,8 @@ class HelpScreen(ModalScreen):
         lines = [f"{b.key_display or b.key:<10} {b.description:<14} id {b.id}" for b in self.listed]
         with Vertical(id="help"):
             yield Static("nanoserve console: keys", id="help-title")
-            yield Static("\n".join(lines + ["", "escape / ?  close this help", "ctrl+p      command palette: every action by name",
-                                         "Remap a key: nanoserve-console --keymap ID=KEY"]), markup=False,
-                         id="help-keys")
+            yield Static("\n".join(lines + [
+                "", "A text field takes every letter you type, the screen keys too: esc leaves it, and they work "
+                "again (the footer shows esc while a field has the focus).",
+                "", "escape / ?  close this help", "ctrl+p      command palette: every action by name",
+                "Remap a key: nanoserve-console --keymap ID=KEY"]), markup=False, id="help-keys")

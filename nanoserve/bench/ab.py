@@ -9,8 +9,10 @@ run where an engine never ran two rows at once proves nothing about batching: it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
+import logging
 import shlex
 import sys
 import threading
@@ -229,13 +231,41 @@ class ABResult:
         return rows
 
 
-def show(value) -> str:
-    """A counter as a table cell."""
+@contextlib.contextmanager
+def labelled_logs(label: str, logger: str = "nanoserve"):
+    """Prefix `label` to what this thread logs through the engine's loggers while the block runs (an A/B arm
+    loading beside a console's own engine), for every handler."""
+    me = threading.get_ident()
+
+    def label_it(record: logging.LogRecord) -> bool:
+        if record.thread == me and not getattr(record, "labelled", False):
+            record.msg, record.labelled = f"{label}: {record.msg}", True
+        return True
+
+    loggers = [logging.getLogger(name) for name in [logger, *logging.root.manager.loggerDict]
+               if name == logger or name.startswith(logger + ".")]
+    for each in loggers:
+        each.addFilter(label_it)
+    try:
+        yield
+    finally:
+        for each in loggers:
+            each.removeFilter(label_it)
+
+
+def show(value, name: str = "") -> str:
+    """A counter as a table cell: thousands separated, a count of bytes in MiB or GiB (by its name)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return "-" if value is None else str(value)
+    if isinstance(value, (int, float)) and name.endswith("bytes"):
+        return f"{value / 2**30:,.2f} GiB" if value >= 2**30 else f"{value / 2**20:,.1f} MiB"
     if isinstance(value, float):
         return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
     if isinstance(value, dict):
-        return " ".join(f"{k}={v}" for k, v in value.items()) or "-"
-    return "-" if value is None else str(value)
+        return " · ".join(f"{k} {show(v)}" for k, v in value.items()) or "-"
+    return str(value)
 
 
 class ABRun:
@@ -273,7 +303,8 @@ class ABRun:
         if self._cancel.is_set():
             raise ABCancelled("stopped before loading")
         self._report(f"loading {side.name}")
-        server = Server(side.config, port=0)  # loads the engine (not interruptible; a cancel waits for it)
+        with labelled_logs(f"A/B arm {side.name}"):  # its "engine ready" line is not the main engine's
+            server = Server(side.config, port=0)  # loads the engine (not interruptible; a cancel waits for it)
         self.live.append(server)
         try:
             server.start()
@@ -343,7 +374,7 @@ def main(args) -> int:
             for v in result.verdicts]
     print_table(f"A/B: A '{args.a}' vs B '{args.b}', {len(bodies)} requests, concurrency {args.concurrency}, "
                 f"{args.max_tokens} tokens", rows, ["#", "kind", "verdict", "A", "B"])
-    counters = [{"counter": name, "A": show(va), "B": show(vb)} for name, va, vb in result.counter_rows()]
+    counters = [{"counter": name, "A": show(va, name), "B": show(vb, name)} for name, va, vb in result.counter_rows()]
     print_table("counters", counters, ["counter", "A", "B"])
     payload = {"summary": result.summary(), "all_identical": result.all_identical,
                "peak_running": {side.name: side.peak_running for side in result.sides},

@@ -1,0 +1,120 @@
+"""What a new user of the console ran into in its first ten minutes, each as a pilot test: typing goes where
+the eye is, the way back to the screen keys is on screen, feedback lands in view, numbers read one way, an
+unset flag shows what it came to, a failed load says why and exits non-zero."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("textual")
+
+from textual.widgets import Input  # noqa: E402
+
+from console.app import NanoserveConsole, main  # noqa: E402
+from console.numbers import by_reason, count, size  # noqa: E402
+from console.screens.chat import ChatScreen  # noqa: E402
+from console.screens.dashboard import Dashboard  # noqa: E402
+from console.screens.flags import FlagsScreen  # noqa: E402
+from console.screens.load import LoadScreen  # noqa: E402
+from nanoserve.config import EngineConfig  # noqa: E402
+from tests.console_helpers import notes, started, text, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def config(tiny_checkpoint):
+    return EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_gib=0.01, device="cpu")
+
+
+def footer_keys(app) -> set[str]:
+    """The keys the footer shows for the screen in view (enabled or greyed)."""
+    return {active.binding.key for active in app.screen.active_bindings.values() if active.binding.show}
+
+
+async def test_the_chat_prompt_has_the_focus_so_typing_asks(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("c")
+        await wait_until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "the chat screen")
+        await pilot.press(*"hello")  # h, e, l (load!), l, o: none of them may leave the chat
+        assert isinstance(app.screen, ChatScreen)
+        assert app.screen.query_one("#chat-input", Input).value == "hello"
+
+
+async def test_a_text_field_says_how_to_get_the_screen_keys_back(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("l")
+        await wait_until(pilot, lambda: isinstance(app.screen, LoadScreen), 5, "the load screen")
+        assert "escape" not in footer_keys(app)  # nothing to leave yet
+        app.screen.query(Input).first().focus()
+        await pilot.pause()
+        assert "escape" in footer_keys(app)  # the footer says what gives the letters back
+        await pilot.press("d")
+        assert isinstance(app.screen, LoadScreen)  # the letter went into the field
+        await pilot.press("escape", "d")
+        await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
+
+
+async def test_a_refused_flag_change_is_said_where_it_is_seen(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(180, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("f")
+        await wait_until(pilot, lambda: isinstance(app.screen, FlagsScreen), 5, "the flags screen")
+        app.screen.query_one("#flag-max_num_seqs", Input).value = ""
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: "not applied" in notes(app), 5, "the refusal's toast")
+        assert "max_num_seqs" in notes(app)
+        await pilot.pause(0.1)
+        message = app.screen.query_one("#flags-message")
+        assert 0 <= message.region.y < app.size.height and message.region.height > 0  # scrolled into view
+
+
+async def test_an_unset_flag_shows_the_value_it_came_to(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(180, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("f")
+        await wait_until(pilot, lambda: isinstance(app.screen, FlagsScreen), 5, "the flags screen")
+        decided = app.server.host.serving().max_model_len
+        field = app.screen.query_one("#flag-max_model_len", Input)
+        await wait_until(pilot, lambda: str(decided) in field.placeholder, 5, "the decided value")
+        assert field.value == ""  # still unset: applying the form keeps it decided at load
+        assert app.screen.query_one("#flag-kv_cache_gib", Input).value == "0.01"  # set, so shown as set
+
+
+def test_numbers_read_one_way():
+    assert by_reason({}) == "none yet"
+    assert by_reason({"stop": 3, "abort": 1, "length": 8}) == "length 8 · stop 3 · abort 1"
+    assert count(4371840) == "4,371,840" and count(None) == "-"
+    assert size(1073479680) == "1,023.8 MiB" and size(3 * 2**30) == "3.0 GiB" and size(512) == "512 B"
+
+
+async def test_the_dashboard_writes_no_python_dicts(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await wait_until(pilot, lambda: "finished" in text(app, "#throughput-text"), 5, "the throughput panel")
+        shown = text(app, "#throughput-text")
+        assert "{" not in shown and "none yet" in shown
+
+
+async def test_a_model_that_does_not_load_says_why_on_screen(tmp_path):
+    app = NanoserveConsole(EngineConfig(model=str(tmp_path / "missing")), refresh_s=0.05)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.load_error is not None, 30, "the failed load")
+        await pilot.pause(0.2)
+        status = app.screen.query_one("#status")
+        assert "did not load" in text(app, "#status") and "missing" in text(app, "#status")
+        assert status.has_class("failed") and status.region.height >= 2  # the whole reason, not one cut line
+
+
+def test_a_failed_load_exits_non_zero(tmp_path, monkeypatch, capsys):
+    def run_and_quit(self):
+        self.load_error = FileNotFoundError(f"{tmp_path}/missing does not exist")
+
+    monkeypatch.setattr(NanoserveConsole, "run", run_and_quit)
+    assert main(["--model", str(tmp_path / "missing")]) == 1
+    assert "did not load" in capsys.readouterr().err
