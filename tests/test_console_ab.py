@@ -40,7 +40,7 @@ async def test_default_ab_run_gathered_vs_streamed_is_identical_and_shows_both_s
     async with app.run_test(size=(160, 50)) as pilot:
         screen = await open_ab(app, pilot, num_prompts="6", max_tokens="16")
         assert screen.query_one("#flags-b", Input).value == "streamed_read=on"
-        await pilot.press("r")
+        await pilot.press("ctrl+r")
         assert screen.running
         await wait_until(pilot, lambda: not screen.running, 120, "the A/B run")
         assert screen.error is None, screen.error
@@ -60,11 +60,11 @@ async def test_stop_midway_takes_the_servers_down(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(160, 50)) as pilot:
         screen = await open_ab(app, pilot, num_prompts="8", max_tokens="200", concurrency="4")
-        await pilot.press("r")
+        await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: screen.ab.phase == "firing A", 60, "engine A to take requests")
         engine_a = screen.ab.live[0].host
         await wait_until(pilot, lambda: engine_a.stats().kv.blocks_used > 0, 30, "rows holding blocks on A")
-        await pilot.press("s")
+        await pilot.press("ctrl+b")
         await wait_until(pilot, lambda: not screen.running, 30, "the stop")
         assert screen.result is None and "stopped" in text(app, "#ab-phase")
         assert screen.ab.live == [] and screen.ab.a.blocks_held_after_stop == 0

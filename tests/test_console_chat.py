@@ -59,7 +59,7 @@ async def test_multi_turn_chat_with_the_default_model():
         assert chat.history[3]["content"].strip()
         assert len(chat.query(".exchange")) == 2
 
-        await pilot.press("ctrl+l")  # a new chat forgets the turns
+        await pilot.press("ctrl+n")  # a new chat forgets the turns
         await wait_until(pilot, lambda: not chat.query(".exchange"), 5, "the transcript to clear")
         assert chat.history == []
 

@@ -118,3 +118,38 @@ def test_a_failed_load_exits_non_zero(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(NanoserveConsole, "run", run_and_quit)
     assert main(["--model", str(tmp_path / "missing")]) == 1
     assert "did not load" in capsys.readouterr().err
+
+
+def test_run_stop_and_reset_are_one_key_each_on_every_screen():
+    from console import keys
+    from console.screens.ab import ABScreen
+
+    by_action = {}
+    for screen in (LoadScreen, ABScreen, FlagsScreen, ChatScreen):
+        for binding in screen.BINDINGS:
+            kind = {"load_run": "run", "ab_run": "run", "load_stop": "stop", "ab_stop": "stop", "chat_stop": "stop",
+                    "flags_reset": "reset", "chat_clear": "reset"}.get(binding.id)
+            if kind:
+                by_action.setdefault(kind, set()).add(binding.key)
+    assert by_action == {"run": {keys.RUN}, "stop": {keys.STOP}, "reset": {keys.RESET}}
+    from textual.widgets import Input as TextField
+
+    taken = {key for b in TextField.BINDINGS for key in b.key.split(",")}
+    assert not {keys.RUN, keys.STOP, keys.RESET, keys.APPLY} & taken  # they work inside a text field too
+
+
+async def test_stop_works_while_a_field_has_the_focus(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("l")
+        await wait_until(pilot, lambda: isinstance(app.screen, LoadScreen), 5, "the load screen")
+        screen = app.screen
+        for field_id, value in (("load-n", "400"), ("load-concurrency", "4"), ("load-output", "200")):
+            screen.query_one(f"#{field_id}", Input).value = value
+        screen.query_one("#load-n", Input).focus()
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: screen.running, 10, "the run")
+        await pilot.press("ctrl+b")  # the field keeps ctrl+x for cut: the shared stop key is not one of its keys
+        await wait_until(pilot, lambda: not screen.running, 30, "the stop")
+        assert "stopped after" in text(app, "#load-phase") and screen.done < 400

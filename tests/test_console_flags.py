@@ -69,7 +69,7 @@ async def test_bad_values_are_refused_before_anything_restarts(config, field, va
         await wait_until(pilot, lambda: "not applied" in text(app, "#flags-message"), 5, "the refusal")
         assert message in text(app, "#flags-message")
         assert not isinstance(app.screen, ConfirmRestart) and app.restarts == 0
-        await pilot.press("ctrl+r")  # reset puts the flags in force back
+        await pilot.press("ctrl+n")  # reset puts the flags in force back
         assert screen.query_one(f"#flag-{field}").value == str(getattr(config, field))
 
 

@@ -57,7 +57,7 @@ async def test_stop_midway_aborts_the_rest_and_frees_blocks(config):
         await pilot.press("ctrl+r")
         stats = app.server.host.stats
         await wait_until(pilot, lambda: stats().scheduler.generation_tokens_total > 20, 60, "tokens flowing")
-        await pilot.press("ctrl+x")
+        await pilot.press("ctrl+b")
         await wait_until(pilot, lambda: not screen.running, 10, "the run to stop")
         assert "stopped after" in text(app, "#load-phase") and screen.summary is None
         await wait_until(pilot, lambda: stats().scheduler.running == 0 and stats().kv.blocks_used == 0, 10,

@@ -10,11 +10,11 @@ from __future__ import annotations
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Button, DataTable, Input, ProgressBar, Static
 from textual.worker import Worker, WorkerState
 
+from console import keys
 from console.screens.base import ConsoleScreen, positive_int
 from nanoserve.bench.ab import (
     DEFAULT_B,
@@ -43,8 +43,8 @@ class ABScreen(ConsoleScreen):
 
     AUTO_FOCUS = "#run"
     BINDINGS = [
-        Binding("r", "run_ab", "Run", id="ab_run"),
-        Binding("s", "stop_ab", "Stop", id="ab_stop"),
+        keys.run("run_ab", "ab_run"),
+        keys.stop("stop_ab", "ab_stop"),
     ]
     DEFAULT_CSS = """
     ABScreen #ab-form { height: auto; }
@@ -74,8 +74,8 @@ class ABScreen(ConsoleScreen):
             for field_id, (_, value, placeholder) in FIELDS.items():
                 kind = "text" if field_id.startswith("flags") else "integer"
                 yield Input(value, placeholder=placeholder, type=kind, id=field_id)
-            yield Button("Run", id="run", variant="primary")
-            yield Button("Stop", id="stop", variant="error", disabled=True)
+            yield Button(keys.label("Run", keys.RUN), id="run", variant="primary")
+            yield Button(keys.label("Stop", keys.STOP), id="stop", variant="error", disabled=True)
         with Horizontal(id="ab-progress-line"):
             yield ProgressBar(total=1, id="ab-progress", show_eta=False)  # determinate: an idle bar never animates
             yield Static("set two flag sets and press r to run", markup=False, id="ab-phase")

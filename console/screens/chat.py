@@ -19,6 +19,7 @@ from textual.validation import Integer, Number
 from textual.widgets import Input, Label, Markdown, Static
 from textual.worker import WorkerState
 
+from console import keys
 from console.screens.base import ConsoleScreen
 from nanoserve.bench.common import error_message, sse_events
 
@@ -40,7 +41,8 @@ class ChatScreen(ConsoleScreen):
     BINDINGS = [
         Binding("enter", "focus_prompt", "Write", id="chat_prompt"),
         Binding("escape", "cancel", "Cancel / leave field", id="chat_cancel"),
-        Binding("ctrl+l", "clear", "New chat", id="chat_clear"),
+        keys.stop("stop_answer", "chat_stop", "Stop answer"),
+        keys.reset("clear", "chat_clear", "New chat"),
     ]
 
     DEFAULT_CSS = """
@@ -203,6 +205,11 @@ class ChatScreen(ConsoleScreen):
         worker.cancel()
         self.give_back()
         self.query_one("#chat-stats", Static).update("cancelled")
+
+    def action_stop_answer(self) -> None:
+        """The shared stop key: cancel a streaming answer (and nothing else: Esc also leaves the field)."""
+        if self.generating:
+            self.action_cancel()
 
     def action_clear(self) -> None:
         """A new conversation: the model sees none of the earlier turns."""

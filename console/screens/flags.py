@@ -17,6 +17,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static, Switch
 
+from console import keys
 from console.screens.base import ConsoleScreen
 from nanoserve.config import EngineConfig, FlagSpec
 
@@ -102,8 +103,8 @@ class FlagsScreen(ConsoleScreen):
     FlagsScreen #flags-message, FlagsScreen #flags-progress { padding: 0 1; height: auto; }
     """
     BINDINGS = [
-        Binding("ctrl+s", "apply", "Apply", id="flags_apply"),
-        Binding("ctrl+r", "reset", "Reset", id="flags_reset"),
+        Binding(keys.APPLY, "apply", "Apply", id="flags_apply"),
+        keys.reset("reset", "flags_reset"),
     ]
 
     def __init__(self, **kwargs):
@@ -126,8 +127,8 @@ class FlagsScreen(ConsoleScreen):
                     yield control.build(getattr(config, control.spec.name))
                     yield Static(control.spec.help, classes="flag-help", markup=False)
             with Horizontal(id="flags-actions"):
-                yield Button("Apply  ctrl+s", variant="primary", id="flags-apply-button")
-                yield Button("Reset  ctrl+r", id="flags-reset-button")
+                yield Button(keys.label("Apply", keys.APPLY), variant="primary", id="flags-apply-button")
+                yield Button(keys.label("Reset", keys.RESET), id="flags-reset-button")
                 yield Checkbox("let running requests finish first", id="flags-drain")
             yield Static("", markup=False, id="flags-message")
             yield Static("", markup=False, id="flags-progress")

@@ -11,10 +11,10 @@ import time
 
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import Button, Input, Label, ProgressBar, Select, Static
 
+from console import keys
 from console.screens.base import ConsoleScreen, positive_int
 from nanoserve.bench import serve as bench_serve
 
@@ -36,8 +36,8 @@ class LoadScreen(ConsoleScreen):
     LoadScreen #load-phase, LoadScreen #load-summary { padding: 0 1; }
     """
     BINDINGS = [
-        Binding("ctrl+r", "run_load", "Run", id="load_run"),
-        Binding("ctrl+x", "stop_load", "Stop", id="load_stop"),
+        keys.run("run_load", "load_run"),
+        keys.stop("stop_load", "load_stop"),
     ]
 
     def __init__(self, **kwargs):
@@ -58,8 +58,8 @@ class LoadScreen(ConsoleScreen):
             yield Select([("greedy", "greedy"), ("sampled (seeded)", "sampled")], value="greedy",
                          allow_blank=False, id="load-sampling")
         with Horizontal(id="load-buttons"):
-            yield Button("Run  ctrl+r", id="load-run-button", variant="primary")
-            yield Button("Stop  ctrl+x", id="load-stop-button", variant="error", disabled=True)
+            yield Button(keys.label("Run", keys.RUN), id="load-run-button", variant="primary")
+            yield Button(keys.label("Stop", keys.STOP), id="load-stop-button", variant="error", disabled=True)
         yield ProgressBar(total=1, id="load-progress", show_eta=False)  # determinate: an idle bar never animates
         yield Static("no run yet", markup=False, id="load-phase")
         yield Static("", markup=False, id="load-summary")
@@ -72,7 +72,7 @@ class LoadScreen(ConsoleScreen):
     @on(Button.Pressed, "#load-run-button")
     def action_run_load(self) -> None:
         if self.running:
-            self.notify("a run is already going; stop it first (ctrl+x)", severity="warning")
+            self.notify("a run is already going; stop it first ({keys.STOP})", severity="warning")
             return
         server = self.app.server
         if server is None or self.app.phase != "serving":
