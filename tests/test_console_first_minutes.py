@@ -153,3 +153,27 @@ async def test_stop_works_while_a_field_has_the_focus(config):
         await pilot.press("ctrl+b")  # the field keeps ctrl+x for cut: the shared stop key is not one of its keys
         await wait_until(pilot, lambda: not screen.running, 30, "the stop")
         assert "stopped after" in text(app, "#load-phase") and screen.done < 400
+
+
+async def test_a_100x30_dashboard_shows_every_figure_and_every_key(config):
+    from textual.widgets._footer import FooterKey
+
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(app, pilot)
+        await wait_until(pilot, lambda: "TTFT" in text(app, "#throughput-text"), 5, "the panels")
+        await pilot.pause(0.2)
+        screen = app.screen
+        assert screen.has_class("-narrow")
+        for selector, words in (("#kv", ("running", "waiting", "generated", "usage")),
+                                ("#throughput-text", ("TTFT", "TPOT", "step ms")),
+                                ("#read", ("mode", "saving"))):
+            widget = screen.query_one(selector)
+            assert all(w in text(app, selector) for w in words), selector
+            region = widget.region
+            assert region.height > 0 and region.bottom <= app.size.height - 1, (selector, region)  # above the footer
+            assert region.right <= app.size.width
+        keys = [k for k in screen.query(FooterKey) if k.display]
+        assert keys and all(k.region.right <= app.size.width and k.region.width > 0 for k in keys)
+        shown = {k.key for k in keys}
+        assert {"q", "d", "f", "l", "c", "a", "e"} <= shown, shown

@@ -20,6 +20,7 @@ from tests.console_helpers import wait_until  # noqa: E402
 
 PORT = 18765  # fixed so the URL on the status line is the same every run; below Linux's ephemeral range
 SIZE = (150, 44)
+SMALL = (100, 30)  # a terminal as small as people run it in: every figure must still show
 
 
 @pytest.fixture(scope="module")
@@ -58,5 +59,6 @@ def arrive(mode: str, *keys: str):
     ("log", ("x",)),
     ("dashboard", ("question_mark",)),
 ], ids=["dashboard", "flags", "load", "chat", "ab", "log", "help"])
-def test_screen_snapshot(snap_compare, model_dir, mode, keys):
-    assert snap_compare(console(model_dir), terminal_size=SIZE, run_before=arrive(mode, *keys))
+@pytest.mark.parametrize("size", [SIZE, SMALL], ids=["150x44", "100x30"])
+def test_screen_snapshot(snap_compare, model_dir, mode, keys, size):
+    assert snap_compare(console(model_dir), terminal_size=size, run_before=arrive(mode, *keys))

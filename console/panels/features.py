@@ -15,6 +15,7 @@ class FeaturePanel(TextPanel):
     def __init__(self, *sections: str, **kwargs):
         super().__init__(OFF, **kwargs)
         self.sections = sections
+        self.published = False  # whether the last snapshot carried any of its sections
 
     def show(self, stats: EngineStats) -> None:
         lines = []
@@ -24,4 +25,5 @@ class FeaturePanel(TextPanel):
                 lines += [f"{section}:" if len(self.sections) > 1 else ""] + [f"{k:<18} {v}" for k, v in values.items()]
             elif values is not None:
                 lines.append(f"{section}: {values}")
+        self.published = any(stats.sections.get(section) is not None for section in self.sections)
         self.set_text("\n".join(line for line in lines if line) or OFF)

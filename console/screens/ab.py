@@ -10,7 +10,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
-from textual.containers import Horizontal
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, Input, ProgressBar, Static
 from textual.worker import Worker, WorkerState
 
@@ -47,9 +47,9 @@ class ABScreen(ConsoleScreen):
         keys.stop("stop_ab", "ab_stop"),
     ]
     DEFAULT_CSS = """
-    ABScreen #ab-form { height: auto; }
-    ABScreen #ab-form Input { width: 16; border-title-color: $accent; }
-    ABScreen #ab-form #flags-a, ABScreen #ab-form #flags-b { width: 1fr; }
+    ABScreen #ab-form, ABScreen #ab-flags, ABScreen #ab-numbers { height: auto; }
+    ABScreen #ab-form Input { width: 18; border-title-color: $accent; }
+    ABScreen #ab-form #flags-a, ABScreen #ab-form #flags-b { width: 1fr; }  /* a line of their own: flag sets are long */
     ABScreen #ab-form Button { margin: 0 0 0 1; min-width: 8; }
     ABScreen #ab-progress-line { height: 1; padding: 0 1; }
     ABScreen #ab-progress { width: 50; }
@@ -70,15 +70,20 @@ class ABScreen(ConsoleScreen):
         self.error: str | None = None  # why the last Run was refused or failed
 
     def compose_body(self) -> ComposeResult:
-        with Horizontal(id="ab-form"):
-            for field_id, (_, value, placeholder) in FIELDS.items():
-                kind = "text" if field_id.startswith("flags") else "integer"
-                yield Input(value, placeholder=placeholder, type=kind, id=field_id)
-            yield Button(keys.label("Run", keys.RUN), id="run", variant="primary")
-            yield Button(keys.label("Stop", keys.STOP), id="stop", variant="error", disabled=True)
+        with Vertical(id="ab-form"):
+            with Horizontal(id="ab-flags"):
+                for field_id, (_, value, placeholder) in FIELDS.items():
+                    if field_id.startswith("flags"):
+                        yield Input(value, placeholder=placeholder, id=field_id)
+            with Horizontal(id="ab-numbers"):
+                for field_id, (_, value, placeholder) in FIELDS.items():
+                    if not field_id.startswith("flags"):
+                        yield Input(value, placeholder=placeholder, type="integer", id=field_id)
+                yield Button(keys.label("Run", keys.RUN), id="run", variant="primary")
+                yield Button(keys.label("Stop", keys.STOP), id="stop", variant="error", disabled=True)
         with Horizontal(id="ab-progress-line"):
             yield ProgressBar(total=1, id="ab-progress", show_eta=False)  # determinate: an idle bar never animates
-            yield Static("set two flag sets and press r to run", markup=False, id="ab-phase")
+            yield Static(f"set two flag sets and press {keys.RUN} to run", markup=False, id="ab-phase")
         yield Static("", markup=False, id="ab-summary")
         with Horizontal(id="ab-tables"):
             yield DataTable(id="verdicts", zebra_stripes=True, cursor_type="row")

@@ -13,6 +13,8 @@ from textual.widgets import Footer, Input
 from console.panels.header import EngineHeader
 from console.panels.text import TextPanel
 
+NARROW = 130  # columns below which screens take their narrow layout
+
 
 def positive_int(field: Input | str, label: str) -> int:
     """A whole number >= 1 from a text field (or its text); ValueError naming `label` otherwise."""
@@ -49,6 +51,14 @@ class ConsoleScreen(Screen):
         if action == "blur":
             return isinstance(self.focused, Input)
         return True
+
+    def on_resize(self, event) -> None:
+        """Below NARROW columns: the screen's narrow layout, and a compact footer without the palette's key (the
+        palette still opens with ctrl+p, and help lists it), so every key stays in view."""
+        narrow = event.size.width < NARROW
+        self.set_class(narrow, "-narrow")
+        footer = self.query_one(Footer)
+        footer.compact, footer.show_command_palette = narrow, not narrow
 
     def on_descendant_focus(self, event) -> None:
         self.refresh_bindings()

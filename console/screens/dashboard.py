@@ -1,4 +1,9 @@
-"""The dashboard: every panel refreshed from one engine snapshot per tick."""
+"""The dashboard: every panel refreshed from one engine snapshot per tick.
+
+The requests table takes the height that is left; the counters sit below it in three columns, or two on a
+terminal narrower than base.NARROW columns (the paged read then wraps under them, and the sparklines go, so every
+figure still shows at 100x30). A feature the engine does not publish takes one line between them, not a panel.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import time
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Static
 
 from console.panels.features import FeaturePanel
 from console.panels.header import EngineHeader
@@ -26,8 +32,9 @@ REFRESH_STEPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # the refresh intervals +/- ste
 class Dashboard(ConsoleScreen):
     BINDINGS = [
         Binding("p", "toggle_pause", "Pause", id="pause"),
-        Binding("plus,equals_sign", "refresh_faster", "Faster", key_display="+", id="refresh_faster"),
-        Binding("minus", "refresh_slower", "Slower", key_display="-", id="refresh_slower"),
+        # the refresh interval is on the status line; these two stay out of the footer (help lists them)
+        Binding("plus,equals_sign", "refresh_faster", "Faster", key_display="+", id="refresh_faster", show=False),
+        Binding("minus", "refresh_slower", "Slower", key_display="-", id="refresh_slower", show=False),
         Binding("slash", "filter_rows", "Filter", key_display="/", id="filter_rows"),
         Binding("s", "sort_rows", "Sort", id="sort_rows"),
     ]
@@ -39,18 +46,23 @@ class Dashboard(ConsoleScreen):
         self._timer = None
 
     def compose_body(self) -> ComposeResult:
-        with Grid(id="panels"):
+        with Vertical(id="panels"):
             yield RowsPanel(id="rows")
-            yield KVPanel(id="kv")
-            yield ThroughputPanel(id="throughput")
-            yield ReadPanel(id="read")
-            yield FeaturePanel("capture", id="capture")
-            yield FeaturePanel("inputs", "buckets", id="inputs")
-            yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
+            with Horizontal(id="counters"):
+                yield KVPanel(id="kv")
+                yield ThroughputPanel(id="throughput")
+                yield ReadPanel(id="read")
+            with Horizontal(id="features"):
+                yield FeaturePanel("capture", id="capture")
+                yield FeaturePanel("inputs", "buckets", id="inputs")
+                yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
+            yield Static("", markup=False, id="features-off")
 
     def on_mount(self) -> None:
         for panel_id, title in PANEL_TITLES.items():
             self.query_one(f"#{panel_id}").border_title = title
+
+
 
     def start_refresh(self) -> None:
         """One timer drives header, status and panels together."""
@@ -112,5 +124,11 @@ class Dashboard(ConsoleScreen):
         self.query_one(KVPanel).show(stats)
         self.query_one(ThroughputPanel).show(stats)
         self.query_one(ReadPanel).show(stats)
+        off = []
         for panel in self.query(FeaturePanel):
             panel.show(stats)
+            panel.display = panel.published
+            if not panel.published:
+                off.append(PANEL_TITLES[panel.id].lower())
+        self.query_one("#features-off", Static).update(f"off: {', '.join(off)} (not published by this engine)"
+                                                        if off else "")
