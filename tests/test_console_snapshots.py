@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
+from textual.widgets import Input  # noqa: E402
+
 from console.app import SCREENS, NanoserveConsole  # noqa: E402
 from console.screens.help import HelpScreen  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
@@ -45,6 +47,8 @@ def arrive(mode: str, *keys: str):
         await pilot.press("escape", SCREENS[mode][1], *keys)
         screen_class = HelpScreen if "question_mark" in keys else SCREENS[mode][0]
         await wait_until(pilot, lambda: isinstance(app.screen, screen_class), 5, f"the {mode} screen")
+        for field in app.screen.query(Input):  # a focused field's cursor blinks: hold it still for the picture
+            field.cursor_blink = False
         await pilot.pause(0.3)
 
     return run_before
