@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from console import keys  # noqa: E402
 from console.app import SCREENS, NanoserveConsole  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
 from tests.console_helpers import Requests, started, wait_until  # noqa: E402
@@ -51,7 +52,7 @@ async def load_screen(app, pilot, out):
     screen = app.screen
     for field, value in {"#load-n": "12", "#load-concurrency": "6", "#load-output": "32"}.items():
         screen.query_one(field).value = value
-    await pilot.press("ctrl+r")
+    await pilot.press(keys.RUN)
     await wait_until(pilot, lambda: screen.summary is not None, 300, "the load run")
     save(app, out, "load")
 
@@ -83,7 +84,7 @@ async def ab(app, pilot, out):
     screen = app.screen
     for field, value in {"#num-prompts": "6", "#max-tokens": "16"}.items():  # the interpreted B read is slow
         screen.query_one(field).value = value
-    await pilot.press("r")
+    await pilot.press(keys.RUN)
     await wait_until(pilot, lambda: screen.running, 10, "the A/B run to start")
     await wait_until(pilot, lambda: not screen.running, 600, "the A/B run")
     await pilot.pause(0.5)
