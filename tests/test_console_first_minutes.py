@@ -177,3 +177,12 @@ async def test_a_100x30_dashboard_shows_every_figure_and_every_key(config):
         assert keys and all(k.region.right <= app.size.width and k.region.width > 0 for k in keys)
         shown = {k.key for k in keys}
         assert {"q", "d", "f", "l", "c", "a", "e"} <= shown, shown
+
+
+def test_published_sections_are_written_as_numbers_not_python():
+    from console.panels.features import shown
+
+    assert shown("packed_bytes", 66355200) == "63.3 MiB"
+    assert shown("int4_calls", 7530) == "7,530"
+    assert shown("dense_from_rows", {"int4 960x576": 32, "int4 576x576": 16}) == "int4 960x576 32 · int4 576x576 16"
+    assert shown("head_us", {"own": 7231.6}) == "own 7,231.6"

@@ -3,6 +3,7 @@ their names."""
 
 from __future__ import annotations
 
+from console.numbers import count, decimal, size
 from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
@@ -22,8 +23,25 @@ class FeaturePanel(TextPanel):
         for section in self.sections:
             values = stats.sections.get(section)
             if isinstance(values, dict):
-                lines += [f"{section}:" if len(self.sections) > 1 else ""] + [f"{k:<18} {v}" for k, v in values.items()]
+                lines += [f"{section}:" if len(self.sections) > 1 else ""] + [f"{k:<18} {shown(k, v)}"
+                                                                              for k, v in values.items()]
             elif values is not None:
                 lines.append(f"{section}: {values}")
         self.published = any(stats.sections.get(section) is not None for section in self.sections)
         self.set_text("\n".join(line for line in lines if line) or OFF)
+
+
+def shown(key: str, value) -> str:
+    """A published value as the console writes numbers: counts separated, bytes in MiB/GiB, a mapping as
+    'name value' pairs (never a Python dict)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return size(value) if key.endswith("bytes") else count(value)
+    if isinstance(value, float):
+        return decimal(value)
+    if isinstance(value, dict):
+        return " · ".join(f"{k} {shown(str(k), v)}" for k, v in value.items()) or "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(shown(key, v) for v in value) or "-"
+    return str(value)

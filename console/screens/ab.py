@@ -58,7 +58,7 @@ class ABScreen(ConsoleScreen):
     ABScreen #ab-tables { height: 1fr; }
     ABScreen #ab-tables DataTable { border: round $primary; border-title-color: $accent; height: 100%; }
     ABScreen #verdicts { width: 1fr; }
-    ABScreen #counters { width: 62; }
+    ABScreen #counters { width: 1fr; }
     """
 
     def __init__(self, **kwargs):
