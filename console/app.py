@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="OpenAI server port on 127.0.0.1 (0: a free port)")
     parser.add_argument("--refresh", type=float, default=1.0,
                         help="refresh interval, seconds (+/- on the dashboard change it while running)")
+    parser.add_argument("--once", action="store_true",
+                        help="print the dashboard once as text (two snapshots --refresh apart) and exit")
     parser.add_argument("--keymap", action="append", default=[], metavar="ID=KEYS",
                         help="rebind a key by its binding id, e.g. --keymap quit=ctrl+q (repeatable; ids in ?)")
     args = parser.parse_args(argv)
@@ -181,12 +183,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--keymap takes ID=KEYS, got {args.keymap}")
     config = EngineConfig.from_flags(**engine_flags(args))
+    if args.once:
+        return print_once(config, args.port, args.refresh)
     app = NanoserveConsole(config, port=args.port, refresh_s=args.refresh)
     app.set_keymap(keymap)
     app.run()
     if app.load_error is not None:  # the screen is gone: the reason stays in the terminal, and scripts see it
         print(f"nanoserve-console: the engine did not load: {app.load_error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def print_once(config: EngineConfig, port: int, refresh_s: float) -> int:
+    """--once: load, print the dashboard's text, stop. A model that does not load is exit 1, with why."""
+    from console.snapshot import once
+    from nanoserve.server.serve import Server
+
+    try:
+        server = Server(config, port=port).start()
+    except Exception as e:
+        print(f"nanoserve-console: the engine did not load: {e}", file=sys.stderr)
+        return 1
+    try:
+        sys.stdout.write(once(server, refresh_s))
+    finally:
+        server.stop()
     return 0
 
 

@@ -186,3 +186,19 @@ def test_published_sections_are_written_as_numbers_not_python():
     assert shown("int4_calls", 7530) == "7,530"
     assert shown("dense_from_rows", {"int4 960x576": 32, "int4 576x576": 16}) == "int4 960x576 32 · int4 576x576 16"
     assert shown("head_us", {"own": 7231.6}) == "own 7,231.6"
+
+
+def test_once_prints_the_dashboard_as_text(tiny_checkpoint, capsys):
+    argv = ["--once", "--model", str(tiny_checkpoint("llama")), "--max-model-len", "256", "--kv-cache-gib", "0.01",
+            "--device", "cpu", "--refresh", "0.1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for title in ("== Requests ==", "== KV cache ==", "== Throughput and latency ==", "== Paged read =="):
+        assert title in out
+    assert "running" in out and "TTFT ms" in out and "saving" in out and "flags:" in out
+    assert "off: capture" in out and "{" not in out
+
+
+def test_once_with_a_model_that_does_not_load_exits_1(tmp_path, capsys):
+    assert main(["--once", "--model", str(tmp_path / "missing")]) == 1
+    assert "did not load" in capsys.readouterr().err

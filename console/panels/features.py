@@ -19,16 +19,20 @@ class FeaturePanel(TextPanel):
         self.published = False  # whether the last snapshot carried any of its sections
 
     def show(self, stats: EngineStats) -> None:
-        lines = []
-        for section in self.sections:
-            values = stats.sections.get(section)
-            if isinstance(values, dict):
-                lines += [f"{section}:" if len(self.sections) > 1 else ""] + [f"{k:<18} {shown(k, v)}"
-                                                                              for k, v in values.items()]
-            elif values is not None:
-                lines.append(f"{section}: {values}")
         self.published = any(stats.sections.get(section) is not None for section in self.sections)
-        self.set_text("\n".join(line for line in lines if line) or OFF)
+        self.set_text(feature_text(stats, self.sections) or OFF)
+
+
+def feature_text(stats: EngineStats, sections) -> str:
+    """The published sections key by key ('' when none of them is published)."""
+    lines = []
+    for section in sections:
+        values = stats.sections.get(section)
+        if isinstance(values, dict):
+            lines += [f"{section}:" if len(sections) > 1 else ""] + [f"{k:<18} {shown(k, v)}" for k, v in values.items()]
+        elif values is not None:
+            lines.append(f"{section}: {values}")
+    return "\n".join(line for line in lines if line)
 
 
 def shown(key: str, value) -> str:

@@ -6,8 +6,11 @@ from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
 
+def header_text(stats: EngineStats) -> str:
+    flags = " ".join(f"{k}={v}" for k, v in stats.flags.items() if k != "model")
+    return f"{stats.model} · {stats.device} · {stats.dtype} · max_model_len {stats.max_model_len}\nflags: {flags}"
+
+
 class EngineHeader(TextPanel):
     def show(self, stats: EngineStats) -> None:
-        flags = " ".join(f"{k}={v}" for k, v in stats.flags.items() if k != "model")
-        self.set_text(f"{stats.model} · {stats.device} · {stats.dtype} · max_model_len {stats.max_model_len}\n"
-                    f"flags: {flags}")
+        self.set_text(header_text(stats))

@@ -9,8 +9,12 @@ from nanoserve.stats import EngineStats
 
 class KVPanel(TextPanel):
     def show(self, stats: EngineStats) -> None:
-        kv, sched = stats.kv, stats.scheduler
-        self.set_text(
+        self.set_text(kv_text(stats))
+
+
+def kv_text(stats: EngineStats) -> str:
+    kv, sched = stats.kv, stats.scheduler
+    return (
             f"blocks used  {count(kv.blocks_used)} / {count(kv.blocks_total)}  (free {count(kv.blocks_free)})\n"
             f"usage        {kv.usage:.1%}  ({count(kv.blocks_used * kv.block_size)} of "
             f"{count(kv.blocks_total * kv.block_size)} tokens)\n"
@@ -19,7 +23,7 @@ class KVPanel(TextPanel):
             f"preemptions  {count(sched.preemptions)}\n"
             f"running      {count(sched.running)}  waiting {count(sched.waiting)}  peak {count(sched.peak_running)}\n"
             f"generated    {count(sched.generation_tokens_total)} tokens in {count(sched.steps)} steps"
-        )
+    )
 
 
 def prefix_line(stats: EngineStats) -> str:

@@ -9,12 +9,16 @@ from nanoserve.stats import EngineStats
 
 class ReadPanel(TextPanel):
     def show(self, stats: EngineStats) -> None:
-        read = stats.paged_read
-        block = "-" if read.block is None else read.block
-        self.set_text(
-            f"mode         {read.mode}  block {block}\n"
-            f"calls        {count(read.calls)}  rows {count(read.rows)}\n"
-            f"score cells  {count(read.score_cells)}\n"
-            f"held cells   {count(read.held_cells)}\n"
-            f"saving       {read.saving:.3f} (charged / held)"
-        )
+        self.set_text(read_text(stats))
+
+
+def read_text(stats: EngineStats) -> str:
+    read = stats.paged_read
+    block = "-" if read.block is None else read.block
+    return (
+        f"mode         {read.mode}  block {block}\n"
+        f"calls        {count(read.calls)}  rows {count(read.rows)}\n"
+        f"score cells  {count(read.score_cells)}\n"
+        f"held cells   {count(read.held_cells)}\n"
+        f"saving       {read.saving:.3f} (charged / held)"
+    )

@@ -59,19 +59,21 @@ class ThroughputPanel(Vertical):
         yield Sparkline(list(self.rates.generation_history), id="generation-spark")
 
     def show(self, stats: EngineStats) -> None:
-        prompt_rate, generation_rate = self.rates.rates()
-        sched = stats.scheduler
-        lat = stats.latency
-        self.query_one("#throughput-text", TextPanel).set_text(
-            f"prompt      {decimal(prompt_rate):>8} tok/s  total {count(sched.prompt_tokens_total)}\n"
-            f"generation  {decimal(generation_rate):>8} tok/s  total {count(sched.generation_tokens_total)}\n"
-            f"finished    {count(sum(sched.finished.values()))}  {by_reason(sched.finished)}\n"
-            f"TTFT ms     p50 {_ms(lat.ttft_p50)}  p99 {_ms(lat.ttft_p99)}  (last {lat.window} requests)\n"
-            f"TPOT ms     p50 {_ms(lat.tpot_p50)}  p99 {_ms(lat.tpot_p99)}\n"
-            f"step ms     p50 {_ms(lat.step_p50)}  p99 {_ms(lat.step_p99)}"
-        )
+        self.query_one("#throughput-text", TextPanel).set_text(throughput_text(stats, *self.rates.rates()))
         self.query_one("#prompt-spark", Sparkline).data = list(self.rates.prompt_history)
         self.query_one("#generation-spark", Sparkline).data = list(self.rates.generation_history)
+
+
+def throughput_text(stats: EngineStats, prompt_rate: float, generation_rate: float) -> str:
+    sched, lat = stats.scheduler, stats.latency
+    return (
+        f"prompt      {decimal(prompt_rate):>8} tok/s  total {count(sched.prompt_tokens_total)}\n"
+        f"generation  {decimal(generation_rate):>8} tok/s  total {count(sched.generation_tokens_total)}\n"
+        f"finished    {count(sum(sched.finished.values()))}  {by_reason(sched.finished)}\n"
+        f"TTFT ms     p50 {_ms(lat.ttft_p50)}  p99 {_ms(lat.ttft_p99)}  (last {lat.window} requests)\n"
+        f"TPOT ms     p50 {_ms(lat.tpot_p50)}  p99 {_ms(lat.tpot_p99)}\n"
+        f"step ms     p50 {_ms(lat.step_p50)}  p99 {_ms(lat.step_p99)}"
+    )
 
 
 def _ms(seconds: float | None) -> str:
