@@ -202,3 +202,36 @@ def test_once_prints_the_dashboard_as_text(tiny_checkpoint, capsys):
 def test_once_with_a_model_that_does_not_load_exits_1(tmp_path, capsys):
     assert main(["--once", "--model", str(tmp_path / "missing")]) == 1
     assert "did not load" in capsys.readouterr().err
+
+
+async def test_tab_reaches_a_labelled_control_first(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        await pilot.press("f")
+        await wait_until(pilot, lambda: isinstance(app.screen, FlagsScreen), 5, "the flags screen")
+        await pilot.press("tab")
+        assert app.focused is not None and app.focused.id and app.focused.id.startswith("flag-"), app.focused
+
+
+def test_an_ab_arms_log_lines_name_the_arm():
+    import logging
+    import threading
+
+    from nanoserve.bench.ab import labelled_logs
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("nanoserve.engine")
+    logger.addHandler(handler)
+    try:
+        with labelled_logs("A/B arm B"):
+            logger.warning("engine ready: tiny (1.0s)")
+            other = threading.Thread(target=lambda: logger.warning("the console's own engine"))
+            other.start()
+            other.join()
+        logger.warning("after the arm")
+    finally:
+        logger.removeHandler(handler)
+    assert records == ["A/B arm B: engine ready: tiny (1.0s)", "the console's own engine", "after the arm"]

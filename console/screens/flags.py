@@ -115,7 +115,7 @@ class FlagsScreen(ConsoleScreen):
 
     def compose_body(self) -> ComposeResult:
         config = self.app.config
-        with VerticalScroll():
+        with VerticalScroll(can_focus=False):  # Tab goes to the first flag, not to the unlabelled scroll area
             with Grid(id="flags-form"):
                 for name, why in FIXED.items():
                     yield Label(name)
