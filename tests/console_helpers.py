@@ -56,3 +56,11 @@ class Requests(threading.Thread):
     def run(self) -> None:
         with ThreadPoolExecutor(self.n) as pool:
             list(pool.map(self.one, range(self.n)))
+
+
+async def open_screen(app, pilot, key: str, screen_class, timeout: float = 5.0):
+    """Wait for the engine, press the screen's key, and return the screen once it is in view."""
+    await started(app, pilot)
+    await pilot.press(key)
+    await wait_until(pilot, lambda: isinstance(app.screen, screen_class), timeout, f"the {screen_class.__name__}")
+    return app.screen

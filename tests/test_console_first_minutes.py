@@ -17,7 +17,7 @@ from console.screens.dashboard import Dashboard  # noqa: E402
 from console.screens.flags import FlagsScreen  # noqa: E402
 from console.screens.load import LoadScreen  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from tests.console_helpers import notes, started, text, wait_until  # noqa: E402
+from tests.console_helpers import notes, open_screen, started, text, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -33,9 +33,7 @@ def footer_keys(app) -> set[str]:
 async def test_the_chat_prompt_has_the_focus_so_typing_asks(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
-        await started(app, pilot)
-        await pilot.press("c")
-        await wait_until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "the chat screen")
+        await open_screen(app, pilot, "c", ChatScreen)
         await pilot.press(*"hello")  # h, e, l (load!), l, o: none of them may leave the chat
         assert isinstance(app.screen, ChatScreen)
         assert app.screen.query_one("#chat-input", Input).value == "hello"
@@ -44,9 +42,7 @@ async def test_the_chat_prompt_has_the_focus_so_typing_asks(config):
 async def test_a_text_field_says_how_to_get_the_screen_keys_back(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
-        await started(app, pilot)
-        await pilot.press("l")
-        await wait_until(pilot, lambda: isinstance(app.screen, LoadScreen), 5, "the load screen")
+        await open_screen(app, pilot, "l", LoadScreen)
         assert "escape" not in footer_keys(app)  # nothing to leave yet
         app.screen.query(Input).first().focus()
         await pilot.pause()
@@ -60,9 +56,7 @@ async def test_a_text_field_says_how_to_get_the_screen_keys_back(config):
 async def test_a_refused_flag_change_is_said_where_it_is_seen(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(180, 50)) as pilot:
-        await started(app, pilot)
-        await pilot.press("f")
-        await wait_until(pilot, lambda: isinstance(app.screen, FlagsScreen), 5, "the flags screen")
+        await open_screen(app, pilot, "f", FlagsScreen)
         app.screen.query_one("#flag-max_num_seqs", Input).value = ""
         await pilot.press("ctrl+s")
         await wait_until(pilot, lambda: "not applied" in notes(app), 5, "the refusal's toast")
@@ -75,9 +69,7 @@ async def test_a_refused_flag_change_is_said_where_it_is_seen(config):
 async def test_an_unset_flag_shows_the_value_it_came_to(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(180, 50)) as pilot:
-        await started(app, pilot)
-        await pilot.press("f")
-        await wait_until(pilot, lambda: isinstance(app.screen, FlagsScreen), 5, "the flags screen")
+        await open_screen(app, pilot, "f", FlagsScreen)
         decided = app.server.host.serving().max_model_len
         field = app.screen.query_one("#flag-max_model_len", Input)
         await wait_until(pilot, lambda: str(decided) in field.placeholder, 5, "the decided value")
@@ -141,9 +133,7 @@ def test_run_stop_and_reset_are_one_key_each_on_every_screen():
 async def test_stop_works_while_a_field_has_the_focus(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
-        await started(app, pilot)
-        await pilot.press("l")
-        await wait_until(pilot, lambda: isinstance(app.screen, LoadScreen), 5, "the load screen")
+        await open_screen(app, pilot, "l", LoadScreen)
         screen = app.screen
         for field_id, value in (("load-n", "400"), ("load-concurrency", "4"), ("load-output", "200")):
             screen.query_one(f"#{field_id}", Input).value = value
@@ -207,9 +197,7 @@ def test_once_with_a_model_that_does_not_load_exits_1(tmp_path, capsys):
 async def test_tab_reaches_a_labelled_control_first(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
-        await started(app, pilot)
-        await pilot.press("f")
-        await wait_until(pilot, lambda: isinstance(app.screen, FlagsScreen), 5, "the flags screen")
+        await open_screen(app, pilot, "f", FlagsScreen)
         await pilot.press("tab")
         assert app.focused is not None and app.focused.id and app.focused.id.startswith("flag-"), app.focused
 
