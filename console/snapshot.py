@@ -14,6 +14,7 @@ from console.panels.features import feature_text
 from console.panels.header import header_text
 from console.panels.kv import kv_text
 from console.panels.read import read_text
+from console.panels.recent import recent_text
 from console.panels.throughput import TokenRates, throughput_text
 from nanoserve.stats import EngineStats
 
@@ -32,7 +33,8 @@ def rows_text(stats: EngineStats) -> str:
 
 def dashboard_text(stats: EngineStats, rates: TokenRates, status: str) -> str:
     blocks = [header_text(stats), status, ("Requests", rows_text(stats)), ("KV cache", kv_text(stats)),
-              ("Throughput and latency", throughput_text(stats, *rates.rates())), ("Paged read", read_text(stats))]
+              ("Throughput and latency", throughput_text(stats, *rates.rates())), ("Paged read", read_text(stats)),
+              ("Recent (sliding windows)", recent_text(stats) or "no activity yet")]
     off = []
     for title, sections in FEATURES.items():
         text = feature_text(stats, sections)

@@ -44,6 +44,7 @@ from nanoserve.stats import (
 from nanoserve.streaming import TextStream
 from nanoserve.structured.grammars import Grammars
 from nanoserve.structured.mask import GrammarMasker
+from nanoserve.windows import RecentActivity
 
 log = logging.getLogger("nanoserve.engine")
 
@@ -100,6 +101,8 @@ class Engine:
         self._tpots: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._request_latency: tuple | None = None  # (ttft p50, p99, tpot p50, p99); recomputed after a finish
         self._step_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.recent = RecentActivity()  # the same latencies and finishes, by time: the sliding windows
+        self._started = started
         self._progress("ready")
         log.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
@@ -334,6 +337,7 @@ class Engine:
                     req.finished_time = now
                 self._streams.pop(req.serial, None)
                 self._finished["error"] += 1
+                self.recent.finished("error", now)
         self._aborted.extend(r for r, _, _ in emitted if r.request_id not in failed)  # their outputs come next
         log.error("step %d failed (%s: %s); ended %d request(s): %s", self._steps, type(error).__name__, error,
                   len(failed), ", ".join(sorted(failed)))
@@ -367,6 +371,7 @@ class Engine:
             for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
                 emitted.append(self._append(req, token, lp, now))
         self._step_times.append(time.perf_counter() - step_started)
+        self.recent.latency("step", self._step_times[-1], time.monotonic())
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple[Request, int]]) -> None:
         """Logprobs of each prompt token given the ones before it, from the logits at the position before it."""
@@ -396,9 +401,11 @@ class Engine:
             self.scheduler.finish(req, reason)
             req.finished_time = now
             self._ttfts.append(req.first_token_time - req.arrival_time)
+            self.recent.latency("ttft", self._ttfts[-1], now)
             self._request_latency = None
             if len(req.output_ids) > 1:
                 self._tpots.append((now - req.first_token_time) / (len(req.output_ids) - 1))
+                self.recent.latency("tpot", self._tpots[-1], now)
         if delta:
             req.text_pieces.append(delta)
         return req, delta, (token,)
@@ -413,6 +420,7 @@ class Engine:
             done = last_of[req.request_id] == i and all(r.finished for r in group)
             if req.finished:
                 self._finished[req.finish_reason] += 1
+                self.recent.finished(req.finish_reason, req.finished_time or time.monotonic())
                 self._streams.pop(req.serial, None)
             if done:
                 self._groups.pop(req.request_id, None)
@@ -479,7 +487,8 @@ class Engine:
             sections={**(self.decode_path.sections() if self.decode_path is not None else {}),
                       **({"linear": self.loaded.quant.as_dict()} if self.loaded.quant is not None else {}),
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {}),
-                      **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {})},
+                      **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
+                      "windows": self.recent.snapshot(time.monotonic(), self._started)},
             latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),
                                  *percentiles(self._step_times, 0.5, 0.99)),
             prefix_cache=PrefixCacheStats(s.prefix_caching, s.prefix_queries, s.prefix_hits, self.pool.num_cached,

@@ -223,3 +223,16 @@ def test_an_ab_arms_log_lines_name_the_arm():
     finally:
         logger.removeHandler(handler)
     assert records == ["A/B arm B: engine ready: tiny (1.0s)", "the console's own engine", "after the arm"]
+
+
+async def test_the_dashboard_shows_the_sliding_windows(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        from tests.console_helpers import Requests
+
+        Requests(app.server.url, n=4, max_tokens=8).join(60)
+        await wait_until(pilot, lambda: "finished/s" in text(app, "#recent")
+                         and " / " in text(app, "#recent").splitlines()[1], 10, "the windows")
+        shown = text(app, "#recent")
+        assert "10 s" in shown and "1 min" in shown and "5 min" in shown and "TTFT ms" in shown

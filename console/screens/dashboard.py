@@ -18,13 +18,14 @@ from console.panels.features import FeaturePanel
 from console.panels.header import EngineHeader
 from console.panels.kv import KVPanel
 from console.panels.read import ReadPanel
+from console.panels.recent import RecentPanel
 from console.panels.rows import RowsPanel
 from console.panels.throughput import ThroughputPanel
 from console.screens.base import ConsoleScreen
 from nanoserve.stats import EngineStats
 
 PANEL_TITLES = {"rows": "Requests", "kv": "KV cache", "throughput": "Throughput and latency",
-                "read": "Paged read", "capture": "Capture", "inputs": "Persistent inputs",
+                "read": "Paged read", "recent": "Recent (sliding windows)", "capture": "Capture", "inputs": "Persistent inputs",
                 "linear": "Linear kernels"}
 REFRESH_STEPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # the refresh intervals +/- step through, seconds
 
@@ -53,6 +54,7 @@ class Dashboard(ConsoleScreen):
                 yield ThroughputPanel(id="throughput")
                 yield ReadPanel(id="read")
             with Horizontal(id="features"):
+                yield RecentPanel(id="recent")
                 yield FeaturePanel("capture", id="capture")
                 yield FeaturePanel("inputs", "buckets", id="inputs")
                 yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
@@ -124,6 +126,7 @@ class Dashboard(ConsoleScreen):
         self.query_one(KVPanel).show(stats)
         self.query_one(ThroughputPanel).show(stats)
         self.query_one(ReadPanel).show(stats)
+        self.query_one(RecentPanel).show(stats)
         off = []
         for panel in self.query(FeaturePanel):
             panel.show(stats)

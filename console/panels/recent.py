@@ -1,0 +1,33 @@
+"""The sliding windows: latency p50 / p99 and finishes, aborts and errors per second over the last 10 s, 1 min
+and 5 min, as the engine's snapshot publishes them (`windows`)."""
+
+from __future__ import annotations
+
+from console.numbers import decimal
+from console.panels.text import TextPanel
+from nanoserve.stats import EngineStats
+
+TITLES = {"10s": "10 s", "1m": "1 min", "5m": "5 min"}
+WIDTH = 15
+
+
+def recent_text(stats: EngineStats) -> str:
+    windows = stats.sections.get("windows") or {}
+    if not windows:
+        return ""
+    names = [n for n in TITLES if n in windows]
+    lines = [f"{'':<10}" + "".join(f"{TITLES[n]:>{WIDTH}}" for n in names)]
+    for kind, label in (("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("step", "step ms")):
+        cells = [f"{decimal(windows[n][f'{kind}_p50_ms'])} / {decimal(windows[n][f'{kind}_p99_ms'])}" for n in names]
+        lines.append(f"{label:<10}" + "".join(f"{c:>{WIDTH}}" for c in cells))
+    for label, pick in (("finished/s", lambda r: sum(r.values())), ("aborts/s", lambda r: r.get("abort", 0.0)),
+                        ("errors/s", lambda r: r.get("error", 0.0))):
+        cells = [decimal(pick(windows[n]["finished_per_s"]), 2) for n in names]
+        lines.append(f"{label:<10}" + "".join(f"{c:>{WIDTH}}" for c in cells))
+    lines.append("latency p50 / p99 over each window; rates per second")
+    return "\n".join(lines)
+
+
+class RecentPanel(TextPanel):
+    def show(self, stats: EngineStats) -> None:
+        self.set_text(recent_text(stats) or "no activity yet")
