@@ -32,6 +32,7 @@ from nanoserve.request import Request
 from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
 from nanoserve.scheduler import Scheduler
+from nanoserve.stalls import StallWatch
 from nanoserve.stats import (
     EngineStats,
     KVStats,
@@ -102,6 +103,7 @@ class Engine:
         self._request_latency: tuple | None = None  # (ttft p50, p99, tpot p50, p99); recomputed after a finish
         self._step_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.recent = RecentActivity()  # the same latencies and finishes, by time: the sliding windows
+        self.stalls = StallWatch()  # steps far slower than the ones before, with what they carried
         self._started = started
         self._progress("ready")
         log.info(
@@ -313,6 +315,7 @@ class Engine:
         """One step. If computing it fails (a kernel, the sampler, the detokenizer), the requests it carried
         end there, their blocks back in the pool, and StepFailed says which; every other request and the
         engine itself carry on, so the next step is sound."""
+        preempted = self.scheduler.num_preemptions
         sched = self.scheduler.schedule()
         emitted: list[tuple[Request, str, tuple[int, ...]]] = [(r, "", ()) for r in self._aborted]
         self._aborted.clear()
@@ -324,6 +327,8 @@ class Engine:
         except Exception as error:
             self.pool.forget(sched.committed)  # named for content this step was to write, and never did
             raise self._fail_step(sched, error, emitted) from error
+        self.stalls.step(self._step_times[-1], len(sched.decodes), sum(c.length for c in sched.prefills),
+                         self.scheduler.num_preemptions - preempted)
         return self._outputs(emitted)
 
     def _fail_step(self, sched, error: Exception, emitted) -> StepFailed:
@@ -488,7 +493,8 @@ class Engine:
                       **({"linear": self.loaded.quant.as_dict()} if self.loaded.quant is not None else {}),
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {}),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
-                      "windows": self.recent.snapshot(time.monotonic(), self._started)},
+                      "windows": self.recent.snapshot(time.monotonic(), self._started),
+                      "stalls": self.stalls.as_dict()},
             latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),
                                  *percentiles(self._step_times, 0.5, 0.99)),
             prefix_cache=PrefixCacheStats(s.prefix_caching, s.prefix_queries, s.prefix_hits, self.pool.num_cached,

@@ -236,3 +236,16 @@ async def test_the_dashboard_shows_the_sliding_windows(config):
                          and " / " in text(app, "#recent").splitlines()[1], 10, "the windows")
         shown = text(app, "#recent")
         assert "10 s" in shown and "1 min" in shown and "5 min" in shown and "TTFT ms" in shown
+
+
+def test_a_stall_is_shown_with_what_the_step_carried():
+    from console.panels.recent import stall_line
+
+    class Stats:  # only what the panel reads; the engine's own snapshot is tests/test_stalls.py
+        sections = {"stalls": {"stalls": 2, "latest": [{"at": "16:20:01", "step_ms": 840.0, "p99_ms": 60.2,
+                                                        "decode_rows": 12, "prefill_tokens": 2048,
+                                                        "preemptions": 1}]}}
+
+    line = stall_line(Stats())
+    assert line == ("STALLS 2; last at 16:20:01: step 840.0 ms (p99 60.2 ms), 12 decode rows, 2,048 prefill tokens, "
+                    "1 preemptions")

@@ -3,7 +3,7 @@ and 5 min, as the engine's snapshot publishes them (`windows`)."""
 
 from __future__ import annotations
 
-from console.numbers import decimal
+from console.numbers import count, decimal
 from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
@@ -25,9 +25,22 @@ def recent_text(stats: EngineStats) -> str:
         cells = [decimal(pick(windows[n]["finished_per_s"]), 2) for n in names]
         lines.append(f"{label:<10}" + "".join(f"{c:>{WIDTH}}" for c in cells))
     lines.append("latency p50 / p99 over each window; rates per second")
+    lines.append(stall_line(stats))
     return "\n".join(lines)
+
+
+def stall_line(stats: EngineStats) -> str:
+    """The latest stall (a step over 3x the recent p99) with what that step carried, or that there was none."""
+    stalls = stats.sections.get("stalls") or {}
+    latest = (stalls.get("latest") or [None])[-1]
+    if latest is None:
+        return "no stall (no step over 3x the recent p99)"
+    return (f"STALLS {count(stalls['stalls'])}; last at {latest['at']}: step {decimal(latest['step_ms'])} ms "
+            f"(p99 {decimal(latest['p99_ms'])} ms), {count(latest['decode_rows'])} decode rows, "
+            f"{count(latest['prefill_tokens'])} prefill tokens, {count(latest['preemptions'])} preemptions")
 
 
 class RecentPanel(TextPanel):
     def show(self, stats: EngineStats) -> None:
         self.set_text(recent_text(stats) or "no activity yet")
+        self.set_class(bool((stats.sections.get("stalls") or {}).get("stalls")), "stalled")

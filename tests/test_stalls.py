@@ -1,0 +1,50 @@
+"""Stall detection: a step far above the recent p99 is caught with its composition; ordinary jitter is not."""
+
+from __future__ import annotations
+
+import time
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.stalls import MIN_SECONDS, WARMUP, StallWatch
+
+
+def test_a_step_far_above_p99_is_a_stall_with_what_it_carried():
+    watch = StallWatch()
+    for i in range(WARMUP + 40):
+        assert not watch.step(0.020 + 0.001 * (i % 5), decode_rows=8, prefill_tokens=0, preemptions=0)
+    assert watch.step(0.5, decode_rows=3, prefill_tokens=2048, preemptions=1)
+    (stall,) = watch.as_dict()["latest"]
+    assert stall["step_ms"] == 500.0 and 20 <= stall["p99_ms"] <= 25
+    assert (stall["decode_rows"], stall["prefill_tokens"], stall["preemptions"]) == (3, 2048, 1)
+    assert not watch.step(0.03, decode_rows=8, prefill_tokens=0, preemptions=0)  # back to normal
+    assert watch.as_dict()["stalls"] == 1
+
+
+def test_no_stall_before_warmup_or_below_the_floor():
+    watch = StallWatch()
+    assert not any(watch.step(1.0 if i == 3 else 0.01, 1, 0, 0) for i in range(WARMUP - 1))  # too early to judge
+    quiet = StallWatch()
+    for _ in range(WARMUP + 1):
+        quiet.step(0.0001, 1, 0, 0)
+    assert not quiet.step(MIN_SECONDS * 0.9, 1, 0, 0)  # 450x the p99, but under the floor: jitter
+
+
+def test_the_engine_catches_a_slow_step(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.01)
+    engine = llm.engine
+    engine.add_request("a b c", SamplingParams(max_tokens=WARMUP + 20, ignore_eos=True), request_id="r")
+    real, calls = engine.model.forward, [0]
+
+    def slow_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == WARMUP + 10:
+            time.sleep(0.3)  # the machine stalls once
+        return real(*args, **kwargs)
+
+    engine.model.forward = slow_once
+    while engine.has_unfinished():
+        engine.step()
+    stalls = engine.stats().as_dict()["stalls"]
+    slow = [s for s in stalls["latest"] if s["step_ms"] >= 300]  # a busy machine may add its own
+    assert stalls["stalls"] >= 1 and len(slow) == 1
+    assert slow[0]["decode_rows"] == 1 and slow[0]["prefill_tokens"] == 0
