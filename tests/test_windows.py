@@ -45,3 +45,14 @@ def test_the_engine_publishes_its_windows(tiny_checkpoint):
     recent = windows["10s"]
     assert recent["ttft_p50_ms"] > 0 and recent["tpot_p99_ms"] > 0 and recent["step_p99_ms"] > 0
     assert recent["finished_per_s"]["length"] > 0 and recent["finished_per_s"]["abort"] > 0
+
+
+def test_the_windows_are_worked_out_at_most_once_a_second():
+    """The host snapshots after every step on the engine thread: the windows must not be re-sorted each time."""
+    recent = RecentActivity()
+    recent.latency("step", 0.010, now=100.0)
+    first = recent.snapshot(now=100.0, started=0.0)
+    recent.latency("step", 0.900, now=100.5)
+    assert recent.snapshot(now=100.5, started=0.0) is first  # within the second: the same answer
+    later = recent.snapshot(now=101.0, started=0.0)
+    assert later["10s"]["step_p99_ms"] == 900.0
