@@ -493,7 +493,7 @@ class Engine:
                       **({"linear": self.loaded.quant.as_dict()} if self.loaded.quant is not None else {}),
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {}),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
-                      "windows": self.recent.snapshot(time.monotonic(), self._started),
+                      "windows": self.recent.snapshot(now, self._started),
                       "stalls": self.stalls.as_dict()},
             latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),
                                  *percentiles(self._step_times, 0.5, 0.99)),
