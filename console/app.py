@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -46,16 +45,22 @@ class NanoserveConsole(App):
         Binding("q", "quit", "Quit", id="quit"),
         Binding("question_mark", "help", "Help", key_display="?", id="help"),
         *(Binding(key, f"switch_mode('{name}')", title, id=f"screen_{name}") for name, (_, key, title) in SCREENS.items()),
+        # attached to several servers: the status line says "[ and ] switch", so the footer keeps its room
+        Binding("left_square_bracket", "previous_server", "Previous server", key_display="[", id="previous_server",
+                show=False),
+        Binding("right_square_bracket", "next_server", "Next server", key_display="]", id="next_server", show=False),
     ]
 
-    def __init__(self, config: EngineConfig, port: int = 0, refresh_s: float = 1.0, attach=None):
-        """`attach`: a running Server to watch instead of starting one (it outlives the app)."""
+    def __init__(self, config: EngineConfig, port: int = 0, refresh_s: float = 1.0, servers=()):
+        """`servers`: servers to watch instead of starting one (they outlive the app): a running Server, or
+        AttachedServers polled over HTTP (`--attach`), one tab each."""
         super().__init__()
         self.config = config
-        self.attached = attach
+        self.watched = list(servers)
+        self.selected = 0  # which watched server the screens show and send to
         self.port = port
         self.refresh_s = refresh_s
-        self.server = None  # a nanoserve.server.serve.Server once loaded
+        self.server = None  # a nanoserve.server.serve.Server (or an AttachedServer) once loaded
         self.load_error: BaseException | None = None
         self.restart_error: BaseException | None = None
         self.phase = "starting"
@@ -67,9 +72,16 @@ class NanoserveConsole(App):
         self._lock = threading.Lock()  # orders "the server is up" against "the app is closing"
         self.load_done = threading.Event()  # set when the load thread has ended, whatever its outcome
 
+    @property
+    def attached(self) -> bool:
+        """Watching servers that run elsewhere: their flags are set where they run, not here."""
+        return any(getattr(server, "attached", False) for server in self.watched)
+
     def on_mount(self) -> None:
         self.engine_log.attach()
         self.run_worker(self._start_server, thread=True, name="server", exit_on_error=False)
+        if self.attached:
+            self.set_interval(min(self.refresh_s, 0.5), self.follow_attached)
 
     # ---- engine lifecycle (worker threads) ----------------------------------------------------------
     def set_phase(self, phase: str) -> None:
@@ -87,8 +99,13 @@ class NanoserveConsole(App):
     def _load(self) -> None:
         from nanoserve.server.serve import Server
 
+        if self.attached:
+            for server in self.watched:
+                server.start()
+            self.watched[0].host.wait_polled()
         try:
-            server = self.attached or Server(self.config, port=self.port, progress=self.set_phase).start()
+            server = self.watched[0] if self.watched else Server(self.config, port=self.port,
+                                                                 progress=self.set_phase).start()
         except Exception as e:  # shown on every screen's status line
             self.load_error = e
             self.set_phase(f"failed to load: {e}")
@@ -97,8 +114,8 @@ class NanoserveConsole(App):
             closing = self._closing
             if not closing:
                 self.server = server
-                self.set_phase("serving")
-        if closing and server is not self.attached:  # the app quit while the model loaded
+                self.set_phase(attached_phase(server) if self.attached else "serving")
+        if closing and server not in self.watched:  # the app quit while the model loaded
             server.stop()
 
     @property
@@ -107,6 +124,9 @@ class NanoserveConsole(App):
 
     def restart_engine(self, config: EngineConfig, drain: bool = False) -> None:
         """Swap the engine for one built with `config` in a worker; the server and its port stay up."""
+        if self.attached:
+            raise RuntimeError(f"attached to {self.server.url}: its flags are set where it runs; restart that "
+                               "server with the new flags (nanoserve serve ...)")
         if self.server is None or self.restarting:
             raise RuntimeError("the engine is not serving yet; wait for it before restarting")
         self.restart_error = None
@@ -123,8 +143,44 @@ class NanoserveConsole(App):
         finally:
             self.restarts += 1
 
+    # ---- watching servers that run elsewhere --------------------------------------------------------
+    def follow_attached(self) -> None:
+        """The phase follows the selected server's last poll (only a change is logged)."""
+        server = self.server
+        if server is not None:
+            phase = attached_phase(server)
+            if phase != self.phase:
+                self.set_phase(phase)
+
+    def select_server(self, index: int) -> None:
+        """Show (and send to) the watched server at `index`; every screen follows on its next tick."""
+        if not self.attached or index == self.selected or not 0 <= index < len(self.watched):
+            return
+        with self._lock:
+            if self._closing:
+                return
+            self.selected, self.server = index, self.watched[index]
+        self.follow_attached()
+        self.screen.refresh_bindings()
+
+    def action_next_server(self) -> None:
+        self.select_server((self.selected + 1) % len(self.watched))
+
+    def action_previous_server(self) -> None:
+        self.select_server((self.selected - 1) % len(self.watched))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The server keys appear only while several servers are watched."""
+        if action in ("next_server", "previous_server"):
+            return len(self.watched) > 1
+        return True
+
     def status_line(self) -> str:
         server, phase = self.server, self.phase
+        if self.attached:
+            if server is None:
+                return f"attaching to {', '.join(s.url for s in self.watched)}… {time.monotonic() - self.phase_since:.1f} s"
+            return attached_status(server, self.selected, len(self.watched))
         if server is not None and phase == "serving":
             return f"serving {server.model_name} at {server.url}/v1"
         if self.load_error is not None:
@@ -139,14 +195,18 @@ class NanoserveConsole(App):
         with self._lock:
             self._closing = True
             server, self.server = self.server, None
-        if server is not None and server is not self.attached:
+        if server is not None and server not in self.watched:
             await asyncio.to_thread(server.stop)
+        for watched in self.watched:
+            if getattr(watched, "attached", False):
+                watched.stop()  # its poller only: the server itself runs on
         self.engine_log.detach()
 
     # ---- actions ------------------------------------------------------------------------------------
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(list(self.BINDINGS) + list(self.screen.BINDINGS)))
+            shown = [b for b in self.BINDINGS if self.check_action(b.action, ())]  # not the server keys unless attached
+            self.push_screen(HelpScreen(shown + list(self.screen.BINDINGS)))
 
     def get_system_commands(self, screen):
         """The command palette (ctrl+p): every screen and every action of the screen in view."""
@@ -161,55 +221,27 @@ class NanoserveConsole(App):
                                     lambda b=binding: self.run_action(b.action, screen))
 
 
+def attached_phase(server) -> str:
+    """An attached server's state as a phase: "serving", or its health's word and reason."""
+    health = server.host.health
+    return "serving" if health.serving else f"{health.status}: {health.reason}"
+
+
+def attached_status(server, index: int, count: int) -> str:
+    health, stats = server.host.health, server.host.stats()
+    which = f" ({index + 1} of {count}; [ and ] switch)" if count > 1 else ""
+    if health.serving:
+        return f"attached to {server.url}{which}: serving {server.model_name} at {server.url}/v1"
+    age = f"; the panels show its last snapshot, {time.monotonic() - server.host.fetched_at:.0f} s old" \
+        if stats is not None else ""
+    return f"attached to {server.url}{which}: {health.status} ({health.reason}){age}"
+
+
 def title_of(screen) -> str:
     return next((title for cls, _, title in SCREENS.values() if isinstance(screen, cls)), type(screen).__name__)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from nanoserve.flags import add_engine_flags, engine_flags
-
-    parser = argparse.ArgumentParser(prog="nanoserve-console", description=__doc__)
-    add_engine_flags(parser)
-    parser.add_argument("--port", type=int, default=0, help="OpenAI server port on 127.0.0.1 (0: a free port)")
-    parser.add_argument("--refresh", type=float, default=1.0,
-                        help="refresh interval, seconds (+/- on the dashboard change it while running)")
-    parser.add_argument("--once", action="store_true",
-                        help="print the dashboard once as text (two snapshots --refresh apart) and exit")
-    parser.add_argument("--keymap", action="append", default=[], metavar="ID=KEYS",
-                        help="rebind a key by its binding id, e.g. --keymap quit=ctrl+q (repeatable; ids in ?)")
-    args = parser.parse_args(argv)
-    try:
-        keymap = dict(item.split("=", 1) for item in args.keymap)
-    except ValueError:
-        parser.error(f"--keymap takes ID=KEYS, got {args.keymap}")
-    config = EngineConfig.from_flags(**engine_flags(args))
-    if args.once:
-        return print_once(config, args.port, args.refresh)
-    app = NanoserveConsole(config, port=args.port, refresh_s=args.refresh)
-    app.set_keymap(keymap)
-    app.run()
-    if app.load_error is not None:  # the screen is gone: the reason stays in the terminal, and scripts see it
-        print(f"nanoserve-console: the engine did not load: {app.load_error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def print_once(config: EngineConfig, port: int, refresh_s: float) -> int:
-    """--once: load, print the dashboard's text, stop. A model that does not load is exit 1, with why."""
-    from console.snapshot import once
-    from nanoserve.server.serve import Server
-
-    try:
-        server = Server(config, port=port).start()
-    except Exception as e:
-        print(f"nanoserve-console: the engine did not load: {e}", file=sys.stderr)
-        return 1
-    try:
-        sys.stdout.write(once(server, refresh_s))
-    finally:
-        server.stop()
-    return 0
-
-
 if __name__ == "__main__":
+    from console.cli import main
+
     sys.exit(main())

@@ -40,7 +40,7 @@ async def headless_arm(server: Server, args) -> dict:
 
 async def console_arm(server: Server, args) -> dict:
     """The console app around the same server: its dashboard refreshing while the load runs."""
-    app = NanoserveConsole(server.host.engine.config, refresh_s=args.refresh, attach=server)
+    app = NanoserveConsole(server.host.engine.config, refresh_s=args.refresh, servers=[server])
     async with app.run_test(size=(160, 50)):
         load = asyncio.create_task(fire(server, args))
         key_ms = []

@@ -54,6 +54,36 @@ def dashboard_text(stats: EngineStats, rates: TokenRates, status: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def once_attached(urls: list[str], refresh_s: float, api_key: str | None = None) -> tuple[list[str], bool]:
+    """Each server's dashboard text from two polls of its /health `refresh_s` apart (the rates are the
+    differences of its counters between them, at the times they came back), and whether every one answered."""
+    import httpx
+
+    from console.remote import AttachedServer
+
+    servers = [AttachedServer(url, refresh_s, api_key) for url in urls]
+    texts, ok = [], True
+    with httpx.Client(timeout=5.0, headers=servers[0].headers if servers else {}) as client:
+        rates = [TokenRates() for _ in servers]
+        for poll in range(2):
+            for server, rate in zip(servers, rates):
+                server.host.poll(client)
+                if server.host.health.status != "unreachable":
+                    rate.add(server.host.fetched_at, server.host.stats())
+            if poll == 0:
+                time.sleep(refresh_s)
+    for server, rate in zip(servers, rates):
+        health, stats = server.host.health, server.host.stats()
+        if stats is None:
+            ok = False
+            texts.append(f"== {server.url} ==\nno snapshot: {health.status} ({health.reason})\n")
+            continue
+        ok = ok and health.serving
+        state = "serving" if health.serving else f"{health.status} ({health.reason})"
+        texts.append(dashboard_text(stats, rate, f"attached to {server.url}: {state} {server.model_name}"))
+    return texts, ok
+
+
 def once(server, refresh_s: float) -> str:
     """Two snapshots `refresh_s` apart from a serving server, as the dashboard's text."""
     rates = TokenRates()

@@ -478,6 +478,7 @@ class Engine:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
             flags=self.config.public(),
             scheduler=SchedulerStats(
                 running=len(s.running), waiting=len(s.waiting), peak_running=s.peak_running,

@@ -5,7 +5,7 @@ Readers format these numbers; none computes a counter of its own.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from nanoserve.reads.dispatch import ReadStats
 
@@ -99,6 +99,7 @@ class EngineStats:
     latency: LatencyStats = LatencyStats(window=0)
     prefix_cache: PrefixCacheStats = PrefixCacheStats(enabled=False)
     sections: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
+    vocab_size: int = 0  # the tokenizer's ids (what a load generator draws random prompts from)
 
     def as_dict(self) -> dict:
         """JSON-ready: the shape /health publishes."""
@@ -107,6 +108,7 @@ class EngineStats:
             "device": self.device,
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
             "flags": dict(self.flags),
             "scheduler": asdict(self.scheduler),
             "kv": {**asdict(self.kv), "usage": self.kv.usage},
@@ -116,3 +118,34 @@ class EngineStats:
             "rows": [asdict(r) for r in self.rows],
             **self.sections,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EngineStats:
+        """The snapshot back from its published shape (a /health body): what `--attach` watches. Keys that
+        are not the snapshot's own (health's status and reason) are dropped; every other key is a section.
+        Derived figures (usage, saving, hit_rate) are recomputed, so the JSON's copies are not trusted twice."""
+        try:
+            return cls(
+                model=data["model"], device=data["device"], dtype=data["dtype"],
+                max_model_len=data["max_model_len"], vocab_size=data.get("vocab_size", 0), flags=dict(data["flags"]),
+                scheduler=_build(SchedulerStats, data["scheduler"]), kv=_build(KVStats, data["kv"]),
+                paged_read=_build(ReadStats, data["paged_read"]),
+                rows=tuple(_build(RowStats, row) for row in data["rows"]),
+                latency=_build(LatencyStats, data["latency"]),
+                prefix_cache=_build(PrefixCacheStats, data["prefix_cache"]),
+                sections={k: v for k, v in data.items() if k not in _OWN_KEYS and k not in NOT_SECTIONS},
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a nanoserve stats snapshot (missing or malformed {e}); is this a nanoserve "
+                             "server's /health?") from None
+
+
+NOT_SECTIONS = ("status", "reason", "failed_steps_total")  # what /health adds around the snapshot
+_OWN_KEYS = ("model", "device", "dtype", "max_model_len", "vocab_size", "flags", "scheduler", "kv", "paged_read",
+             "rows", "latency", "prefix_cache")
+
+
+def _build(cls, values: dict):
+    """A snapshot dataclass from its dict, keeping only its own fields (a newer server may publish more)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})

@@ -10,7 +10,8 @@ pytest.importorskip("textual")
 
 from textual.widgets import Input  # noqa: E402
 
-from console.app import NanoserveConsole, main  # noqa: E402
+from console.app import NanoserveConsole  # noqa: E402
+from console.cli import main  # noqa: E402
 from console.numbers import by_reason, count, size  # noqa: E402
 from console.screens.chat import ChatScreen  # noqa: E402
 from console.screens.dashboard import Dashboard  # noqa: E402

@@ -8,7 +8,7 @@ pytest.importorskip("textual")
 
 from textual.app import App  # noqa: E402
 
-from console.app import main  # noqa: E402
+from console.cli import main  # noqa: E402
 from console.panels.features import OFF, FeaturePanel  # noqa: E402
 from console.panels.rows import RowsTable  # noqa: E402
 from console.panels.throughput import TokenRates  # noqa: E402

@@ -8,7 +8,8 @@ pytest.importorskip("textual")
 
 from textual.command import CommandPalette  # noqa: E402
 
-from console.app import SCREENS, NanoserveConsole, main  # noqa: E402
+from console.app import SCREENS, NanoserveConsole  # noqa: E402
+from console.cli import main  # noqa: E402
 from console.screens.dashboard import Dashboard  # noqa: E402
 from console.screens.help import HelpScreen  # noqa: E402
 from console.screens.log import LogScreen  # noqa: E402

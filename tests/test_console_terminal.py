@@ -102,3 +102,21 @@ def test_a_console_whose_model_does_not_load_says_why_and_exits_1(tmp_path):
     finally:
         status = term.close()
     assert status == 1
+
+
+def test_the_installed_console_attaches_to_two_servers(tiny_server):
+    """`--attach` twice: the tabs, the dashboard of the first, and ] to the second (a dead one here)."""
+    term = Terminal([console_command(), "--attach", tiny_server.url, "--attach", "127.0.0.1:9", "--refresh", "0.2"])
+    try:
+        screen = term.wait_for("(1 of 2", 30)
+        host = tiny_server.url.removeprefix("http://")
+        assert f"{host} ok" in screen
+        term.wait_for("127.0.0.1:9 DOWN", 10)
+        assert "KV cache" in term.text() and "max_model_len 128" in term.text()
+        term.press("]")
+        term.wait_for("(2 of 2", 10)
+        assert "unreachable" in term.text()
+        term.press("q")
+    finally:
+        status = term.close()
+    assert status == 0

@@ -12,5 +12,6 @@ def header_text(stats: EngineStats) -> str:
 
 
 class EngineHeader(TextPanel):
-    def show(self, stats: EngineStats) -> None:
-        self.set_text(header_text(stats))
+    def show(self, stats: EngineStats | None, where: str = "") -> None:
+        """None: the server (`where`) has published no snapshot yet, so no model or flags are claimed for it."""
+        self.set_text(header_text(stats) if stats is not None else f"{where}\nno snapshot yet")

@@ -25,10 +25,12 @@ class TokenRates:
         self.generation_history: deque[float] = deque([0.0], maxlen=HISTORY)
 
     def add(self, now: float, stats: EngineStats) -> None:
+        if self.samples and now <= self.samples[-1][0]:
+            return  # the same snapshot again (an attached server polled slower than the screen refreshes)
         sample = (now, stats.scheduler.prompt_tokens_total, stats.scheduler.generation_tokens_total)
         if self.samples and (sample[1] < self.samples[-1][1] or sample[2] < self.samples[-1][2]):
             self.samples.clear()  # the engine was restarted: its counters began again
-        if self.samples and now > self.samples[-1][0]:
+        if self.samples:
             t0, p0, g0 = self.samples[-1]
             self.prompt_history.append((sample[1] - p0) / (now - t0))
             self.generation_history.append((sample[2] - g0) / (now - t0))
@@ -49,7 +51,7 @@ class ThroughputPanel(Vertical):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.rates = TokenRates()
+        self.rates = TokenRates()  # the dashboard swaps in the selected server's own when it watches several
 
     def compose(self) -> ComposeResult:
         yield TextPanel(id="throughput-text")

@@ -11,6 +11,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input
 
 from console.panels.header import EngineHeader
+from console.panels.servers import ServerTabs
 from console.panels.text import TextPanel
 
 NARROW = 130  # columns below which screens take their narrow layout
@@ -68,6 +69,8 @@ class ConsoleScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")
+        if self.app.attached and len(self.app.watched) > 1:
+            yield ServerTabs(self.app.watched, id="servers")
         yield TextPanel(id="status")
         yield from self.compose_body()
         yield Footer()
@@ -108,12 +111,15 @@ class ConsoleScreen(Screen):
         return self.app.status_line()
 
     def show_status(self) -> None:
+        for tabs in self.query(ServerTabs):
+            tabs.follow(self.app.selected)
         status = self.query_one("#status", TextPanel)
         status.set_text(self.status_text())  # an unchanged line costs no repaint
-        status.set_class(self.app.load_error is not None, "failed")
+        status.set_class(self.app.load_error is not None or not self.app.phase == "serving" and self.app.attached,
+                         "failed")
 
     def refresh_header(self) -> None:
         self.show_status()
         server = self.app.server
-        if server is not None:
-            self.query_one(EngineHeader).show(server.host.stats())
+        if server is not None:  # its stats are None while an attached server has not answered yet
+            self.query_one(EngineHeader).show(server.host.stats(), server.url)

@@ -124,16 +124,17 @@ class ChatScreen(ConsoleScreen):
         await log.mount(exchange)
         log.scroll_end(animate=False)
         self.show_stats(None, 0, None, "waiting for the first token…")
-        self._worker = self.run_worker(self.answer(f"{server.url}/v1/chat/completions", body, exchange, answer),
-                                       exclusive=True, group="chat", name="chat")
+        url = f"{server.url}/v1/chat/completions"
+        self._worker = self.run_worker(self.answer(url, server.headers, body, exchange, answer), exclusive=True,
+                                       group="chat", name="chat")
         self.generating = True  # only now: Esc needs the worker to cancel
 
-    async def answer(self, url: str, body: dict, exchange: Vertical, answer: Markdown) -> None:
+    async def answer(self, url: str, headers: dict, body: dict, exchange: Vertical, answer: Markdown) -> None:
         """The worker: stream one answer; cancelling it closes the stream, so the server aborts the request."""
         stream = Markdown.get_stream(answer)
         try:
             try:
-                text = await self.read_stream(url, body, stream)
+                text = await self.read_stream(url, headers, body, stream)
             finally:
                 await stream.stop()
         except asyncio.CancelledError:
@@ -150,11 +151,11 @@ class ChatScreen(ConsoleScreen):
         self.history.append({"role": "assistant", "content": text})
         self.generating = False
 
-    async def read_stream(self, url: str, body: dict, stream) -> str:
+    async def read_stream(self, url: str, headers: dict, body: dict, stream) -> str:
         """POST the conversation and feed each delta to the Markdown stream; returns the whole answer."""
         started, first, tokens, finish, text = time.monotonic(), None, 0, None, ""
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client:
-            async with client.stream("POST", url, json=body) as response:
+            async with client.stream("POST", url, json=body, headers=headers) as response:
                 if response.status_code != 200:
                     raise ChatError(error_message(response.status_code, await response.aread()))
                 async for chunk in sse_events(response):

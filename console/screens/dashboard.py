@@ -20,7 +20,7 @@ from console.panels.kv import KVPanel
 from console.panels.read import ReadPanel
 from console.panels.recent import RecentPanel
 from console.panels.rows import RowsPanel
-from console.panels.throughput import ThroughputPanel
+from console.panels.throughput import ThroughputPanel, TokenRates
 from console.screens.base import ConsoleScreen
 from nanoserve.stats import EngineStats
 
@@ -45,6 +45,7 @@ class Dashboard(ConsoleScreen):
         self.paused = False
         self.ticks = 0  # timer ticks so far, paused or not (tests wait on it instead of sleeping)
         self._timer = None
+        self._rates: dict[int, TokenRates] = {}
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="panels"):
@@ -59,6 +60,7 @@ class Dashboard(ConsoleScreen):
                 yield FeaturePanel("inputs", "buckets", id="inputs")
                 yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
             yield Static("", markup=False, id="features-off")
+        yield Static("", markup=False, id="no-snapshot")  # attached to a server that has not answered yet
 
     def on_mount(self) -> None:
         for panel_id, title in PANEL_TITLES.items():
@@ -103,25 +105,44 @@ class Dashboard(ConsoleScreen):
         """Sample the engine's counters on every tick, in view or not, paused or not, so the rates window has
         no gap; redraw only while the screen is in view."""
         self.ticks += 1
-        stats = self.engine_stats()
-        if stats is not None:
-            self.query_one(ThroughputPanel).rates.add(time.monotonic(), stats)
+        panel = self.query_one(ThroughputPanel)
+        for index, server in enumerate(self.app.watched if self.app.attached else [self.app.server]):
+            stats = None if server is None else server.host.stats()
+            if stats is not None:  # an attached server's sample is timed when its snapshot came back
+                self.rates_for(index).add(getattr(server.host, "fetched_at", None) or time.monotonic(), stats)
+        panel.rates = self.rates_for(self.app.selected)
         if self.is_current:
-            self.redraw(stats)
+            self.redraw(self.engine_stats())
+
+    def rates_for(self, index: int) -> TokenRates:
+        """Each watched server's own token rates, sampled every tick whichever is shown, so a tab switched to
+        shows its rates at once."""
+        return self._rates.setdefault(index, TokenRates())
 
     def on_screen_resume(self) -> None:
         if self._timer is not None:  # back in view: show what happened while away at once
             self.redraw(self.engine_stats())
 
     def engine_stats(self) -> EngineStats | None:
+        """The selected server's snapshot; None before it has one (loading, or attached and not yet answered)."""
         server = self.app.server
         return None if server is None else server.host.stats()
 
     def redraw(self, stats: EngineStats | None) -> None:
         self.show_status()
-        if stats is None or self.paused:
+        if self.paused:
             return
-        self.query_one(EngineHeader).show(stats)
+        # never another server's figures under this one's name: a server with no snapshot shows none
+        blank = stats is None and self.app.server is not None
+        self.query_one("#panels").display = not blank
+        self.query_one("#no-snapshot", Static).display = blank
+        if blank:
+            self.query_one("#no-snapshot", Static).update(f"no snapshot from {self.app.server.url} yet; the "
+                                                          "panels show it once it answers")
+        if self.app.server is not None:
+            self.query_one(EngineHeader).show(stats, self.app.server.url)
+        if stats is None:
+            return
         self.query_one(RowsPanel).show(stats)
         self.query_one(KVPanel).show(stats)
         self.query_one(ThroughputPanel).show(stats)

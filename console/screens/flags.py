@@ -112,6 +112,7 @@ class FlagsScreen(ConsoleScreen):
         self.controls = [FlagControl(spec) for spec in EngineConfig.flag_specs() if spec.name not in FIXED]
         self.restart_log: list[str] = []  # the phases of the latest restart, as shown
         self._tracking: dict | None = None  # the restart being followed: start time, last phase seen
+        self._shown_from: str | None = None  # attached: the server whose published flags the form shows
 
     def compose_body(self) -> ComposeResult:
         config = self.app.config
@@ -120,7 +121,7 @@ class FlagsScreen(ConsoleScreen):
                 for name, why in FIXED.items():
                     yield Label(name)
                     yield Static(self.app.server.model_name if self.app.server else _shown(getattr(config, name)),
-                                 markup=False)
+                                 markup=False, id=f"fixed-{name}")
                     yield Static(why, classes="flag-help", markup=False)
                 for control in self.controls:
                     yield Label(control.spec.name)
@@ -160,9 +161,13 @@ class FlagsScreen(ConsoleScreen):
             self.notify(message, severity="error" if failed else "information", timeout=8)
 
     def show_decided(self) -> None:
-        """An unset flag's placeholder shows what it came to at load (the engine's own numbers)."""
+        """An unset flag's placeholder shows what it came to at load (the engine's own numbers). Attached to a
+        server elsewhere, the form shows the flags its snapshot publishes instead, as they are."""
         server = self.app.server
         if server is None:
+            return
+        if self.app.attached:
+            self.show_attached(server)
             return
         try:
             decided = server.host.serving().decided()
@@ -173,9 +178,25 @@ class FlagsScreen(ConsoleScreen):
                 widget = self.query_one(f"#{control.widget_id}", Input)
                 widget.placeholder = f"unset: {decided[control.spec.name]} at load"
 
+    def show_attached(self, server) -> None:
+        stats = server.host.stats()
+        if stats is None or self._shown_from == server.url:
+            return
+        self._shown_from = server.url
+        self.query_one("#fixed-model", Static).update(server.model_name)
+        for control in self.controls:
+            if control.spec.name in stats.flags:
+                control.write(self.query_one(f"#{control.widget_id}"), stats.flags[control.spec.name])
+        self.query_one("#flags-message", Static).update(
+            f"attached to {server.url}: these are the flags it publishes; they are set where it runs")
+
     # ---- actions ------------------------------------------------------------------------------------
     @on(Button.Pressed, "#flags-apply-button")
     def action_apply(self) -> None:
+        if self.app.attached:
+            self.say(f"not applied: attached to {self.app.server.url if self.app.server else 'a server'}; its "
+                     "flags are set where it runs (restart it there with the new flags)")
+            return
         if self.app.restarting or self._tracking is not None:
             self.say("a restart is already running; wait for it to finish")
             return
@@ -202,7 +223,11 @@ class FlagsScreen(ConsoleScreen):
     @on(Button.Pressed, "#flags-reset-button")
     def action_reset(self) -> None:
         """Put the flags in force back into the form."""
-        self.write_form()
+        if self.app.attached:
+            self._shown_from = None
+            self.show_decided()
+        else:
+            self.write_form()
         self.say("form reset to the flags in force")
 
     def write_form(self) -> None:

@@ -85,16 +85,17 @@ class LoadScreen(ConsoleScreen):
             return
         bodies = bench_serve.make_bodies(
             form["load-n"], self.query_one("#load-dataset", Select).value, form["load-input"], form["load-output"],
-            prompt_seed=int(time.time()), vocab=server.engine.model_config.vocab_size,
+            prompt_seed=int(time.time()), vocab=server.host.stats().vocab_size,
             sampled=self.query_one("#load-sampling", Select).value == "sampled")
-        self.run_worker(self._fire(server.url, bodies, form["load-concurrency"]), exclusive=True, group="load")
+        self.run_worker(self._fire(server.url, server.headers, bodies, form["load-concurrency"]), exclusive=True,
+                        group="load")
 
     @on(Button.Pressed, "#load-stop-button")
     def action_stop_load(self) -> None:
         self.workers.cancel_group(self, "load")
 
     # ---- the run (an async worker on the app's loop; httpx does the waiting) ------------------------
-    async def _fire(self, url: str, bodies: list[dict], concurrency: int) -> None:
+    async def _fire(self, url: str, headers: dict, bodies: list[dict], concurrency: int) -> None:
         bar, phase = self.query_one("#load-progress", ProgressBar), self.query_one("#load-phase", Static)
         self._set_running(True)
         self.done = 0
@@ -106,7 +107,7 @@ class LoadScreen(ConsoleScreen):
             bar.advance(1)
 
         try:
-            results, duration, peak = await bench_serve.run(url, bodies, concurrency, None, {}, 0, on_result)
+            results, duration, peak = await bench_serve.run(url, bodies, concurrency, None, headers, 0, on_result)
         except asyncio.CancelledError:
             phase.update(f"stopped after {self.done} of {len(bodies)} requests; the rest were aborted")
             raise
