@@ -328,7 +328,7 @@ class Engine:
             self.pool.forget(sched.committed)  # named for content this step was to write, and never did
             raise self._fail_step(sched, error, emitted) from error
         self.stalls.step(self._step_times[-1], len(sched.decodes), sum(c.length for c in sched.prefills),
-                         self.scheduler.num_preemptions - preempted)
+                         self.scheduler.num_preemptions - preempted, running=len(self.scheduler.running))
         return self._outputs(emitted)
 
     def _fail_step(self, sched, error: Exception, emitted) -> StepFailed:

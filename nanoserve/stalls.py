@@ -1,9 +1,15 @@
-"""StallWatch: a step far slower than the steps before it, caught as it happens, with what the step carried.
+"""StallWatch: a step far slower than the steps before it, or decode throughput falling while the load did not,
+caught as it happens, with what the engine was carrying.
 
-A step is a stall when it takes over FACTOR times the p99 of the last WINDOW steps (and at least MIN_SECONDS, so
-microsecond jitter on an idle engine is not one). Each stall is kept with the step's composition (decode rows,
-prefill tokens, preemptions) and the wall time, so an operator sees why it was slow: a long prefill chunk, a
-burst of preemptions, or neither (the machine itself).
+Two criteria, each kept with the composition at that moment (decode rows, prefill tokens, preemptions) and the
+wall time, so an operator sees why: a long prefill chunk, a burst of preemptions, or neither (the machine).
+- A **slow step** takes over FACTOR times the p99 of the last WINDOW steps (and at least MIN_SECONDS, so
+  microsecond jitter on an idle engine is not one).
+- A **throughput drop**: decode tokens per second over a BUCKET_S stretch of busy time falls below DROP_FRACTION
+  of the median of the last DROP_HISTORY stretches, while the stretch decoded at least as many rows per step as
+  those did (fewer requests running is less throughput, not a stall). Busy time runs from the end of a step
+  that left requests running to the end of the next, so a delay between steps (the loop starved of the CPU)
+  counts, and an idle engine does not. Every step can be fast and the engine still slow this way.
 """
 
 from __future__ import annotations
@@ -16,6 +22,11 @@ MIN_SECONDS = 0.05
 WINDOW = 256  # steps the p99 is taken over
 WARMUP = 32  # steps before any is judged
 KEPT = 8  # latest stalls published
+BUCKET_S = 1.0  # busy seconds a throughput stretch covers
+DROP_FRACTION = 0.5
+DROP_HISTORY = 30  # stretches the median is taken over
+DROP_WARMUP = 5  # stretches before any is judged
+LOAD_KEPT = 0.9  # the stretch's decode rows per step, at least this share of the median's, for a drop to count
 
 
 class StallWatch:
@@ -24,10 +35,24 @@ class StallWatch:
         self._p99: float | None = None
         self._seen = 0
         self.count = 0
+        self.drops = 0
         self.latest: deque[dict] = deque(maxlen=KEPT)
+        self._stretches: deque[tuple[float, float]] = deque(maxlen=DROP_HISTORY)  # (decode tok/s, rows per step)
+        self._stretch: dict | None = None
+        self._last_end: float | None = None
+        self._last_running = 0
 
-    def step(self, seconds: float, decode_rows: int, prefill_tokens: int, preemptions: int) -> bool:
-        """Judge one step against the ones before it (then add it); True when it was a stall."""
+    def step(self, seconds: float, decode_rows: int, prefill_tokens: int, preemptions: int, running: int = 0,
+             now: float | None = None) -> bool:
+        """Judge one step that ended at `now` and left `running` requests running; True when it was a slow step
+        or closed a stretch whose throughput dropped."""
+        now = time.monotonic() if now is None else now
+        slow = self._judge_step(seconds, decode_rows, prefill_tokens, preemptions)
+        dropped = self._follow_throughput(now, seconds, decode_rows, prefill_tokens, preemptions)
+        self._last_end, self._last_running = now, running
+        return slow or dropped
+
+    def _judge_step(self, seconds: float, decode_rows: int, prefill_tokens: int, preemptions: int) -> bool:
         self._seen += 1
         if self._seen % 16 == 1 or self._p99 is None:  # re-sorted every 16 steps, not every step
             ordered = sorted(self._steps)
@@ -36,11 +61,43 @@ class StallWatch:
                    and seconds > max(FACTOR * self._p99, MIN_SECONDS))
         if stalled:
             self.count += 1
-            self.latest.append({"at": time.strftime("%H:%M:%S"), "step_ms": round(1000 * seconds, 1),
+            self.latest.append({"kind": "step", "at": time.strftime("%H:%M:%S"), "step_ms": round(1000 * seconds, 1),
                                 "p99_ms": round(1000 * self._p99, 1), "decode_rows": decode_rows,
                                 "prefill_tokens": prefill_tokens, "preemptions": preemptions})
         self._steps.append(seconds)
         return stalled
 
+    def _follow_throughput(self, now: float, seconds: float, decode_rows: int, prefill_tokens: int,
+                           preemptions: int) -> bool:
+        busy_since = self._last_end if self._last_running and self._last_end is not None else now - seconds
+        stretch = self._stretch
+        if stretch is None or not self._last_running:  # a fresh start: an idle engine owes no throughput
+            stretch = self._stretch = {"start": busy_since, "tokens": 0, "steps": 0, "prefill": 0, "preempted": 0}
+        stretch["tokens"] += decode_rows
+        stretch["steps"] += 1 if decode_rows else 0
+        stretch["prefill"] += prefill_tokens
+        stretch["preempted"] += preemptions
+        span = now - stretch["start"]
+        if span < BUCKET_S:
+            return False
+        self._stretch = None
+        if not stretch["steps"]:
+            return False  # all prefill: no decode throughput to judge
+        rate, rows = stretch["tokens"] / span, stretch["tokens"] / stretch["steps"]
+        dropped = False
+        if len(self._stretches) >= DROP_WARMUP:
+            median_rate = sorted(r for r, _ in self._stretches)[len(self._stretches) // 2]
+            median_rows = sorted(n for _, n in self._stretches)[len(self._stretches) // 2]
+            dropped = rate < DROP_FRACTION * median_rate and rows >= LOAD_KEPT * median_rows
+            if dropped:
+                self.drops += 1
+                self.latest.append({"kind": "throughput", "at": time.strftime("%H:%M:%S"),
+                                    "decode_tok_s": round(rate, 1), "median_tok_s": round(median_rate, 1),
+                                    "decode_rows": round(rows, 1), "prefill_tokens": stretch["prefill"],
+                                    "preemptions": stretch["preempted"], "seconds": round(span, 2)})
+        self._stretches.append((rate, rows))
+        return dropped
+
     def as_dict(self) -> dict:
-        return {"stalls": self.count, "factor": FACTOR, "latest": list(self.latest)}
+        return {"stalls": self.count, "factor": FACTOR, "throughput_drops": self.drops,
+                "drop_fraction": DROP_FRACTION, "latest": list(self.latest)}

@@ -135,6 +135,24 @@ def test_the_snapshot_counts_the_kernel_each_call_used(default_llm):
         "int4 960x576", "int4 576x576", "int4 3072x576", "int4 576x1536"}
 
 
+def test_the_snapshot_counts_the_rows_each_kernel_served(default_llm):
+    """A 40-token prefill and three one-row decodes pass 43 rows through every linear; each row is counted by
+    the one kernel that served it, and a width under every crossover is never sent to the dense copy."""
+    before = default_llm.engine.stats().sections["linear"]["rows_by_kernel"]
+    default_llm.generate({"prompt_token_ids": list(range(1000, 1040))}, SamplingParams(max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+    linear = default_llm.engine.stats().sections["linear"]
+    after = linear["rows_by_kernel"]
+    assert set(after) == {"int4", "dense"}
+    grew = {k: after[k] - before[k] for k in after}
+    assert sum(grew.values()) == 43 * linear["modules"]
+    crossovers = [r for r in linear["dense_from_rows"].values() if r is not None]
+    if not crossovers or min(crossovers) > 40:
+        assert grew["dense"] == 0
+    if min(crossovers, default=2) > 1:
+        assert grew["int4"] >= 3 * linear["modules"]  # the one-row decodes stay packed
+
+
 @pytest.fixture(scope="module")
 def on_grid_checkpoint(tiny_checkpoint, tmp_path_factory):
     """The tiny llama with every decoder linear moved onto its own 4-bit grid (quantized and dequantized), so

@@ -45,6 +45,39 @@ def test_the_engine_catches_a_slow_step(tiny_checkpoint):
     while engine.has_unfinished():
         engine.step()
     stalls = engine.stats().as_dict()["stalls"]
-    slow = [s for s in stalls["latest"] if s["step_ms"] >= 300]  # a busy machine may add its own
+    slow = [s for s in stalls["latest"] if s["kind"] == "step" and s["step_ms"] >= 300]  # a busy machine may add its own
     assert stalls["stalls"] >= 1 and len(slow) == 1
     assert slow[0]["decode_rows"] == 1 and slow[0]["prefill_tokens"] == 0
+
+
+def busy(watch: StallWatch, start: float, seconds: float, step_s: float, rows: int, gap: float = 0.0) -> float:
+    """Steps of `step_s` with `gap` between them for `seconds`, each leaving requests running; the end time."""
+    now = start
+    while now < start + seconds:
+        now += gap + step_s
+        watch.step(step_s, decode_rows=rows, prefill_tokens=0, preemptions=0, running=rows, now=now)
+    return now
+
+
+def test_throughput_falling_while_the_load_holds_is_a_drop_even_with_fast_steps():
+    """Every step takes the usual 20 ms, but the loop waits 60 ms between them (starved of the CPU): decode
+    tok/s falls to a quarter with the same 8 rows, and no single step is slow."""
+    watch = StallWatch()
+    now = busy(watch, 0.0, 10.0, 0.020, rows=8)
+    assert watch.as_dict()["throughput_drops"] == 0
+    busy(watch, now, 1.5, 0.020, rows=8, gap=0.060)
+    stalls = watch.as_dict()
+    assert stalls["throughput_drops"] == 1 and stalls["stalls"] == 0
+    drop = stalls["latest"][-1]
+    assert drop["kind"] == "throughput" and drop["decode_rows"] == 8
+    assert 90 <= drop["decode_tok_s"] <= 110 and 390 <= drop["median_tok_s"] <= 410  # 8 / 80 ms and 8 / 20 ms
+
+
+def test_fewer_requests_or_an_idle_engine_is_not_a_drop():
+    watch = StallWatch()
+    now = busy(watch, 0.0, 10.0, 0.020, rows=8)
+    now = busy(watch, now, 3.0, 0.018, rows=2)  # a quarter of the rows: less throughput, not a stall
+    # idle for a minute (no request running), then busy again: the idle time is no one's throughput
+    watch.step(0.02, decode_rows=8, prefill_tokens=0, preemptions=0, running=0, now=now + 0.02)
+    busy(watch, now + 60.0, 3.0, 0.020, rows=8)
+    assert watch.as_dict()["throughput_drops"] == 0

@@ -1,5 +1,5 @@
-"""The sliding windows: latency p50 / p99 and finishes, aborts and errors per second over the last 10 s, 1 min
-and 5 min, as the engine's snapshot publishes them (`windows`)."""
+"""The sliding windows: latency p50 / p99 and finishes, aborts, errors and refusals per second over the last
+10 s, 1 min and 5 min, as the snapshot publishes them (`windows`, and the server's `refusals`)."""
 
 from __future__ import annotations
 
@@ -24,23 +24,34 @@ def recent_text(stats: EngineStats) -> str:
                         ("errors/s", lambda r: r.get("error", 0.0))):
         cells = [decimal(pick(windows[n]["finished_per_s"]), 2) for n in names]
         lines.append(f"{label:<10}" + "".join(f"{c:>{WIDTH}}" for c in cells))
+    refused = (stats.sections.get("refusals") or {}).get("per_s")
+    if refused:  # counted by the server's HTTP layer: an engine outside a server has none
+        lines.append(f"{'refused/s':<10}" + "".join(f"{decimal(refused.get(n, 0.0), 2):>{WIDTH}}" for n in names))
     lines.append("latency p50 / p99 over each window; rates per second")
     lines.append(stall_line(stats))
     return "\n".join(lines)
 
 
 def stall_line(stats: EngineStats) -> str:
-    """The latest stall (a step over 3x the recent p99) with what that step carried, or that there was none."""
+    """The latest stall with what the engine carried then, or that there was none. Two kinds: a step over 3x
+    the recent p99, and decode throughput under half its running median while the load did not lighten."""
     stalls = stats.sections.get("stalls") or {}
     latest = (stalls.get("latest") or [None])[-1]
     if latest is None:
-        return "no stall (no step over 3x the recent p99)"
-    return (f"STALLS {count(stalls['stalls'])}; last at {latest['at']}: step {decimal(latest['step_ms'])} ms "
-            f"(p99 {decimal(latest['p99_ms'])} ms), {count(latest['decode_rows'])} decode rows, "
-            f"{count(latest['prefill_tokens'])} prefill tokens, {count(latest['preemptions'])} preemptions")
+        return "no stall (no step over 3x the recent p99, no throughput drop)"
+    counts = f"STALLS {count(stalls['stalls'])} slow steps, {count(stalls.get('throughput_drops', 0))} throughput drops"
+    if latest.get("kind") == "throughput":
+        what = (f"decode {decimal(latest['decode_tok_s'])} tok/s (median {decimal(latest['median_tok_s'])}) over "
+                f"{decimal(latest['seconds'], 2)} s, {decimal(latest['decode_rows'])} decode rows a step")
+    else:
+        what = (f"step {decimal(latest['step_ms'])} ms (p99 {decimal(latest['p99_ms'])} ms), "
+                f"{count(latest['decode_rows'])} decode rows")
+    return (f"{counts}; last at {latest['at']}: {what}, {count(latest['prefill_tokens'])} prefill tokens, "
+            f"{count(latest['preemptions'])} preemptions")
 
 
 class RecentPanel(TextPanel):
     def show(self, stats: EngineStats) -> None:
         self.set_text(recent_text(stats) or "no activity yet")
-        self.set_class(bool((stats.sections.get("stalls") or {}).get("stalls")), "stalled")
+        stalls = stats.sections.get("stalls") or {}
+        self.set_class(bool(stalls.get("stalls") or stalls.get("throughput_drops")), "stalled")

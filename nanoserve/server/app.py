@@ -38,6 +38,7 @@ from nanoserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from nanoserve.server.refusals import CountRefusals
 from nanoserve.server.schemas import (
     ChatResponse,
     CompletionResponse,
@@ -164,6 +165,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     is the host's (EngineHost(max_waiting=...)): it is checked on the engine thread, where it cannot race."""
     app = FastAPI(title="nanoserve", version=_version())
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
+    app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
     metrics = Metrics(host.stats, model_name)
     install_openapi(app, lambda: host.serving().max_model_len)
     _install_error_handlers(app)

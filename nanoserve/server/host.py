@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,6 +26,7 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.collector import OutputCollector
 from nanoserve.server.health import FailureLog, Health
+from nanoserve.server.refusals import Refusals
 from nanoserve.stats import EngineStats
 
 log = logging.getLogger("nanoserve.host")
@@ -88,6 +90,7 @@ class EngineHost:
         self._stats = engine.stats()
         self._drain_on_stop = False
         self.failures = FailureLog()
+        self.refusals = Refusals()  # counted by the HTTP layer (server/refusals.py), published with the stats
         self.load_error: str | None = None  # set when a restart left no engine at all
         self._closed: str | None = None  # why admission is closed (a graceful stop under way)
         self.admitted = self.ended = self.dropped = 0  # requests, across restarts (see accounting)
@@ -177,8 +180,10 @@ class EngineHost:
         return self.failures.health()
 
     def stats(self) -> EngineStats:
-        """The snapshot published after the latest step (cheap: no engine access from this thread)."""
-        return self._stats
+        """The snapshot published after the latest step (cheap: no engine access from this thread), with the
+        requests the server refused, which never reach the engine."""
+        stats = self._stats
+        return dataclasses.replace(stats, sections={**stats.sections, "refusals": self.refusals.snapshot()})
 
     # ---- requests -----------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, sink: Callable, request_id: str | None = None,

@@ -49,6 +49,11 @@ class _SnapshotCollector:
         for reason, n in sorted(s.scheduler.finished.items()):
             success.add_metric([self.model, reason], n)
         yield success
+        refused = CounterMetricFamily(P + "request_refused", "Generation requests refused before reaching the "
+                                      "engine, by HTTP status.", labels=[*labels, "status"])
+        for status, n in (s.sections.get("refusals") or {}).get("by_status", {}).items():
+            refused.add_metric([self.model, status], n)
+        yield refused
         for section, values in sorted(s.sections.items()):  # optional features (inputs, buckets, capture)
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -105,6 +105,7 @@ class QuantStats:
     dense_bytes: int  # the bf16 copies kept for wide calls, and the head's own form
     dense_from_rows: dict[str, int | None]  # "format out x in" -> rows from which the dense copy serves
     calls: dict[str, int]  # calls each kernel served, counted by the modules as they dispatch
+    rows: dict[str, int]  # the rows (tokens) of those calls, by kernel
     head: str  # the form the output head runs in (see head_forms), or the model's dtype where that was fastest
     head_us: dict[str, float]  # the measurement behind `head`: microseconds a row in each form ("own" = as loaded)
 
@@ -114,7 +115,9 @@ class QuantStats:
                 "modules": sum(self.formats.values()), **{f"{k}_modules": n for k, n in self.formats.items()},
                 "packed_bytes": self.packed_bytes, "dense_bytes": self.dense_bytes,
                 "dense_from_rows": dict(self.dense_from_rows),
-                **{f"{k}_calls": n for k, n in self.calls.items()}, "head": self.head,
+                **{f"{k}_calls": n for k, n in self.calls.items()},
+                "rows_by_kernel": {k: n for k, n in self.rows.items() if k in self.formats or k == "dense"},
+                "head": self.head,
                 "head_us": dict(self.head_us)}
 
 
@@ -134,6 +137,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
     from nanoserve.model.layers import MergedLinear
 
     calls = {"int4": 0, "int8": 0, "int8g32": 0, "dense": 0}
+    served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}
     packed = dense = 0
@@ -167,7 +171,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
         rows = dense_crossover(linear, weight)
         linear.use_dense_from(rows, weight)
         crossover[f"{linear.format} {linear.out_features}x{linear.in_features}"] = rows
-        linear.calls = calls  # one tally for every module: the snapshot reads it without walking the model
+        linear.calls, linear.rows = calls, served_rows  # one tally for all: the snapshot reads it without a walk
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, linear)
         formats[linear.format] = formats.get(linear.format, 0) + 1
@@ -185,4 +189,4 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
     else:
         model.lm_head = forms[head]()
         dense += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
-    return QuantStats(formats, packed, dense, crossover, calls, head, head_us)
+    return QuantStats(formats, packed, dense, crossover, calls, served_rows, head, head_us)

@@ -40,7 +40,8 @@ def _pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
 
 class PackedLinear(FastAttributes, nn.Module):
     """y = x W^T (+ b) on a packed weight-only kernel; calls of at least `dense_from_rows` rows use a dense bf16
-    copy instead (see dense_crossover). `calls` counts the calls each kernel actually served."""
+    copy instead (see dense_crossover). `calls` counts the calls each kernel actually served, `rows` the rows
+    (tokens) of those calls: which rows went to which kernel."""
 
     format = ""
 
@@ -52,6 +53,7 @@ class PackedLinear(FastAttributes, nn.Module):
         self.dense: torch.Tensor | None = None
         self.dense_from_rows: int | None = None
         self.calls = {self.format: 0, "dense": 0}
+        self.rows = {self.format: 0, "dense": 0}
 
     def use_dense_from(self, rows: int | None, weight: torch.Tensor) -> None:
         """Serve calls of `rows` rows and more from a bf16 copy of `weight` (None: the packed kernel always)."""
@@ -68,9 +70,11 @@ class PackedLinear(FastAttributes, nn.Module):
         flat = flat.to(ACT)
         if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
             self.calls["dense"] += 1
+            self.rows["dense"] += flat.shape[0]
             y = torch.nn.functional.linear(flat, self.dense)
         else:
             self.calls[self.format] += 1
+            self.rows[self.format] += flat.shape[0]
             y = self.packed_mm(flat)
         if self.bias is not None:
             y = y + self.bias
