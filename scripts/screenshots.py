@@ -3,7 +3,8 @@
     pip install cairosvg && python scripts/screenshots.py [--out docs/screens]
 
 Drives the console with Textual's pilot (no terminal needed): load on the dashboard, a finished load run, a chat
-answer, a flags change in progress, an A/B run, the engine log and the help. Each screen is exported as SVG by
+answer, a flags change in progress, an A/B run, the engine log and the help; then `--attach` to two replicas and
+an address that is down. Each screen is exported as SVG by
 Textual and converted to PNG with cairosvg.
 """
 
@@ -101,6 +102,30 @@ async def log_and_help(app, pilot, out):
     await pilot.press("escape")
 
 
+async def attached(out: Path) -> None:
+    """`--attach` to two replicas (two servers on loopback, one under load) and a third address that is down."""
+    from console.remote import AttachedServer
+    from nanoserve.server.serve import Server
+
+    replicas = [Server(EngineConfig(device="cpu", max_model_len=1024, kv_cache_gib=0.1), port=0).start()
+                for _ in range(2)]
+    try:
+        app = NanoserveConsole(EngineConfig(), refresh_s=0.25,
+                               servers=[*(AttachedServer(r.url, 0.25) for r in replicas),
+                                        AttachedServer("127.0.0.1:9", 0.25)])
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.phase == "serving", 30, "the first replica")
+            load = Requests(replicas[0].url, n=6, max_tokens=96)
+            await wait_until(pilot, lambda: replicas[0].host.stats().scheduler.generation_tokens_total > 150, 120,
+                             "load")
+            await pilot.pause(1.0)
+            save(app, out, "attach")
+            await asyncio.to_thread(load.join, 300)
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
 async def main_async(out: Path, only: list[str]) -> None:
     app = NanoserveConsole(EngineConfig(device="cpu", max_model_len=1024, kv_cache_gib=0.1), refresh_s=0.25)
     steps = {"dashboard": dashboard, "load": load_screen, "chat": chat, "flags": flags, "ab": ab,
@@ -110,6 +135,8 @@ async def main_async(out: Path, only: list[str]) -> None:
         for name, step in steps.items():
             if not only or name in only:
                 await step(app, pilot, out)
+    if not only or "attach" in only:
+        await attached(out)
 
 
 def main() -> int:
