@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
+    worker = sub.add_parser("worker", add_help=False,
+                            help="one tensor-parallel rank for a server on another machine (--distributed-init)")
+    worker.add_argument("worker_args", nargs=argparse.REMAINDER, help="see `nanoserve worker --help`")
+
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name in BENCHMARKS:
@@ -195,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # its own parser: every flag after `worker` is the worker's
+        from nanoserve.parallel.worker import main as worker_main
+
+        return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

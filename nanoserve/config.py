@@ -80,6 +80,13 @@ class EngineConfig:
                                         "decode_buckets and persistent_inputs)")
     cuda_graphs: bool = _flag(False, "the whole decode fast path: buckets, persistent inputs, compaction and "
                                      "capture (CUDA only)")
+    tensor_parallel_size: int = _flag(1, "ranks every layer is split across (torch.distributed: gloo between CPU "
+                                         "processes, NCCL between GPUs); the heads and kv heads must divide")
+    distributed_init: str | None = _flag(None, "the group's rendezvous when ranks run on other machines: env:// "
+                                               "(MASTER_ADDR, MASTER_PORT) or tcp://host:port, each started with "
+                                               "`nanoserve worker`; unset: every rank runs here")
+    distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
+                                             "before the engine stops with an error")
 
     def __post_init__(self) -> None:
         checks = (
@@ -98,6 +105,12 @@ class EngineConfig:
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}"),
+            (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.distributed_init is None or self.distributed_init.startswith(("env://", "tcp://", "file://")),
+             f"distributed_init must be env://, tcp://host:port or file://path, got {self.distributed_init!r}"),
+            (self.distributed_init is None or self.tensor_parallel_size > 1,
+             "distributed_init names a rendezvous for tensor_parallel_size > 1; set both or neither"),
+            (self.distributed_timeout > 0, f"distributed_timeout must be > 0, got {self.distributed_timeout}"),
         )
         for ok, message in checks:
             if not ok:
@@ -111,6 +124,10 @@ class EngineConfig:
         if switches["capture"] and self.torch_device().type != "cuda":
             raise ConfigError("CUDA-graph capture (capture_graphs / cuda_graphs) needs a CUDA device; turn it off "
                               "here: decode_buckets, persistent_inputs and row_compaction work on the CPU")
+        if switches["capture"] and self.tensor_parallel_size > 1:
+            raise ConfigError("CUDA-graph capture under tensor parallelism is not built yet; use cuda_graphs with "
+                              "tensor_parallel_size 1, or the other decode switches (buckets, persistent inputs, "
+                              "compaction), which work per rank")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; choose one of "
                               f"{', '.join(QUANTIZATIONS)}")

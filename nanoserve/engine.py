@@ -18,7 +18,7 @@ from nanoserve.errors import ConfigError, RequestError
 from nanoserve.kv.cache import KVCache, blocks_from_budget
 from nanoserve.kv.pool import BlockPool
 from nanoserve.model.batch import PrefillSegment, StepBatch, general_batch
-from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.model.loader import LoadedModel, load_model, peek_config
 from nanoserve.outputs import (
     CompletionOutput,
     LogprobSequence,
@@ -27,6 +27,8 @@ from nanoserve.outputs import (
     TextSoFar,
     TokenIds,
 )
+from nanoserve.parallel.driver import ParallelGroup, ParallelModel
+from nanoserve.parallel.shard import check_divisible
 from nanoserve.reads.dispatch import PagedRead
 from nanoserve.request import Request
 from nanoserve.sampler import token_logprobs
@@ -69,17 +71,21 @@ class Engine:
         self.device = config.torch_device()
         self._progress = progress or (lambda phase: None)
         started = time.monotonic()
+        self.parallel: ParallelGroup | None = None
         if loaded is None:
-            self._progress("loading weights")
-            loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
-                                config.quantization)
+            loaded = self._load(config)
         self.loaded = loaded
+        # model_config is the whole model's (the vocabulary, the heads); self.model.config is this rank's part
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        self.forward = self.model if self.parallel is None else \
+            ParallelModel(self.model, self.parallel, self.model_config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
         self.read = PagedRead("streamed", config.read_block) if config.streamed_read else PagedRead("gathered")
         self._progress("sizing the KV pool")
         num_blocks = self._size_pool()
-        self.cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.cache = KVCache(self.model.config, num_blocks, config.block_size, self.dtype, self.device)
+        if self.parallel is not None:
+            self.parallel.build_pools(self.model, self.cache)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = self._resolve_max_model_len()
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
@@ -112,6 +118,37 @@ class Engine:
             config.block_size, self.max_model_len, time.monotonic() - started,
         )
 
+    def _load(self, config: EngineConfig) -> LoadedModel:
+        """The model, or under tensor parallelism this rank's part of it, with the other ranks started and
+        loading theirs. A size that does not divide the model is refused before any process starts."""
+        if config.tensor_parallel_size == 1:
+            self._progress("loading weights")
+            return load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
+                              config.quantization)
+        check_divisible(peek_config(config.model), config.tensor_parallel_size)
+        self._progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
+        self.parallel = ParallelGroup(config, self.device)
+        self._progress("loading weights (every rank its shard)")
+        try:
+            loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
+                                config.quantization, shard=self.parallel.shard)
+        except Exception as e:
+            self.parallel.confirm(f"{type(e).__name__}: {e}", "load")  # stops the other ranks, then raises
+            raise
+        self.parallel.confirm(None, "load")
+        loaded.model.parallelize(self.parallel.group, vocab_start=0)
+        return loaded
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine cannot serve any more (a tensor-parallel rank failed), or None."""
+        return self.parallel.failed if self.parallel is not None else None
+
+    def close(self) -> None:
+        """Release what outlives a dropped engine: the other ranks of a tensor-parallel group."""
+        if self.parallel is not None:
+            self.parallel.close()
+
     # ---- sizing -------------------------------------------------------------------------------------
     def _size_pool(self) -> int:
         cfg = self.config
@@ -121,7 +158,7 @@ class Engine:
             budget = self._cuda_kv_budget()
         else:
             budget = CPU_DEFAULT_KV_GIB * 2**30
-        return blocks_from_budget(self.model_config, budget, cfg.block_size, self.dtype)
+        return blocks_from_budget(self.model.config, budget, cfg.block_size, self.dtype)  # this rank's kv heads
 
     def _cuda_kv_budget(self) -> float:
         """A fraction of the card, less weights and the peak of a warm-up step at the full token budget."""
@@ -141,7 +178,7 @@ class Engine:
         table, and indexing past it is a device-side assert on CUDA that poisons the process. The step's size,
         which is what sets its peak, is unchanged."""
         n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
-        cache = KVCache(self.model_config, 2, self.config.block_size, self.dtype, self.device)
+        cache = KVCache(self.model.config, 2, self.config.block_size, self.dtype, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device) % self.model.rope.cos.shape[0]
         batch = StepBatch(
@@ -150,7 +187,7 @@ class Engine:
             prefills=(PrefillSegment(0, n, 0),), logits_indices=ids[-1:],
         )
         with torch.inference_mode():
-            self.model(batch, cache, PagedRead("gathered"))
+            self.forward(batch, cache, PagedRead("gathered"))
         del cache
 
     def _decode_fast_path(self, cache: KVCache, max_model_len: int):
@@ -174,7 +211,7 @@ class Engine:
         self._progress("measuring the CUDA-graph pool")
         longest = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
-        scratch = KVCache(self.model_config, 2, self.config.block_size, self.dtype, self.device)
+        scratch = KVCache(self.model.config, 2, self.config.block_size, self.dtype, self.device)
         path, captured = self._decode_fast_path(scratch, longest)
         captured.capture(shapes=[max(path.buckets.shapes)])
         reserve = captured.stats.pool_bytes
@@ -360,7 +397,7 @@ class Engine:
             batch, sampled, prompt_rows = general_batch(sched, self.config.block_size, self.device)
         if logits is None:
             with torch.inference_mode():
-                logits = self.model(batch, self.cache, self.read)
+                logits = self.forward(batch, self.cache, self.read)
         if prompt_rows:
             self._record_prompt_logprobs(logits[len(sampled):], prompt_rows)
         logits = logits[: len(sampled)]
@@ -494,6 +531,7 @@ class Engine:
                       **({"linear": self.loaded.quant.as_dict()} if self.loaded.quant is not None else {}),
                       **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {}),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
+                      **({"parallel": self.parallel.stats(self._steps)} if self.parallel is not None else {}),
                       "windows": self.recent.snapshot(now, self._started),
                       "stalls": self.stalls.as_dict()},
             latency=LatencyStats(len(self._ttfts), *self._latency_percentiles(),

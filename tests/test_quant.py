@@ -20,6 +20,7 @@ from nanoserve.model.quant import (
     fastest_head,
     int4_supported,
 )
+from tests.oracles import logprobs_close
 
 pytestmark = pytest.mark.skipif(not int4_supported(torch.device("cpu")), reason="this torch has no int4 CPU kernel")
 
@@ -79,16 +80,6 @@ def test_quantize_at_load_round_trips_within_a_step():
     step = (w.view(64, 4, 32).amax(-1) - w.view(64, 4, 32).amin(-1)) / 15
     err = (blocks.dequantize() - w).abs().view(64, 4, 32)
     assert (err <= step[..., None] / 2 + 1e-6).all()
-
-
-def logprobs_close(a, b, k: int = 5) -> tuple[bool, int]:
-    """vLLM's check_logprobs_close for one pair of completions; returns (ok, tokens equal before divergence)."""
-    for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
-        if ta != tb:
-            top_a = sorted(a.logprobs[i].items(), key=lambda kv: kv[1].rank)[:k]
-            top_b = sorted(b.logprobs[i].items(), key=lambda kv: kv[1].rank)[:k]
-            return tb in dict(top_a) and ta in dict(top_b), i
-    return True, len(a.token_ids)
 
 
 @pytest.fixture(scope="module")

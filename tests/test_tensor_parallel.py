@@ -1,0 +1,204 @@
+"""Tensor parallelism on the CPU (gloo between processes): the group's answers against one rank's.
+
+The oracle is the same engine at tensor_parallel_size 1 on the same weights. Dense float32 answers agree to
+float32 rounding (the row-parallel partial sums are added in another order); greedy and seeded generations are
+the same tokens. The default model's 4-bit path is compared by vLLM's logprobs-close rule.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.errors import ConfigError
+from nanoserve.parallel.group import free_loopback_address
+from tests.oracles import logprobs_close
+
+KINDS = ("llama", "qwen2", "qwen3")
+SMALL = dict(max_model_len=256, kv_cache_gib=0.02)
+PROMPTS = [[1, 400 + 37 * i, 900 + 11 * i, 2000 + i, 77, 5 + i, 3000 + 13 * i][: 3 + i % 5] for i in range(10)]
+
+
+def close_llm(llm: LLM) -> None:
+    llm.engine.close()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tiny_checkpoint):
+    """(kind, one rank, two ranks) on the same tiny random checkpoint."""
+    path = str(tiny_checkpoint(request.param))
+    one, two = LLM(model=path, **SMALL), LLM(model=path, tensor_parallel_size=2, **SMALL)
+    yield request.param, one, two
+    close_llm(two)
+
+
+def logprob_rows(out) -> list[dict[int, float]]:
+    rows = [d for d in out.prompt_logprobs or () if d] + list(out.outputs[0].logprobs)
+    return [{token: entry.logprob for token, entry in row.items()} for row in rows]
+
+
+def test_logits_at_prefill_and_every_decode_step_equal_one_rank(pair):
+    kind, one, two = pair
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    for prompt in PROMPTS[:4]:
+        a, b = (llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0] for llm in (one, two))
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, kind
+        for row_a, row_b in zip(logprob_rows(a), logprob_rows(b), strict=True):
+            assert row_a.keys() == row_b.keys()
+            assert max(abs(row_a[t] - row_b[t]) for t in row_a) < 2e-4, (kind, row_a, row_b)
+
+
+def test_a_crowd_with_preemption_generates_the_same_tokens(tiny_checkpoint):
+    """A pool of 12 blocks for a crowd that needs 36: requests are preempted and recomputed on both sides alike.
+    The KV budget is per rank, and a rank holds half the kv heads: half the budget is the same 12 blocks."""
+    path = str(tiny_checkpoint("llama"))
+    block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 kv heads of 16, float32
+    tight = dict(max_model_len=128, max_num_seqs=8)
+    one = LLM(model=path, kv_cache_gib=12.5 * block / 2**30, **tight)
+    two = LLM(model=path, tensor_parallel_size=2, kv_cache_gib=12.5 * block / 2 / 2**30, **tight)
+    assert one.engine.pool.num_blocks == two.engine.pool.num_blocks == 12
+    try:
+        params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) if i % 2 else
+                  SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(12)]
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:6] * 2]
+        a = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        b = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert a == b
+        for llm in (one, two):
+            assert llm.engine.stats().scheduler.preemptions > 0, "the pool was meant to be too small"
+            llm.engine.audit()  # the block pool is rank 0's: every rank writes the blocks it names
+    finally:
+        close_llm(two)
+
+
+def test_four_ranks(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama", num_key_value_heads=4))
+    one, four = LLM(model=path, **SMALL), LLM(model=path, tensor_parallel_size=4, **SMALL)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+        a, b = (llm.generate({"prompt_token_ids": PROMPTS[3]}, params, use_tqdm=False)[0] for llm in (one, four))
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for row_a, row_b in zip(logprob_rows(a), logprob_rows(b), strict=True):
+            assert max(abs(row_a[t] - row_b[t]) for t in row_a) < 2e-4
+        parallel = four.engine.stats().sections["parallel"]
+        assert parallel["world_size"] == 4 and len(parallel["ranks"]) == 4
+    finally:
+        close_llm(four)
+
+
+def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
+    kind, one, two = pair
+    if kind != "llama":
+        pytest.skip("one architecture is enough for the section's shape")
+    two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    section = two.engine.stats().sections["parallel"]
+    assert section["world_size"] == 2 and section["backend"] == "gloo" and section["failed"] is None
+    assert section["collectives"] > 0 and section["collective_ms_per_step"] > 0
+    whole = sum(p.nbytes for p in one.engine.model.parameters())
+    ranks = section["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:  # each rank holds its half of every split weight (norms are whole on each)
+        assert 0.45 * whole < r["weights_bytes"] < 0.6 * whole, (r, whole)
+        assert r["kv_bytes"] > 0 and (r["rss_bytes"] is None or r["rss_bytes"] > r["weights_bytes"])
+    assert "not in" not in str(section)
+
+
+def test_the_default_model_on_three_ranks_answers_paris():
+    dense = LLM(tensor_parallel_size=3, quantization="none", max_model_len=512, kv_cache_gib=0.05)
+    try:
+        out = dense.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+        assert "Paris" in out[0].outputs[0].text
+    finally:
+        close_llm(dense)
+
+
+def test_the_default_models_4_bit_path_on_three_ranks_is_logprobs_close(default_llm):
+    """The 4-bit kernels answer in bfloat16, so the ranks' partial sums round differently from one rank's
+    whole sum: the answers are compared by the logprobs-close rule, as any two numerics of one model are."""
+    three = LLM(tensor_parallel_size=3, max_model_len=512, kv_cache_gib=0.05)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0, logprobs=5, ignore_eos=True)
+        for prompt in ("The capital of France is", "def fibonacci(n):", "Water boils at"):
+            ok, equal = logprobs_close(three.generate(prompt, params, use_tqdm=False)[0].outputs[0],
+                                       default_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
+            assert ok, (prompt, equal)
+    finally:
+        close_llm(three)
+
+
+def test_a_size_that_does_not_divide_is_refused_before_any_process_starts():
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"attention heads 9 and kv heads 3; sizes that work: 1, 3$"):
+        LLM(tensor_parallel_size=2)
+    assert time.monotonic() - started < 5
+
+
+def test_two_processes_meet_by_env_rendezvous(tiny_checkpoint, monkeypatch, tmp_path):
+    """Rank 0 here, rank 1 a `nanoserve worker` process: the two machines of a real deployment, on loopback.
+    Then a worker whose model path is wrong: rank 0 names rank 1 and the reason."""
+    path = str(tiny_checkpoint("llama"))
+    host, port = free_loopback_address().removeprefix("tcp://").split(":")
+    monkeypatch.setenv("MASTER_ADDR", host)
+    monkeypatch.setenv("MASTER_PORT", port)
+    env = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": port}
+    command = [sys.executable, "-m", "nanoserve.cli", "worker", "--rank", "1", "--tensor-parallel-size", "2",
+               "--distributed-init", "env://", "--distributed-timeout", "30"]
+    worker = subprocess.Popen(command, env=env)
+    try:
+        two = LLM(model=path, tensor_parallel_size=2, distributed_init="env://", distributed_timeout=30, **SMALL)
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        got = two.generate({"prompt_token_ids": PROMPTS[2]}, params, use_tqdm=False)[0].outputs[0].token_ids
+        want = LLM(model=path, **SMALL).generate({"prompt_token_ids": PROMPTS[2]}, params,
+                                                 use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want
+        close_llm(two)
+        assert worker.wait(30) == 0  # told to stop, it exits cleanly
+    finally:
+        worker.kill()
+
+    port = free_loopback_address().rsplit(":", 1)[1]
+    monkeypatch.setenv("MASTER_PORT", port)
+    bad = subprocess.Popen([*command, "--model", str(tmp_path / "missing")], env={**env, "MASTER_PORT": port})
+    try:
+        with pytest.raises(ConfigError, match=r"rank 1: CheckpointError: model path .*missing.* does not exist"):
+            LLM(model=path, tensor_parallel_size=2, distributed_init="env://", distributed_timeout=30, **SMALL)
+        assert bad.wait(30) == 1
+    finally:
+        bad.kill()
+
+
+def test_a_killed_rank_ends_the_engine_and_the_server_answers_503(tiny_checkpoint):
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    server = Server(EngineConfig(model=str(tiny_checkpoint("llama")), tensor_parallel_size=2, **SMALL),
+                    port=0).start()
+    try:
+        url = server.url
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # generating
+            victim = server.host.engine.parallel.processes[0]
+            killed = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        ended = time.monotonic() - killed
+        assert ended < 10, f"the stream took {ended:.1f} s to end after the rank died"
+        assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "tensor-parallel rank 1 was killed by SIGKILL" in health.json()["reason"]
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and "rank 1" in refused.text
+        assert server.host.engine.stats().sections["parallel"]["failed"].startswith("tensor-parallel rank 1")
+    finally:
+        server.stop()
