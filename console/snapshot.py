@@ -18,7 +18,8 @@ from console.panels.recent import recent_text
 from console.panels.throughput import TokenRates, throughput_text
 from nanoserve.stats import EngineStats
 
-FEATURES = {"Capture": ("capture",), "Persistent inputs": ("inputs", "buckets"), "Linear kernels": ("linear",)}
+FEATURES = {"Capture": ("capture",), "Persistent inputs": ("inputs", "buckets"), "Linear kernels": ("linear",),
+            "Tensor parallel": ("parallel",)}
 
 
 def rows_text(stats: EngineStats) -> str:

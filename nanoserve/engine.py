@@ -130,8 +130,9 @@ class Engine:
         self.parallel = ParallelGroup(config, self.device)
         self._progress("loading weights (every rank its shard)")
         try:
-            loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
-                                config.quantization, shard=self.parallel.shard)
+            with self.parallel.own_threads():
+                loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
+                                    config.quantization, shard=self.parallel.shard)
         except Exception as e:
             self.parallel.confirm(f"{type(e).__name__}: {e}", "load")  # stops the other ranks, then raises
             raise

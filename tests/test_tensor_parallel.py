@@ -202,3 +202,45 @@ def test_a_killed_rank_ends_the_engine_and_the_server_answers_503(tiny_checkpoin
         assert server.host.engine.stats().sections["parallel"]["failed"].startswith("tensor-parallel rank 1")
     finally:
         server.stop()
+
+
+async def test_the_console_shows_the_group(tiny_checkpoint):
+    pytest.importorskip("textual")
+    from console.app import NanoserveConsole
+    from nanoserve import EngineConfig
+    from tests.console_helpers import Requests, started, text, wait_until
+
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), tensor_parallel_size=2, **SMALL)
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot, timeout=90)
+        Requests(app.server.url, n=2, max_tokens=8).join(60)
+        await wait_until(pilot, lambda: "collectives" in text(app, "#parallel"), 10, "the parallel panel")
+        shown = text(app, "#parallel")
+        assert "world_size" in shown and "2" in shown and "gloo" in shown and "rank 1" in shown
+        assert "tensor parallel" not in text(app, "#features-off")
+
+
+def test_a_rank_that_raises_is_named_with_its_error(tiny_checkpoint):
+    """A worker whose step fails (here: a step on a cache it cannot allocate, sent through the real protocol)
+    writes why and exits; rank 0's next step names the rank and the error, and the engine serves no more."""
+    import torch
+
+    from nanoserve.engine import StepFailed
+    from nanoserve.model.batch import StepBatch
+    from nanoserve.parallel import worker
+
+    two = LLM(model=str(tiny_checkpoint("llama")), tensor_parallel_size=2, **SMALL)
+    try:
+        one = torch.zeros(1, dtype=torch.long)
+        poison = StepBatch(input_ids=one, positions=one, slots=one, num_decode=1,
+                           decode_block_table=one.view(1, 1), decode_context_lens=one + 1, prefills=(),
+                           logits_indices=one)
+        two.engine.parallel.group.send(worker.Step(poison, cache_blocks=2**40))  # rank 1 cannot build it
+        with pytest.raises(StepFailed, match=r"tensor-parallel rank 1 .*RuntimeError"):
+            two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert "rank 1" in two.engine.failed
+        with pytest.raises(StepFailed, match="rank 1"):  # and stays failed: the group cannot be repaired
+            two.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        close_llm(two)

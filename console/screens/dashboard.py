@@ -26,7 +26,7 @@ from nanoserve.stats import EngineStats
 
 PANEL_TITLES = {"rows": "Requests", "kv": "KV cache", "throughput": "Throughput and latency",
                 "read": "Paged read", "recent": "Recent (sliding windows)", "capture": "Capture", "inputs": "Persistent inputs",
-                "linear": "Linear kernels"}
+                "linear": "Linear kernels", "parallel": "Tensor parallel"}
 REFRESH_STEPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # the refresh intervals +/- step through, seconds
 
 
@@ -59,6 +59,7 @@ class Dashboard(ConsoleScreen):
                 yield FeaturePanel("capture", id="capture")
                 yield FeaturePanel("inputs", "buckets", id="inputs")
                 yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
+                yield FeaturePanel("parallel", id="parallel")  # the group's ranks, their memory, collective time
             yield Static("", markup=False, id="features-off")
         yield Static("", markup=False, id="no-snapshot")  # attached to a server that has not answered yet
 

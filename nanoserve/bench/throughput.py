@@ -20,6 +20,8 @@ from nanoserve.bench.common import machine, memory_bandwidth_gbs, peak_rss_mib, 
 from nanoserve.bench.peers import LlamaCppArm, llama_cpp_available
 from nanoserve.flags import add_engine_flags, engine_flags
 
+ONE_RANK = "nanoserve TP=1"
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="mixed-workload and single-stream throughput vs transformers")
@@ -153,13 +155,18 @@ def main(args) -> int:
     flags = engine_flags(args)
     arms = {"nanoserve": LLM(**flags)}
     engine = arms["nanoserve"].engine
-    if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
+    parallel = flags["tensor_parallel_size"] > 1
+    if parallel:  # the same engine on one rank with every thread, beside the group
+        arms[ONE_RANK] = LLM(**{**flags, "tensor_parallel_size": 1, "distributed_init": None})
+    elif "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
         arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
     cfg = engine.model_config
     work = workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size)
     single_prompt = work[0][0][:64]
     bandwidth = memory_bandwidth_gbs(mib=512)
     bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.model) for arm, llm in arms.items()}
+    if parallel:  # the ranks share this machine's memory: the whole model is read per token all the same
+        bounds["nanoserve"] = bounds[ONE_RANK]
 
     hf = None if args.skip_hf else load_hf(arms.get("nanoserve dense", arms["nanoserve"]).engine)
     llama_cpp = llama_cpp_arm(args, engine, work)
@@ -205,7 +212,7 @@ def main(args) -> int:
     )
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
-    for other in ("nanoserve dense", "transformers", LLAMA_CPP):
+    for other in ("nanoserve dense", ONE_RANK, "transformers", LLAMA_CPP):
         if other in by_arm:
             ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
             ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \
@@ -218,11 +225,19 @@ def main(args) -> int:
               f"calls int4 {linear['int4_calls']} / dense {linear['dense_calls']}, head {linear['head']}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
+    section = engine.stats().sections.get("parallel")
+    if section:
+        steps = engine.stats().scheduler.steps
+        print(f"tensor parallel: {section['world_size']} ranks over {section['backend']}, "
+              f"{section['threads_per_rank']} threads each (one rank: {torch.get_num_threads()}); "
+              f"{section['collectives']:,} collectives in {steps:,} steps, {section['collective_ms_per_step']:.2f} ms "
+              "of each step in collectives on rank 0; weights per rank "
+              + ", ".join(f"{r['weights_bytes'] / 2**20:.0f} MiB" for r in section["ranks"]))
     print(f"peak RSS after nanoserve arms {rss_after_nanoserve:.0f} MiB; after all arms {peak_rss_mib():.0f} MiB; "
           f"KV pool {engine.cache.nbytes / 2**20:.0f} MiB")
     path = write_results(args.out, "throughput", {
         "flags": flags, "bandwidth_gbs": bandwidth, "bound_tok_s": bounds, "single_runs": single, "mixed": mixed,
-        "ratios": ratios, "linear": linear, "peak_rss_mib": peak_rss_mib(),
+        "ratios": ratios, "linear": linear, "parallel": section, "peak_rss_mib": peak_rss_mib(),
         "llama_cpp_python": llama_cpp.version if llama_cpp is not None else None,
         "rss_after_nanoserve_mib": rss_after_nanoserve,
     }, rows, args)

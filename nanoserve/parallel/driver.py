@@ -13,10 +13,12 @@ failed. The group cannot be repaired, so the engine stops serving (see Engine.fa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -33,6 +35,26 @@ class WorkerFailed(NanoserveError):
     """A rank of the tensor-parallel group failed; the group cannot go on."""
 
 
+def _start_resource_tracker() -> None:
+    """multiprocessing's resource tracker hands its process sys.stderr's file descriptor; inside a Textual app
+    sys.stderr is a capture whose fileno() is -1, and spawning a rank then fails. Start the tracker (once a
+    process) with the real stderr."""
+    from multiprocessing import resource_tracker
+
+    try:
+        usable = sys.stderr.fileno() >= 0
+    except Exception:
+        usable = False
+    if usable:
+        resource_tracker.ensure_running()
+        return
+    captured, sys.stderr = sys.stderr, sys.__stderr__
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.stderr = captured
+
+
 def rank_threads(world: int) -> int:
     """CPU threads per rank: the machine's cores shared out, at least one each."""
     return max(1, (os.cpu_count() or 1) // world)
@@ -47,6 +69,7 @@ class ParallelGroup:
         init = config.distributed_init or free_loopback_address()
         self.processes: list[multiprocessing.Process] = []
         if self.local:
+            _start_resource_tracker()
             context = multiprocessing.get_context("spawn")
             for rank in range(1, self.world):
                 process = context.Process(target=worker.spawned, name=f"nanoserve-rank-{rank}", daemon=True,
@@ -63,9 +86,22 @@ class ParallelGroup:
             raise WorkerFailed(f"the tensor-parallel group did not form at {init}: {e}") from e
         atexit.register(self.close)
         self.threads = rank_threads(self.world) if device.type == "cpu" else 0
-        if device.type == "cpu":
-            torch.set_num_threads(self.threads)
         self.group.put("hello", worker.Hello(config, self.threads))
+
+    @contextlib.contextmanager
+    def own_threads(self):
+        """Rank 0's share of the CPU cores while it computes its shard (loading included: the packed kernels'
+        crossovers are timed at the threads they will run with); the process's own count is put back after,
+        so the sampler and any other engine in the process keep theirs."""
+        threads = torch.get_num_threads()
+        if not self.threads or threads == self.threads:
+            yield
+            return
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     @property
     def shard(self) -> TensorShard:
@@ -155,6 +191,8 @@ class ParallelModel:
         self.model, self.group, self.vocab = model, group, vocab
 
     def __call__(self, batch, cache, read) -> torch.Tensor:
+        """On the CPU rank 0's shard runs on its share of the cores, as every rank does; the process's own
+        thread count is put back after (the sampler, and any other engine in the process, keep theirs)."""
         group = self.group
         cpu_batch = worker.batch_to(batch, torch.device("cpu"), copy=True)
 
@@ -163,4 +201,5 @@ class ParallelModel:
             local = self.model(batch, cache, read)
             return group.group.gather_logits(local.float(), self.vocab)
 
-        return group.collective(step)
+        with group.own_threads():
+            return group.collective(step)
