@@ -85,6 +85,9 @@ class EngineConfig:
     distributed_init: str | None = _flag(None, "the group's rendezvous when ranks run on other machines: env:// "
                                                "(MASTER_ADDR, MASTER_PORT) or tcp://host:port, each started with "
                                                "`nanoserve worker`; unset: every rank runs here")
+    tp_all_reduce: str = _flag("auto", "how tensor-parallel ranks add their partial sums: auto goes through shared "
+                                       "memory between CPU ranks on one x86-64 machine, else through the group's "
+                                       "backend; backend always uses gloo / NCCL", choices=("auto", "backend"))
     distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
                                              "before the engine stops with an error")
 
@@ -111,6 +114,8 @@ class EngineConfig:
             (self.distributed_init is None or self.tensor_parallel_size > 1,
              "distributed_init names a rendezvous for tensor_parallel_size > 1; set both or neither"),
             (self.distributed_timeout > 0, f"distributed_timeout must be > 0, got {self.distributed_timeout}"),
+            (self.tp_all_reduce in ("auto", "backend"),
+             f"tp_all_reduce must be auto or backend, got {self.tp_all_reduce!r}"),
         )
         for ok, message in checks:
             if not ok:

@@ -125,9 +125,10 @@ class Engine:
             self._progress("loading weights")
             return load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
                               config.quantization)
-        check_divisible(peek_config(config.model), config.tensor_parallel_size)
+        shapes = peek_config(config.model)
+        check_divisible(shapes, config.tensor_parallel_size)
         self._progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
-        self.parallel = ParallelGroup(config, self.device)
+        self.parallel = ParallelGroup(config, self.device, shapes.hidden_size)
         self._progress("loading weights (every rank its shard)")
         try:
             with self.parallel.own_threads():

@@ -21,6 +21,7 @@ from nanoserve.bench.peers import LlamaCppArm, llama_cpp_available
 from nanoserve.flags import add_engine_flags, engine_flags
 
 ONE_RANK = "nanoserve TP=1"
+BACKEND_REDUCE = "nanoserve all-reduce over gloo"
 
 
 def add_parser(sub) -> None:
@@ -157,6 +158,8 @@ def main(args) -> int:
     engine = arms["nanoserve"].engine
     parallel = flags["tensor_parallel_size"] > 1
     if parallel:  # the same engine on one rank with every thread, beside the group
+        if engine.stats().sections["parallel"]["all_reduce"] == "shared memory":  # and the group over gloo
+            arms[BACKEND_REDUCE] = LLM(**{**flags, "tp_all_reduce": "backend"})
         arms[ONE_RANK] = LLM(**{**flags, "tensor_parallel_size": 1, "distributed_init": None})
     elif "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
         arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
@@ -166,7 +169,9 @@ def main(args) -> int:
     bandwidth = memory_bandwidth_gbs(mib=512)
     bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.model) for arm, llm in arms.items()}
     if parallel:  # the ranks share this machine's memory: the whole model is read per token all the same
-        bounds["nanoserve"] = bounds[ONE_RANK]
+        for arm in ("nanoserve", BACKEND_REDUCE):
+            if arm in bounds:
+                bounds[arm] = bounds[ONE_RANK]
 
     hf = None if args.skip_hf else load_hf(arms.get("nanoserve dense", arms["nanoserve"]).engine)
     llama_cpp = llama_cpp_arm(args, engine, work)
@@ -212,7 +217,7 @@ def main(args) -> int:
     )
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
-    for other in ("nanoserve dense", ONE_RANK, "transformers", LLAMA_CPP):
+    for other in ("nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers", LLAMA_CPP):
         if other in by_arm:
             ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
             ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \

@@ -24,7 +24,7 @@ import time
 import torch
 
 from nanoserve.errors import ConfigError, NanoserveError
-from nanoserve.parallel import worker
+from nanoserve.parallel import shm, worker
 from nanoserve.parallel.group import GroupFailed, TensorGroup, backend_for, free_loopback_address, memory_of
 from nanoserve.parallel.shard import TensorShard
 
@@ -63,7 +63,8 @@ def rank_threads(world: int) -> int:
 class ParallelGroup:
     """Rank 0's side of the group: the spawned workers (when all ranks run here) and the group itself."""
 
-    def __init__(self, config, device: torch.device):
+    def __init__(self, config, device: torch.device, hidden_size: int):
+        """`hidden_size` sizes the shared all-reduce buffer of same-machine CPU ranks (a step's hidden states)."""
         self.world = config.tensor_parallel_size
         self.local = config.distributed_init is None  # every rank on this machine: rank 0 spawns the others
         init = config.distributed_init or free_loopback_address()
@@ -86,7 +87,12 @@ class ParallelGroup:
             raise WorkerFailed(f"the tensor-parallel group did not form at {init}: {e}") from e
         atexit.register(self.close)
         self.threads = rank_threads(self.world) if device.type == "cpu" else 0
-        self.group.put("hello", worker.Hello(config, self.threads))
+        self.shared_path = None
+        capacity = config.max_num_batched_tokens * hidden_size
+        if config.tp_all_reduce == "auto" and self.local and device.type == "cpu" and shm.supported():
+            self.shared_path = shm.new_path()
+            self.group.share_memory(self.shared_path, capacity)
+        self.group.put("hello", worker.Hello(config, self.threads, self.shared_path, capacity))
 
     @contextlib.contextmanager
     def own_threads(self):
@@ -112,12 +118,19 @@ class ParallelGroup:
         """Every rank's word after a phase (rank 0's is `own`); raise, after stopping the ranks, if any
         failed (its word is a str). Returns the words."""
         statuses = self.collective(lambda: self.group.gather_status(phase, own))
+        self._unlink_shared()  # every rank has mapped it by now (they do before loading)
         failed = [(rank, why) for rank, why in enumerate(statuses) if isinstance(why, str)]
         if failed:
             self.close()
             shown = "; ".join(f"rank {rank}: {why}" for rank, why in failed)
             raise ConfigError(f"tensor-parallel {phase} failed on {len(failed)} of {self.world} ranks ({shown})")
         return statuses
+
+    def _unlink_shared(self) -> None:
+        if self.shared_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.shared_path)
+            self.shared_path = None
 
     def build_pools(self, model, cache) -> None:
         """Every other rank builds its KV pool of the blocks rank 0 sized; each says what it holds."""
@@ -127,7 +140,9 @@ class ParallelGroup:
     def stats(self, steps: int) -> dict:
         """The `parallel` section of the stats snapshot (rank 0's collectives; every rank's memory)."""
         g = self.group
-        return {"world_size": self.world, "backend": backend_for(g.device), "threads_per_rank": self.threads,
+        return {"world_size": self.world, "backend": backend_for(g.device),
+                "all_reduce": "shared memory" if g.shared is not None else backend_for(g.device),
+                "threads_per_rank": self.threads,
                 "collectives": g.collectives, "collective_ms": round(1000 * g.collective_s, 1),
                 "collective_ms_per_step": round(1000 * g.collective_s / steps, 3) if steps else None,
                 "ranks": [{"rank": rank, **memory} for rank, memory in enumerate(self.memory)],
@@ -175,6 +190,7 @@ class ParallelGroup:
         for process in self.processes:
             process.join(5)
         self.kill()
+        self._unlink_shared()
         self.group.close()
 
     def kill(self) -> None:

@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from nanoserve.parallel.shm import SharedReduce
+
 FAILED_KEY = "failed/{rank}"  # where a rank that fails writes why, in the group's store
 POLL_S = 0.05
 
@@ -76,8 +78,16 @@ class TensorGroup:
         self.store.set(f"joined/{rank}", "1")
         self.wait([f"joined/{r}" for r in range(world)], "every rank to join")
         self.pg = self._process_group()
+        self.shared: SharedReduce | None = None  # same-machine CPU ranks: all-reduces through shared memory
         self.collective_s = 0.0  # seconds spent in collectives, since the start
         self.collectives = 0
+
+    def share_memory(self, path: str, capacity: int) -> None:
+        """All-reduces of up to `capacity` floats through the shared file at `path` (rank 0 creates it)."""
+        parent = os.getppid()
+        alive = self.alive if self.rank == 0 else \
+            (lambda: "rank 0 is gone" if os.getppid() != parent else None)
+        self.shared = SharedReduce(path, self.rank, self.world, capacity, self.timeout.total_seconds(), alive)
 
     def _process_group(self):
         if self.device.type == "cuda":
@@ -121,7 +131,10 @@ class TensorGroup:
         if x.device.type == "cpu" and x.dtype != torch.float32:
             x = x.float()
         started = time.perf_counter()
-        self.pg.allreduce([x]).wait()
+        if self.shared is not None and self.shared.fits(x):
+            self.shared.all_reduce(x)
+        else:
+            self.pg.allreduce([x]).wait()
         self._count(started)
         return x
 
@@ -201,6 +214,9 @@ class TensorGroup:
 
     def close(self) -> None:
         """Drop the process group and the store (rank 0's store server goes with it)."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         self.pg = None
         self.store = None
 

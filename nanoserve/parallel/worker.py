@@ -28,6 +28,8 @@ class Hello:
 
     config: object  # EngineConfig
     threads: int  # CPU threads each rank computes with
+    shared_path: str | None = None  # same-machine CPU ranks: the file their all-reduces go through
+    shared_capacity: int = 0  # floats one all-reduce may carry through it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,8 @@ def serve(rank: int, world: int, init_method: str, timeout_s: float, device_type
     group = TensorGroup(rank, world, init_method, torch.device(device_type), timeout_s)
     try:
         hello: Hello = group.take("hello", "rank 0's flags")
+        if hello.shared_path is not None:
+            group.share_memory(hello.shared_path, hello.shared_capacity)
         config = hello.config if model_override is None else dataclasses.replace(hello.config, model=model_override)
         device = device_for(config, rank)
         if device.type == "cuda":
