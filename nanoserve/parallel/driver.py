@@ -69,6 +69,9 @@ class ParallelGroup:
         self.local = config.distributed_init is None  # every rank on this machine: rank 0 spawns the others
         init = config.distributed_init or free_loopback_address()
         self.processes: list[multiprocessing.Process] = []
+        if self.local and device.type == "cpu" and self.world > (os.cpu_count() or 1):
+            log.warning("%d tensor-parallel ranks on %d CPU cores: ranks will wait for a core, and the group is "
+                        "likely slower than one rank", self.world, os.cpu_count() or 1)
         if self.local:
             _start_resource_tracker()
             context = multiprocessing.get_context("spawn")
@@ -84,7 +87,9 @@ class ParallelGroup:
             self.group = TensorGroup(0, self.world, init, device, config.distributed_timeout, alive=self._dead_ranks)
         except Exception as e:
             self.kill()
-            raise WorkerFailed(f"the tensor-parallel group did not form at {init}: {e}") from e
+            hint = (" (the ranks are spawned processes that import the main script: a script that starts "
+                    "tensor parallelism must do it under `if __name__ == \"__main__\":`)") if self.local else ""
+            raise WorkerFailed(f"the tensor-parallel group did not form at {init}: {e}{hint}") from e
         atexit.register(self.close)
         self.threads = rank_threads(self.world) if device.type == "cpu" else 0
         self.shared_path = None

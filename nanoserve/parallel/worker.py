@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distributed-init", default="env://",
                    help="the rendezvous rank 0 uses: env:// (MASTER_ADDR, MASTER_PORT) or tcp://host:port")
     p.add_argument("--distributed-timeout", type=float, default=60.0, help="seconds a collective may wait")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where this rank computes")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where this rank computes: rank 0's device (gloo between CPUs, NCCL between GPUs)")
     p.add_argument("--model", default=None, help="the model's path on this machine, when it differs from rank 0's")
     args = p.parse_args(argv)
     if not 1 <= args.rank < args.tensor_parallel_size:
