@@ -245,3 +245,39 @@ def test_a_rank_that_raises_is_named_with_its_error(tiny_checkpoint):
             two.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
         close_llm(two)
+
+
+def test_the_decode_fast_path_works_per_rank(tiny_checkpoint):
+    """Buckets, persistent inputs and compaction on rank 0: the other ranks get each planned step's rows."""
+    path = str(tiny_checkpoint("llama"))
+    fast = dict(decode_buckets=True, persistent_inputs=True, row_compaction=True, **SMALL)
+    one, two = LLM(model=path, **SMALL), LLM(model=path, tensor_parallel_size=2, **fast)
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:6]]
+        a = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        b = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert a == b
+        sections = two.engine.stats().sections  # the planned path ran, from persistent buffers
+        assert sections["inputs"]["steps"] > 0 and sections["buckets"]["shapes_used"] > 0
+    finally:
+        close_llm(two)
+
+
+def test_a_restart_into_and_out_of_a_group_leaves_no_rank_behind(tiny_checkpoint):
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), **SMALL)
+    server = Server(config, port=0).start()
+    try:
+        server.host.restart(EngineConfig(model=config.model, tensor_parallel_size=2, **SMALL))
+        ranks = server.host.engine.parallel.processes
+        body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        grouped = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+        server.host.restart(config)
+        assert all(not p.is_alive() for p in ranks), "the group's ranks outlived its engine"
+        alone = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+        assert grouped["choices"][0]["text"] == alone["choices"][0]["text"]
+    finally:
+        server.stop()
