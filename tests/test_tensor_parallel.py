@@ -102,6 +102,7 @@ def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
     assert section["world_size"] == 2 and section["backend"] == "gloo" and section["failed"] is None
     assert section["all_reduce"] == "shared memory"  # both ranks on this machine: not through gloo
     assert section["collectives"] > 0 and section["collective_ms_per_step"] > 0
+    assert set(section["ms_per_step_by_kind"]) == {"all_reduce", "gather", "broadcast"}
     whole = sum(p.nbytes for p in one.engine.model.parameters())
     ranks = section["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -279,5 +280,35 @@ def test_a_restart_into_and_out_of_a_group_leaves_no_rank_behind(tiny_checkpoint
         assert all(not p.is_alive() for p in ranks), "the group's ranks outlived its engine"
         alone = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
         assert grouped["choices"][0]["text"] == alone["choices"][0]["text"]
+    finally:
+        server.stop()
+
+
+def test_the_openai_client_gets_one_ranks_answers_from_a_group(tiny_checkpoint):
+    """The official client against a 2-rank server: seeded n=2 completions and a streamed chat are the tokens
+    the one-rank engine gives offline."""
+    from openai import OpenAI
+
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    path = str(tiny_checkpoint("llama"))
+    server = Server(EngineConfig(model=path, tensor_parallel_size=2, **SMALL), port=0,
+                    served_model_name="tiny").start()
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        offline = LLM(model=path, **SMALL)
+        got = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=12, n=2, seed=5,
+                                        temperature=0.8, extra_body={"ignore_eos": True})
+        want = offline.generate({"prompt_token_ids": PROMPTS[4]},
+                                SamplingParams(n=2, seed=5, temperature=0.8, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)[0]
+        assert [c.text for c in got.choices] == [o.text for o in want.outputs]
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=10, temperature=0, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        alone = offline.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=10, temperature=0),
+                             use_tqdm=False)[0].outputs[0].text
+        assert text == alone
     finally:
         server.stop()

@@ -236,7 +236,9 @@ def main(args) -> int:
         print(f"tensor parallel: {section['world_size']} ranks over {section['backend']}, "
               f"{section['threads_per_rank']} threads each (one rank: {torch.get_num_threads()}); "
               f"{section['collectives']:,} collectives in {steps:,} steps, {section['collective_ms_per_step']:.2f} ms "
-              "of each step in collectives on rank 0; weights per rank "
+              "of each step in collectives on rank 0 ("
+              + ", ".join(f"{kind} {ms:.2f}" for kind, ms in section["ms_per_step_by_kind"].items())
+              + "); weights per rank "
               + ", ".join(f"{r['weights_bytes'] / 2**20:.0f} MiB" for r in section["ranks"]))
     print(f"peak RSS after nanoserve arms {rss_after_nanoserve:.0f} MiB; after all arms {peak_rss_mib():.0f} MiB; "
           f"KV pool {engine.cache.nbytes / 2**20:.0f} MiB")

@@ -150,6 +150,8 @@ class ParallelGroup:
                 "threads_per_rank": self.threads,
                 "collectives": g.collectives, "collective_ms": round(1000 * g.collective_s, 1),
                 "collective_ms_per_step": round(1000 * g.collective_s / steps, 3) if steps else None,
+                "ms_per_step_by_kind": {kind: round(1000 * seconds / steps, 3) if steps else None
+                                        for kind, seconds in sorted(g.seconds_by_kind.items())},
                 "ranks": [{"rank": rank, **memory} for rank, memory in enumerate(self.memory)],
                 "failed": self.failed}
 

@@ -81,6 +81,7 @@ class TensorGroup:
         self.shared: SharedReduce | None = None  # same-machine CPU ranks: all-reduces through shared memory
         self.collective_s = 0.0  # seconds spent in collectives, since the start
         self.collectives = 0
+        self.seconds_by_kind: dict[str, float] = {}  # all_reduce, gather, broadcast
 
     def share_memory(self, path: str, capacity: int) -> None:
         """All-reduces of up to `capacity` floats through the shared file at `path` (rank 0 creates it)."""
@@ -135,7 +136,7 @@ class TensorGroup:
             self.shared.all_reduce(x)
         else:
             self.pg.allreduce([x]).wait()
-        self._count(started)
+        self._count(started, "all_reduce")
         return x
 
     def embed(self, embedding: torch.nn.Embedding, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ class TensorGroup:
         parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
         started = time.perf_counter()
         self.pg.gather([parts] if parts is not None else [], [local], options).wait()
-        self._count(started)
+        self._count(started, "gather")
         return torch.cat(parts, dim=-1)[..., :vocab] if parts is not None else None
 
     # ---- each step's message from rank 0 ------------------------------------------------------------
@@ -165,7 +166,7 @@ class TensorGroup:
         started = time.perf_counter()
         self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
         self._broadcast(payload)
-        self._count(started)
+        self._count(started, "broadcast")
 
     def receive(self):
         size = torch.zeros(1, dtype=torch.int64)
@@ -182,9 +183,11 @@ class TensorGroup:
         if on is not tensor:
             tensor.copy_(on.cpu())
 
-    def _count(self, started: float) -> None:
-        self.collective_s += time.perf_counter() - started
+    def _count(self, started: float, kind: str) -> None:
+        seconds = time.perf_counter() - started
+        self.collective_s += seconds
         self.collectives += 1
+        self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + seconds
 
     # ---- faults -------------------------------------------------------------------------------------
     def report_failure(self, error: BaseException) -> None:
