@@ -88,7 +88,8 @@ class ParallelGroup:
         except Exception as e:
             self.kill()
             hint = (" (the ranks are spawned processes that import the main script: a script that starts "
-                    "tensor parallelism must do it under `if __name__ == \"__main__\":`)") if self.local else ""
+                    "tensor parallelism must do it under `if __name__ == \"__main__\":`)") \
+                if self.local and "exited with status" in str(e) else ""
             raise WorkerFailed(f"the tensor-parallel group did not form at {init}: {e}{hint}") from e
         atexit.register(self.close)
         self.threads = rank_threads(self.world) if device.type == "cpu" else 0
