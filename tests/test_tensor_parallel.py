@@ -95,8 +95,6 @@ def test_four_ranks(tiny_checkpoint):
 
 def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
     kind, one, two = pair
-    if kind != "llama":
-        pytest.skip("one architecture is enough for the section's shape")
     two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     section = two.engine.stats().sections["parallel"]
     assert section["world_size"] == 2 and section["backend"] == "gloo" and section["failed"] is None
@@ -110,6 +108,16 @@ def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
         assert 0.45 * whole < r["weights_bytes"] < 0.6 * whole, (r, whole)
         assert r["kv_bytes"] > 0 and (r["rss_bytes"] is None or r["rss_bytes"] > r["weights_bytes"])
     assert "not in" not in str(section)
+
+
+def test_structured_outputs_and_n_sequences_are_rank_0s_business(pair):
+    """The grammar masks the gathered logits on rank 0, and n sequences are rows like any others."""
+    kind, one, two = pair
+    choice = SamplingParams(max_tokens=8, temperature=0.9, seed=1, n=3,
+                            structured_outputs={"choice": ["alpha", "beta gamma", "delta"]})
+    a, b = (llm.generate({"prompt_token_ids": PROMPTS[5]}, choice, use_tqdm=False)[0] for llm in (one, two))
+    assert [o.text for o in b.outputs] == [o.text for o in a.outputs]
+    assert all(o.text in ("alpha", "beta gamma", "delta") for o in b.outputs)
 
 
 def test_the_default_model_on_three_ranks_answers_paris():
