@@ -85,9 +85,10 @@ class EngineConfig:
     distributed_init: str | None = _flag(None, "the group's rendezvous when ranks run on other machines: env:// "
                                                "(MASTER_ADDR, MASTER_PORT) or tcp://host:port, each started with "
                                                "`nanoserve worker`; unset: every rank runs here")
-    tp_all_reduce: str = _flag("auto", "how tensor-parallel ranks add their partial sums: auto goes through shared "
-                                       "memory between CPU ranks on one x86-64 machine, else through the group's "
-                                       "backend; backend always uses gloo / NCCL", choices=("auto", "backend"))
+    tp_all_reduce: str = _flag("auto", "how tensor-parallel ranks exchange partial sums and logits: auto goes "
+                                       "through shared memory between CPU ranks on one x86-64 machine, else "
+                                       "through the group's backend; backend always uses gloo / NCCL",
+                               choices=("auto", "backend"))
     distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
                                              "before the engine stops with an error")
 

@@ -128,7 +128,7 @@ class Engine:
         shapes = peek_config(config.model)
         check_divisible(shapes, config.tensor_parallel_size)
         self._progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
-        self.parallel = ParallelGroup(config, self.device, shapes.hidden_size)
+        self.parallel = ParallelGroup(config, self.device, shapes.hidden_size, shapes.vocab_size)
         self._progress("loading weights (every rank its shard)")
         try:
             with self.parallel.own_threads():

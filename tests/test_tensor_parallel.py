@@ -98,7 +98,7 @@ def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
     two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     section = two.engine.stats().sections["parallel"]
     assert section["world_size"] == 2 and section["backend"] == "gloo" and section["failed"] is None
-    assert section["all_reduce"] == "shared memory"  # both ranks on this machine: not through gloo
+    assert section["all_reduce"] == section["gather"] == "shared memory"  # both ranks here: not through gloo
     assert section["collectives"] > 0 and section["collective_ms_per_step"] > 0
     assert set(section["ms_per_step_by_kind"]) == {"all_reduce", "gather", "broadcast"}
     whole = sum(p.nbytes for p in one.engine.model.parameters())

@@ -63,8 +63,9 @@ def rank_threads(world: int) -> int:
 class ParallelGroup:
     """Rank 0's side of the group: the spawned workers (when all ranks run here) and the group itself."""
 
-    def __init__(self, config, device: torch.device, hidden_size: int):
-        """`hidden_size` sizes the shared all-reduce buffer of same-machine CPU ranks (a step's hidden states)."""
+    def __init__(self, config, device: torch.device, hidden_size: int, vocab_size: int):
+        """`hidden_size` and `vocab_size` size the shared buffer of same-machine CPU ranks: a step's hidden
+        states, and a decode step's logits (wider gathers, prompt logprobs, go through gloo)."""
         self.world = config.tensor_parallel_size
         self.local = config.distributed_init is None  # every rank on this machine: rank 0 spawns the others
         init = config.distributed_init or free_loopback_address()
@@ -95,10 +96,11 @@ class ParallelGroup:
         self.threads = rank_threads(self.world) if device.type == "cpu" else 0
         self.shared_path = None
         capacity = config.max_num_batched_tokens * hidden_size
+        gather = config.max_num_seqs * TensorShard(0, self.world).vocab_rows(vocab_size)
         if config.tp_all_reduce == "auto" and self.local and device.type == "cpu" and shm.supported():
             self.shared_path = shm.new_path()
-            self.group.share_memory(self.shared_path, capacity)
-        self.group.put("hello", worker.Hello(config, self.threads, self.shared_path, capacity))
+            self.group.share_memory(self.shared_path, capacity, gather)
+        self.group.put("hello", worker.Hello(config, self.threads, self.shared_path, capacity, gather))
 
     @contextlib.contextmanager
     def own_threads(self):
@@ -148,6 +150,8 @@ class ParallelGroup:
         g = self.group
         return {"world_size": self.world, "backend": backend_for(g.device),
                 "all_reduce": "shared memory" if g.shared is not None else backend_for(g.device),
+                "gather": "shared memory" if g.shared is not None and g.shared.gather_capacity else
+                backend_for(g.device),
                 "threads_per_rank": self.threads,
                 "collectives": g.collectives, "collective_ms": round(1000 * g.collective_s, 1),
                 "collective_ms_per_step": round(1000 * g.collective_s / steps, 3) if steps else None,

@@ -83,12 +83,14 @@ class TensorGroup:
         self.collectives = 0
         self.seconds_by_kind: dict[str, float] = {}  # all_reduce, gather, broadcast
 
-    def share_memory(self, path: str, capacity: int) -> None:
-        """All-reduces of up to `capacity` floats through the shared file at `path` (rank 0 creates it)."""
+    def share_memory(self, path: str, capacity: int, gather_capacity: int = 0) -> None:
+        """All-reduces of up to `capacity` floats, and logits gathers of up to `gather_capacity` a rank, through
+        the shared file at `path` (rank 0 creates it)."""
         parent = os.getppid()
         alive = self.alive if self.rank == 0 else \
             (lambda: "rank 0 is gone" if os.getppid() != parent else None)
-        self.shared = SharedReduce(path, self.rank, self.world, capacity, self.timeout.total_seconds(), alive)
+        self.shared = SharedReduce(path, self.rank, self.world, capacity, self.timeout.total_seconds(), alive,
+                                   gather_capacity)
 
     def _process_group(self):
         if self.device.type == "cuda":
@@ -151,6 +153,11 @@ class TensorGroup:
     def gather_logits(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """Every rank's vocabulary slice of the logits, joined on rank 0 (None elsewhere), padding dropped."""
         local = local.contiguous()
+        if self.shared is not None and self.shared.gathers(local):
+            started = time.perf_counter()
+            joined = self.shared.gather(local)
+            self._count(started, "gather")
+            return joined[..., :vocab] if joined is not None else None
         options = dist.GatherOptions()
         options.rootRank = 0
         parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None

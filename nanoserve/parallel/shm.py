@@ -42,23 +42,29 @@ def new_path() -> str:
 
 class SharedReduce:
     """`rank` of `world` over the shared file at `path` (rank 0 creates it), for reduces of up to `capacity`
-    float32 elements."""
+    float32 elements and gathers to rank 0 of up to `gather_capacity` per rank."""
 
     def __init__(self, path: str, rank: int, world: int, capacity: int, timeout_s: float,
-                 alive: Callable[[], str | None] | None = None):
+                 alive: Callable[[], str | None] | None = None, gather_capacity: int = 0):
         self.rank, self.world, self.capacity, self.timeout_s = rank, world, capacity, timeout_s
+        self.gather_capacity = gather_capacity
         self.alive = alive or (lambda: None)
-        flags_bytes = 2 * world * 8
-        size = flags_bytes + 2 * world * capacity * 4
+        flags_bytes = 4 * world * 8  # sequence numbers: reduce sides 0 and 1, gather sides 0 and 1
+        reduce_bytes = 2 * world * capacity * 4
+        size = flags_bytes + reduce_bytes + 2 * world * gather_capacity * 4
         if rank == 0:
             with open(path, "w+b") as f:
                 f.truncate(size)
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), size)
-        self.flags = np.frombuffer(self._map, dtype=np.int64, count=2 * world).reshape(2, world)
-        slots = np.frombuffer(self._map, dtype=np.float32, offset=flags_bytes).reshape(2, world, capacity)
-        self.slots = torch.from_numpy(slots)
-        self.seq = 0
+        flags = np.frombuffer(self._map, dtype=np.int64, count=4 * world).reshape(4, world)
+        self.flags, self.gather_flags = flags[:2], flags[2:]
+        slots = np.frombuffer(self._map, dtype=np.float32, offset=flags_bytes, count=reduce_bytes // 4)
+        self.slots = torch.from_numpy(slots.reshape(2, world, capacity))
+        gathered = np.frombuffer(self._map, dtype=np.float32, offset=flags_bytes + reduce_bytes,
+                                 count=2 * world * gather_capacity)
+        self.gather_slots = torch.from_numpy(gathered.reshape(2, world, gather_capacity))
+        self.seq = self.gather_seq = 0
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether this reduce goes through the buffer (every rank decides alike: the shapes are the same)."""
@@ -75,8 +81,27 @@ class SharedReduce:
         torch.sum(self.slots[side, :, :n], dim=0, out=x.view(-1))
         return x
 
-    def _wait(self, side: int) -> None:
-        flags, seq = self.flags[side], self.seq
+    def gathers(self, x: torch.Tensor) -> bool:
+        """Whether this gather goes through the buffer (decided alike on every rank, from the shape)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= self.gather_capacity and \
+            x.is_contiguous()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's x joined along the last dimension, on rank 0 (None elsewhere). The other ranks do not
+        wait: a rank reuses a side two gathers later, and every step's all-reduces lie between, which rank 0
+        reaches only after it has read this one."""
+        self.gather_seq += 1
+        side, n = self.gather_seq % 2, x.numel()
+        self.gather_slots[side, self.rank, :n].copy_(x.view(-1))
+        self.gather_flags[side, self.rank] = self.gather_seq
+        if self.rank:
+            return None
+        self._wait(side, self.gather_flags, self.gather_seq)
+        parts = self.gather_slots[side, :, :n].view(self.world, *x.shape)
+        return torch.cat(list(parts), dim=-1)
+
+    def _wait(self, side: int, flags=None, seq: int | None = None) -> None:
+        flags, seq = (self.flags if flags is None else flags)[side], self.seq if seq is None else seq
         spins = 0
         started = None
         while flags.min() < seq:
@@ -92,7 +117,7 @@ class SharedReduce:
             os.sched_yield()
 
     def close(self) -> None:
-        self.slots = self.flags = None
+        self.slots = self.flags = self.gather_slots = self.gather_flags = None
         try:
             self._map.close()
         except BufferError:  # a view is still alive somewhere: the mapping goes with the process

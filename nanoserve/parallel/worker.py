@@ -30,6 +30,7 @@ class Hello:
     threads: int  # CPU threads each rank computes with
     shared_path: str | None = None  # same-machine CPU ranks: the file their all-reduces go through
     shared_capacity: int = 0  # floats one all-reduce may carry through it
+    gather_capacity: int = 0  # floats of logits one rank may hand rank 0 through it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ def serve(rank: int, world: int, init_method: str, timeout_s: float, device_type
     try:
         hello: Hello = group.take("hello", "rank 0's flags")
         if hello.shared_path is not None:
-            group.share_memory(hello.shared_path, hello.shared_capacity)
+            group.share_memory(hello.shared_path, hello.shared_capacity, hello.gather_capacity)
         config = hello.config if model_override is None else dataclasses.replace(hello.config, model=model_override)
         device = device_for(config, rank)
         if device.type == "cuda":
