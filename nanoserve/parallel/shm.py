@@ -1,4 +1,5 @@
-"""SharedReduce: the all-reduce of ranks that share one machine's memory, through a mapped file instead of gloo.
+"""SharedReduce: the all-reduces (and the logits' gather) of ranks that share one machine's memory, through a
+mapped file instead of gloo.
 
 gloo's all-reduce goes through TCP on loopback, and on a small CPU machine one of 576 floats takes about a
 millisecond; a decode step of a 30-layer model runs 61 of them. Ranks on one machine can add their partial sums
@@ -6,6 +7,7 @@ where they all see them: each rank copies its partial into its own slot of a sha
 number, waits until every rank has published the same one, and adds the slots up in rank order (so every rank
 gets the same bits). Two sets of slots alternate, so a rank that is one reduce ahead never writes where a slower
 rank is still reading: to get two ahead it would need that rank's next number, published after its read.
+A decode step's logits come to rank 0 the same way (each rank's slice in its slot; only rank 0 waits).
 
 Waiting spins on the sequence numbers (yielding the core each turn); a rank that dies is noticed by the caller's
 `alive` check or, failing that, by the timeout, so a wait never outlasts the group's timeout. The buffer is a
