@@ -55,9 +55,14 @@ def _start_resource_tracker() -> None:
         sys.stderr = captured
 
 
+def cpu_budget() -> int:
+    """The threads one rank alone would compute with (torch's count: OMP_NUM_THREADS, or the usable cores)."""
+    return torch.get_num_threads()
+
+
 def rank_threads(world: int) -> int:
-    """CPU threads per rank: the machine's cores shared out, at least one each."""
-    return max(1, (os.cpu_count() or 1) // world)
+    """CPU threads per rank: one rank's threads shared out, at least one each."""
+    return max(1, cpu_budget() // world)
 
 
 class ParallelGroup:
@@ -70,9 +75,9 @@ class ParallelGroup:
         self.local = config.distributed_init is None  # every rank on this machine: rank 0 spawns the others
         init = config.distributed_init or free_loopback_address()
         self.processes: list[multiprocessing.Process] = []
-        if self.local and device.type == "cpu" and self.world > (os.cpu_count() or 1):
-            log.warning("%d tensor-parallel ranks on %d CPU cores: ranks will wait for a core, and the group is "
-                        "likely slower than one rank", self.world, os.cpu_count() or 1)
+        if self.local and device.type == "cpu" and self.world > cpu_budget():
+            log.warning("%d tensor-parallel ranks on %d CPU threads: ranks will wait for a core, and the group is "
+                        "likely slower than one rank", self.world, cpu_budget())
         if self.local:
             _start_resource_tracker()
             context = multiprocessing.get_context("spawn")
