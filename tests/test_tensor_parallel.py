@@ -98,7 +98,9 @@ def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
     two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     section = two.engine.stats().sections["parallel"]
     assert section["world_size"] == 2 and section["backend"] == "gloo" and section["failed"] is None
-    assert section["all_reduce"] == section["gather"] == "shared memory"  # both ranks here: not through gloo
+    # both ranks on this machine: every all-reduce and decode gather went through shared memory, counted as it ran
+    assert set(section["all_reduces_by_path"]) == {"shared memory"} and section["all_reduces_by_path"]["shared memory"]
+    assert section["gathers_by_path"]["shared memory"] > 0
     assert section["collectives"] > 0 and section["collective_ms_per_step"] > 0
     assert set(section["ms_per_step_by_kind"]) == {"all_reduce", "gather", "broadcast"}
     whole = sum(p.nbytes for p in one.engine.model.parameters())
@@ -108,6 +110,20 @@ def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
         assert 0.45 * whole < r["weights_bytes"] < 0.6 * whole, (r, whole)
         assert r["kv_bytes"] > 0 and (r["rss_bytes"] is None or r["rss_bytes"] > r["weights_bytes"])
     assert "not in" not in str(section)
+
+
+def test_a_gather_wider_than_the_shared_buffer_goes_over_gloo_and_agrees(pair):
+    """Prompt logprobs over 100 positions: more rows than the buffer holds (max_num_seqs), so that gather takes
+    gloo, as every rank decides from the shape; the answers still equal one rank's."""
+    kind, one, two = pair
+    prompt = [1 + (37 * i) % 40000 for i in range(100)]
+    params = SamplingParams(max_tokens=2, temperature=0, logprobs=3, prompt_logprobs=3, ignore_eos=True)
+    before = dict(two.engine.stats().sections["parallel"]["gathers_by_path"])
+    a, b = (llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0] for llm in (one, two))
+    for row_a, row_b in zip(logprob_rows(a), logprob_rows(b), strict=True):
+        assert row_a.keys() == row_b.keys() and max(abs(row_a[t] - row_b[t]) for t in row_a) < 2e-4
+    after = two.engine.stats().sections["parallel"]["gathers_by_path"]
+    assert after.get("gloo", 0) > before.get("gloo", 0)
 
 
 def test_structured_outputs_and_n_sequences_are_rank_0s_business(pair):

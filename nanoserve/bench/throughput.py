@@ -158,7 +158,7 @@ def main(args) -> int:
     engine = arms["nanoserve"].engine
     parallel = flags["tensor_parallel_size"] > 1
     if parallel:  # the same engine on one rank with every thread, beside the group
-        if engine.stats().sections["parallel"]["all_reduce"] == "shared memory":  # and the group over gloo
+        if engine.parallel.group.shared is not None:  # exchanging through shared memory: and over gloo
             arms[BACKEND_REDUCE] = LLM(**{**flags, "tp_all_reduce": "backend"})
         arms[ONE_RANK] = LLM(**{**flags, "tensor_parallel_size": 1, "distributed_init": None})
     elif "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it

@@ -154,9 +154,7 @@ class ParallelGroup:
         """The `parallel` section of the stats snapshot (rank 0's collectives; every rank's memory)."""
         g = self.group
         return {"world_size": self.world, "backend": backend_for(g.device),
-                "all_reduce": "shared memory" if g.shared is not None else backend_for(g.device),
-                "gather": "shared memory" if g.shared is not None and g.shared.gather_capacity else
-                backend_for(g.device),
+                "all_reduces_by_path": dict(g.by_path["all_reduce"]), "gathers_by_path": dict(g.by_path["gather"]),
                 "threads_per_rank": self.threads,
                 "collectives": g.collectives, "collective_ms": round(1000 * g.collective_s, 1),
                 "collective_ms_per_step": round(1000 * g.collective_s / steps, 3) if steps else None,

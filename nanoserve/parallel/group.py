@@ -82,6 +82,7 @@ class TensorGroup:
         self.collective_s = 0.0  # seconds spent in collectives, since the start
         self.collectives = 0
         self.seconds_by_kind: dict[str, float] = {}  # all_reduce, gather, broadcast
+        self.by_path: dict[str, dict[str, int]] = {"all_reduce": {}, "gather": {}}  # kind -> path -> count
 
     def share_memory(self, path: str, capacity: int, gather_capacity: int = 0) -> None:
         """All-reduces of up to `capacity` floats, and logits gathers of up to `gather_capacity` a rank, through
@@ -136,8 +137,10 @@ class TensorGroup:
         started = time.perf_counter()
         if self.shared is not None and self.shared.fits(x):
             self.shared.all_reduce(x)
+            self._took("all_reduce", "shared memory")
         else:
             self.pg.allreduce([x]).wait()
+            self._took("all_reduce", backend_for(self.device))
         self._count(started, "all_reduce")
         return x
 
@@ -156,6 +159,7 @@ class TensorGroup:
         if self.shared is not None and self.shared.gathers(local):
             started = time.perf_counter()
             joined = self.shared.gather(local)
+            self._took("gather", "shared memory")
             self._count(started, "gather")
             return joined[..., :vocab] if joined is not None else None
         options = dist.GatherOptions()
@@ -163,6 +167,7 @@ class TensorGroup:
         parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
         started = time.perf_counter()
         self.pg.gather([parts] if parts is not None else [], [local], options).wait()
+        self._took("gather", backend_for(self.device))
         self._count(started, "gather")
         return torch.cat(parts, dim=-1)[..., :vocab] if parts is not None else None
 
@@ -189,6 +194,11 @@ class TensorGroup:
         self.pg.broadcast([on], options).wait()
         if on is not tensor:
             tensor.copy_(on.cpu())
+
+    def _took(self, kind: str, path: str) -> None:
+        """Which way this collective went (counted as it happens: a wide gather leaves the shared buffer)."""
+        counts = self.by_path[kind]
+        counts[path] = counts.get(path, 0) + 1
 
     def _count(self, started: float, kind: str) -> None:
         seconds = time.perf_counter() - started

@@ -76,10 +76,6 @@ def batch_to(batch, device: torch.device, copy: bool = False):
 def serve(rank: int, world: int, init_method: str, timeout_s: float, device_type: str = "cpu",
           model_override: str | None = None) -> int:
     """A worker's whole life; returns its exit status."""
-    from nanoserve.kv.cache import KVCache
-    from nanoserve.model.loader import load_model
-    from nanoserve.reads.dispatch import PagedRead
-
     if device_type == "cuda":  # NCCL wants each rank's device chosen before the group forms
         torch.cuda.set_device(rank % torch.cuda.device_count())
     group = TensorGroup(rank, world, init_method, torch.device(device_type), timeout_s)
@@ -93,41 +89,55 @@ def serve(rank: int, world: int, init_method: str, timeout_s: float, device_type
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(hello.threads)
-        status = None
-        try:
-            loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len, config.quantization,
-                                shard=TensorShard(rank, world))
-        except Exception as e:
-            status = f"{type(e).__name__}: {e}"
-            group.report_failure(e)
-        group.gather_status("load", status)
-        if status is not None:
-            return 1
-        model = loaded.model
-        model.parallelize(group, TensorShard(rank, world).vocab_start(loaded.config.vocab_size))
-        dtype = next(model.parameters()).dtype
-        read = PagedRead("streamed", config.read_block) if config.streamed_read else PagedRead("gathered")
-        vocab = loaded.config.vocab_size
-        cache = None
-        while True:
-            message = group.receive()
-            if message == STOP:
-                return 0
-            if isinstance(message, Pool):
-                cache = KVCache(model.config, message.num_blocks, config.block_size, dtype, device)
-                group.gather_status("KV pool", memory_of(model, cache))
-                continue
-            step_cache = cache if cache is not None and cache.num_blocks == message.cache_blocks else \
-                KVCache(model.config, message.cache_blocks, config.block_size, dtype, device)
-            with torch.inference_mode():
-                logits = model(batch_to(message.batch, device), step_cache, read)
-            group.gather_logits(logits.float(), vocab)
+        loaded = load_shard(group, config, device)
+        return 1 if loaded is None else run_steps(group, config, loaded, device)
     except Exception as e:
         log.exception("tensor-parallel rank %d failed", rank)
         group.report_failure(e)
         return 1
     finally:
         group.close()
+
+
+def load_shard(group: TensorGroup, config, device: torch.device):
+    """This rank's part of the model, or None when it did not load (rank 0 hears why)."""
+    from nanoserve.model.loader import load_model
+
+    shard = TensorShard(group.rank, group.world)
+    try:
+        loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len, config.quantization,
+                            shard=shard)
+    except Exception as e:
+        group.report_failure(e)
+        group.gather_status("load", f"{type(e).__name__}: {e}")
+        return None
+    group.gather_status("load", None)
+    loaded.model.parallelize(group, shard.vocab_start(loaded.config.vocab_size))
+    return loaded
+
+
+def run_steps(group: TensorGroup, config, loaded, device: torch.device) -> int:
+    """Every message rank 0 sends, until STOP: build the KV pool, then run each step's forward."""
+    from nanoserve.kv.cache import KVCache
+    from nanoserve.reads.dispatch import PagedRead
+
+    model, vocab = loaded.model, loaded.config.vocab_size
+    dtype = next(model.parameters()).dtype
+    read = PagedRead("streamed", config.read_block) if config.streamed_read else PagedRead("gathered")
+    cache = None
+    while True:
+        message = group.receive()
+        if message == STOP:
+            return 0
+        if isinstance(message, Pool):
+            cache = KVCache(model.config, message.num_blocks, config.block_size, dtype, device)
+            group.gather_status("KV pool", memory_of(model, cache))
+            continue
+        step_cache = cache if cache is not None and cache.num_blocks == message.cache_blocks else \
+            KVCache(model.config, message.cache_blocks, config.block_size, dtype, device)  # the CUDA warm-up's
+        with torch.inference_mode():
+            logits = model(batch_to(message.batch, device), step_cache, read)
+        group.gather_logits(logits.float(), vocab)
 
 
 def spawned(rank: int, world: int, init_method: str, timeout_s: float, device_type: str) -> None:
