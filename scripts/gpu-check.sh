@@ -31,4 +31,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python3 -m nanoserve.cli bench inputs --out "$out" 2>&1 | tail -12
   python3 -m nanoserve.cli bench reads --out "$out" 2>&1 | tail -24
   python3 -m nanoserve.cli bench wire --out "$out" 2>&1 | tail -14
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  if [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: one rank beside 2 (and 4) on a random 8-head model
+    python3 scripts/random-checkpoint.py --out "$out/llama-8h" >/dev/null
+    for n in 2 4; do
+      [ "$gpus" -ge "$n" ] && python3 -m nanoserve.cli bench throughput --model "$out/llama-8h" \
+        --tensor-parallel-size "$n" --skip-hf --skip-llama-cpp --out "$out" 2>&1 | grep -v -i warn | tail -14
+    done
+  fi
 } | tee "$out/gpu-check.txt"
