@@ -336,3 +336,22 @@ def test_the_openai_client_gets_one_ranks_answers_from_a_group(tiny_checkpoint):
         assert text == alone
     finally:
         server.stop()
+
+
+def test_a_rank_that_hangs_ends_in_an_error_at_the_timeout(tiny_checkpoint):
+    """A stopped rank (SIGSTOP: alive, answering nothing) is not waited for forever: the step fails when the
+    group's timeout passes, and says so."""
+    from nanoserve.engine import StepFailed
+
+    two = LLM(model=str(tiny_checkpoint("llama")), tensor_parallel_size=2, distributed_timeout=3, **SMALL)
+    victim = two.engine.parallel.processes[0]
+    try:
+        two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        os.kill(victim.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(StepFailed, match=r"waited 3 s \(--distributed-timeout\) for a rank that is alive but"):
+            two.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert 3 <= time.monotonic() - started < 15
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        close_llm(two)

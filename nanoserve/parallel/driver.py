@@ -87,6 +87,7 @@ class ParallelGroup:
                 process.start()
                 self.processes.append(process)
         self.failed: str | None = None
+        self.timeout_s = config.distributed_timeout
         self.memory: list = []
         self._closed = False
         try:
@@ -176,8 +177,13 @@ class ParallelGroup:
             return fn()
         except Exception as e:
             time.sleep(0.2)  # a rank that raised writes why before its sockets close: give it the moment
-            said = str(e) if isinstance(e, GroupFailed) else \
-                f"a tensor-parallel collective failed ({type(e).__name__}: {e})"
+            if isinstance(e, GroupFailed):
+                said = str(e)
+            elif "timed out" in str(e).lower():  # every rank is alive, and one of them is not answering
+                said = (f"a tensor-parallel collective waited {self.timeout_s:g} s (--distributed-timeout) for a "
+                        f"rank that is alive but not answering (stopped or stuck): {e}")
+            else:
+                said = f"a tensor-parallel collective failed ({type(e).__name__}: {e})"
             self.failed = self._dead_ranks() or self.group.reported_failure() or said
             raise WorkerFailed(self.failed) from e
 
