@@ -179,7 +179,7 @@ class ParallelGroup:
             time.sleep(0.2)  # a rank that raised writes why before its sockets close: give it the moment
             if isinstance(e, GroupFailed):
                 said = str(e)
-            elif "timed out" in str(e).lower():  # every rank is alive, and one of them is not answering
+            elif isinstance(e, shm.CollectiveTimeout) or "timed out" in str(e).lower():  # alive, not answering
                 said = (f"a tensor-parallel collective waited {self.timeout_s:g} s (--distributed-timeout) for a "
                         f"rank that is alive but not answering (stopped or stuck): {e}")
             else:

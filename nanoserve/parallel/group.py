@@ -33,6 +33,7 @@ from nanoserve.parallel.shm import SharedReduce
 
 FAILED_KEY = "failed/{rank}"  # where a rank that fails writes why, in the group's store
 POLL_S = 0.05
+MESSAGE_BYTES = 64 * 1024  # one broadcast carries a step's message up to this size
 
 
 def backend_for(device: torch.device) -> str:
@@ -173,19 +174,31 @@ class TensorGroup:
 
     # ---- each step's message from rank 0 ------------------------------------------------------------
     def send(self, message) -> None:
-        """Rank 0: one object to every rank (pickled: its length, then its bytes)."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        """Rank 0: one object to every rank, pickled. A broadcast costs its latency more than its bytes, so a
+        step's message goes in one fixed-size broadcast (its length in the first 8 bytes), and only a message
+        larger than that takes a second one for the rest."""
+        data = pickle.dumps(message)
+        head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        first = min(len(data), MESSAGE_BYTES - 8)
+        head[8:8 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
         started = time.perf_counter()
-        self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
-        self._broadcast(payload)
+        self._broadcast(head)
+        if len(data) > first:
+            self._broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8))
         self._count(started, "broadcast")
 
     def receive(self):
-        size = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(size)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._broadcast(payload)
-        return pickle.loads(payload.numpy().tobytes())
+        head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+        self._broadcast(head)
+        size = int(head[:8].view(torch.int64).item())
+        first = min(size, MESSAGE_BYTES - 8)
+        data = head[8:8 + first].numpy().tobytes()
+        if size > first:
+            rest = torch.empty(size - first, dtype=torch.uint8)
+            self._broadcast(rest)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         on = tensor if self.device.type == "cpu" else tensor.to(self.device)

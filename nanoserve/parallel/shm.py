@@ -33,6 +33,10 @@ import torch
 CHECK_EVERY = 2048  # spins between liveness and timeout checks
 
 
+class CollectiveTimeout(RuntimeError):
+    """A rank did not reach the same all-reduce within the group's timeout."""
+
+
 def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
@@ -115,7 +119,7 @@ class SharedReduce:
                     raise RuntimeError(failed)
                 if time.monotonic() - started > self.timeout_s:
                     late = [r for r in range(self.world) if flags[r] < seq]
-                    raise RuntimeError(f"ranks {late} did not reach all-reduce {seq} within {self.timeout_s:g} s")
+                    raise CollectiveTimeout(f"ranks {late} did not reach all-reduce {seq} within {self.timeout_s:g} s")
             os.sched_yield()
 
     def close(self) -> None:
