@@ -109,7 +109,6 @@ def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
     for r in ranks:  # each rank holds its half of every split weight (norms are whole on each)
         assert 0.45 * whole < r["weights_bytes"] < 0.6 * whole, (r, whole)
         assert r["kv_bytes"] > 0 and (r["rss_bytes"] is None or r["rss_bytes"] > r["weights_bytes"])
-    assert "not in" not in str(section)
 
 
 def test_a_gather_wider_than_the_shared_buffer_goes_over_gloo_and_agrees(pair):
