@@ -141,8 +141,7 @@ class EngineStats:
 
 
 NOT_SECTIONS = ("status", "reason", "failed_steps_total")  # what /health adds around the snapshot
-_OWN_KEYS = ("model", "device", "dtype", "max_model_len", "vocab_size", "flags", "scheduler", "kv", "paged_read",
-             "rows", "latency", "prefix_cache")
+_OWN_KEYS = frozenset(f.name for f in fields(EngineStats)) - {"sections"}  # every other key is a section
 
 
 def _build(cls, values: dict):

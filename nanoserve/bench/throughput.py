@@ -19,6 +19,7 @@ import torch
 from nanoserve.bench.common import machine, memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
 from nanoserve.bench.peers import LlamaCppArm, llama_cpp_available
 from nanoserve.flags import add_engine_flags, engine_flags
+from nanoserve.parallel.group import memory_of
 
 ONE_RANK = "nanoserve TP=1"
 BACKEND_REDUCE = "nanoserve all-reduce over gloo"
@@ -239,7 +240,8 @@ def main(args) -> int:
               "of each step in collectives on rank 0 ("
               + ", ".join(f"{kind} {ms:.2f}" for kind, ms in section["ms_per_step_by_kind"].items())
               + "); weights per rank "
-              + ", ".join(f"{r['weights_bytes'] / 2**20:.0f} MiB" for r in section["ranks"]))
+              + ", ".join(f"{r['weights_bytes'] / 2**20:.0f} MiB" for r in section["ranks"])
+              + f" (one rank: {memory_of(arms[ONE_RANK].engine.model, arms[ONE_RANK].engine.cache)['weights_bytes'] / 2**20:.0f} MiB)")
     print(f"peak RSS after nanoserve arms {rss_after_nanoserve:.0f} MiB; after all arms {peak_rss_mib():.0f} MiB; "
           f"KV pool {engine.cache.nbytes / 2**20:.0f} MiB")
     path = write_results(args.out, "throughput", {

@@ -102,7 +102,7 @@ class ParallelGroup:
         self.threads = rank_threads(self.world) if device.type == "cpu" else 0
         self.shared_path = None
         capacity = config.max_num_batched_tokens * hidden_size
-        gather = config.max_num_seqs * TensorShard(0, self.world).vocab_rows(vocab_size)
+        gather = config.max_num_seqs * self.shard.vocab_rows(vocab_size)
         if config.tp_all_reduce == "auto" and self.local and device.type == "cpu" and shm.supported():
             self.shared_path = shm.new_path()
             self.group.share_memory(self.shared_path, capacity, gather)
