@@ -1,24 +1,46 @@
-"""nanoserve: a small LLM inference engine (paged KV cache, continuous batching, OpenAI-compatible serving)."""
+"""nanoserve: a small LLM inference engine (paged KV cache, continuous batching, OpenAI-compatible serving).
 
-import os as _os
-import sys as _sys
+The root is light: it chooses Triton's mode (before anything can import Triton) and names the public API, whose
+modules load on first use. So `nanoserve --help`, a kernel module or a test helper does not import the engine.
+"""
 
-import torch as _torch
+from __future__ import annotations
 
-# Triton imported before this, outside its interpreter, cannot run the streamed read on a CPU (it says so).
-TRITON_COMPILED_EARLY = "triton" in _sys.modules and _os.environ.get("TRITON_INTERPRET") != "1"
-if not _torch.cuda.is_available():
-    # Triton reads this when it is first imported (torch may import it lazily, e.g. through torch._dynamo), and
-    # without CUDA its interpreter is the only way its kernels run: choose it before anything imports Triton.
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+import importlib
+from typing import TYPE_CHECKING
 
-from nanoserve.config import EngineConfig  # noqa: E402
-from nanoserve.engine import Engine  # noqa: E402
-from nanoserve.llm import LLM  # noqa: E402
-from nanoserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from nanoserve.sampling import SamplingParams  # noqa: E402
-from nanoserve.structured.params import StructuredOutputsParams  # noqa: E402
+from nanoserve import triton_env as _triton_env  # noqa: F401  (first: it sets TRITON_INTERPRET)
 
+if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import Engine
+    from nanoserve.llm import LLM
+    from nanoserve.outputs import CompletionOutput, RequestOutput
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.structured.params import StructuredOutputsParams
+
+_PUBLIC = {
+    "LLM": "nanoserve.llm",
+    "Engine": "nanoserve.engine",
+    "EngineConfig": "nanoserve.config",
+    "SamplingParams": "nanoserve.sampling",
+    "StructuredOutputsParams": "nanoserve.structured.params",
+    "RequestOutput": "nanoserve.outputs",
+    "CompletionOutput": "nanoserve.outputs",
+}
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`from nanoserve import LLM` imports the module that defines it, the first time it is asked for."""
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

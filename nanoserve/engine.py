@@ -19,6 +19,7 @@ from nanoserve.kv.cache import KVCache, blocks_from_budget
 from nanoserve.kv.pool import BlockPool
 from nanoserve.model.batch import PrefillSegment, StepBatch, general_batch
 from nanoserve.model.loader import LoadedModel, load_model, peek_config
+from nanoserve.numerics import numerics_of
 from nanoserve.outputs import (
     CompletionOutput,
     LogprobSequence,
@@ -29,7 +30,7 @@ from nanoserve.outputs import (
 )
 from nanoserve.parallel.driver import ParallelGroup, ParallelModel
 from nanoserve.parallel.shard import check_divisible
-from nanoserve.reads.dispatch import PagedRead
+from nanoserve.reads.dispatch import PagedRead, paged_read_for
 from nanoserve.request import Request
 from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
@@ -69,6 +70,7 @@ class Engine:
         """`progress`, when given, hears each start-up phase ("loading weights", "sizing the KV pool", ...)."""
         self.config = config = config or EngineConfig()
         self.device = config.torch_device()
+        self.read = paged_read_for(config.streamed_read, config.read_block, self.device)
         self._progress = progress or (lambda phase: None)
         started = time.monotonic()
         self.parallel: ParallelGroup | None = None
@@ -80,10 +82,10 @@ class Engine:
         self.forward = self.model if self.parallel is None else \
             ParallelModel(self.model, self.parallel, self.model_config.vocab_size)
         self.dtype = next(self.model.parameters()).dtype
-        self.read = PagedRead("streamed", config.read_block) if config.streamed_read else PagedRead("gathered")
         self._progress("sizing the KV pool")
         num_blocks = self._size_pool()
         self.cache = KVCache(self.model.config, num_blocks, config.block_size, self.dtype, self.device)
+        self.numerics = numerics_of(self.model, self.cache.k.dtype)
         if self.parallel is not None:
             self.parallel.build_pools(self.model, self.cache)
         self.pool = BlockPool(num_blocks, config.block_size)
@@ -518,6 +520,7 @@ class Engine:
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
+            numerics=self.numerics,
             flags=self.config.public(),
             scheduler=SchedulerStats(
                 running=len(s.running), waiting=len(s.waiting), peak_running=s.peak_running,

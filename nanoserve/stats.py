@@ -86,6 +86,18 @@ def percentiles(values, *qs: float) -> tuple[float | None, ...]:
 
 
 @dataclass(frozen=True)
+class Numerics:
+    """What the engine computes in, as built (see numerics.numerics_of)."""
+
+    weights: str  # e.g. "int4 (head bfloat16, rest float32)": the decoder linears' form first
+    activations: str  # e.g. "bfloat16 in linears, float32"
+    kv_cache: str
+
+    def text(self) -> str:
+        return f"weights {self.weights} · activations {self.activations} · KV {self.kv_cache}"
+
+
+@dataclass(frozen=True)
 class EngineStats:
     model: str
     device: str
@@ -100,6 +112,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats = PrefixCacheStats(enabled=False)
     sections: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
     vocab_size: int = 0  # the tokenizer's ids (what a load generator draws random prompts from)
+    numerics: Numerics | None = None  # what runs: weights, activations, KV cache (None from an older server)
 
     def as_dict(self) -> dict:
         """JSON-ready: the shape /health publishes."""
@@ -109,6 +122,7 @@ class EngineStats:
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
+            "numerics": asdict(self.numerics) if self.numerics is not None else None,
             "flags": dict(self.flags),
             "scheduler": asdict(self.scheduler),
             "kv": {**asdict(self.kv), "usage": self.kv.usage},
@@ -128,6 +142,7 @@ class EngineStats:
             return cls(
                 model=data["model"], device=data["device"], dtype=data["dtype"],
                 max_model_len=data["max_model_len"], vocab_size=data.get("vocab_size", 0), flags=dict(data["flags"]),
+                numerics=_build(Numerics, data["numerics"]) if data.get("numerics") else None,
                 scheduler=_build(SchedulerStats, data["scheduler"]), kv=_build(KVStats, data["kv"]),
                 paged_read=_build(ReadStats, data["paged_read"]),
                 rows=tuple(_build(RowStats, row) for row in data["rows"]),

@@ -28,9 +28,17 @@ def main() -> int:
     args = p.parse_args()
 
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from nanoserve.errors import NanoserveError
     from nanoserve.model.loader import default_model_path
+    from nanoserve.optional import require
+
+    try:
+        require("transformers", "scripts/random-checkpoint.py")
+    except NanoserveError as e:
+        print(f"random-checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -1,6 +1,6 @@
 """Render a PNG of every console screen from the app itself, on the embedded default model, with real activity.
 
-    pip install cairosvg && python scripts/screenshots.py [--out docs/screens]
+    pip install -e '.[docs]' && python scripts/screenshots.py [--out docs/screens]
 
 Drives the console with Textual's pilot (no terminal needed): load on the dashboard, a finished load run, a chat
 answer, a flags change in progress, an A/B run, the engine log and the help; then `--attach` to two replicas and
@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from console import keys  # noqa: E402
 from console.app import SCREENS, NanoserveConsole  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
+from nanoserve.errors import NanoserveError  # noqa: E402
+from nanoserve.optional import require  # noqa: E402
 from tests.console_helpers import Requests, started, wait_until  # noqa: E402
 
 SIZE = (160, 46)
@@ -144,6 +146,11 @@ def main() -> int:
     p.add_argument("--out", default="docs/screens")
     p.add_argument("only", nargs="*", help="screens to render (default: all)")
     args = p.parse_args()
+    try:  # before minutes of rendering, not after
+        require("cairosvg", "scripts/screenshots.py")
+    except NanoserveError as e:
+        print(f"screenshots: error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     asyncio.run(main_async(out, args.only))

@@ -30,6 +30,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def runtime_modules() -> list[str]:
+    """The top-level modules the quick-start install brings (runtime dependencies, no extras); see
+    tests/without_optional.py, which runs nanoserve with every other package hidden."""
+    from tests.without_optional import runtime_modules
+
+    return sorted(runtime_modules())
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer_dir(tmp_path_factory):
     """A real Hugging Face tokenizer directory (SmolLM2's, exported by transformers from the default GGUF)."""
     from transformers import AutoTokenizer

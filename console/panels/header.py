@@ -7,8 +7,12 @@ from nanoserve.stats import EngineStats
 
 
 def header_text(stats: EngineStats) -> str:
+    """Which model, where, in what numbers (as the engine built it: weights, activations, KV cache), and the
+    flags. A server too old to publish its numerics shows its model dtype."""
     flags = " ".join(f"{k}={v}" for k, v in stats.flags.items() if k != "model")
-    return f"{stats.model} · {stats.device} · {stats.dtype} · max_model_len {stats.max_model_len}\nflags: {flags}"
+    numerics = stats.numerics.text() if stats.numerics is not None else stats.dtype
+    return (f"{stats.model} · {stats.device} · max_model_len {stats.max_model_len}\n{numerics}\n"
+            f"flags: {flags}")
 
 
 class EngineHeader(TextPanel):

@@ -11,13 +11,13 @@ ignore EOS.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import time
 
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.flags import add_engine_flags, engine_flags
+from nanoserve.optional import available, left_out
 
 PERSON = {
     "type": "object",
@@ -108,10 +108,10 @@ def compile_rows(engine, compiles: int) -> list[dict]:
     tokenizer, vocab = engine.tokenizer, engine.model_config.vocab_size
     eos = sorted(tokenizer.eos_token_ids)
     backends = {"llguidance": _llguidance}
-    if importlib.util.find_spec("xgrammar") is not None:
+    if available("xgrammar"):
         backends["xgrammar"] = _xgrammar
     else:
-        print("xgrammar arm left out: it is not installed (pip install xgrammar)")
+        print(left_out("xgrammar", "xgrammar"))
     rows = []
     for backend, make in backends.items():
         setup, compile_one, walk = make(tokenizer, vocab, eos)

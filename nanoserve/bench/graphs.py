@@ -48,9 +48,11 @@ def copy_bandwidth() -> float:
 
 
 def random_big_checkpoint() -> str:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     from nanoserve.model.loader import default_model_path
+    from nanoserve.optional import require
+
+    require("transformers", "bench graphs --random-big")
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     out = tempfile.mkdtemp(prefix="nanoserve-big-")
     gguf = default_model_path()

@@ -10,13 +10,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from nanoserve.optional import available, left_out
 
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+
+def llama_cpp_arm(path: Path, threads: int, n_ctx: int, skip: bool = False) -> LlamaCppArm | None:
+    """llama.cpp on the engine's own file when it is a GGUF file, unless skipped; without llama-cpp-python the
+    arm is left out with a line saying how to install it."""
+    if skip or not path.is_file():
+        return None
+    if not available("llama_cpp"):
+        print(left_out("llama.cpp", "llama_cpp"))
+        return None
+    return LlamaCppArm(path, threads, n_ctx)
 
 
 class LlamaCppArm:

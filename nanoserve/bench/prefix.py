@@ -17,7 +17,7 @@ import time
 import torch
 
 from nanoserve.bench.common import pick_prompts, print_table, write_results
-from nanoserve.bench.peers import LlamaCppArm, llama_cpp_available
+from nanoserve.bench.peers import LlamaCppArm, llama_cpp_arm
 from nanoserve.bench.throughput import model_path
 from nanoserve.flags import add_engine_flags, engine_flags
 from nanoserve.stats import percentiles
@@ -150,13 +150,7 @@ def main(args) -> int:
     flags = engine_flags(args)
     arms = {ON: LLM(**{**flags, "enable_prefix_caching": True}), OFF: LLM(**{**flags, "enable_prefix_caching": False})}
     engine = arms[ON].engine
-    path = model_path(engine)
-    llama_cpp = None
-    if not args.skip_llama_cpp and path.is_file():
-        if llama_cpp_available():
-            llama_cpp = LlamaCppArm(path, torch.get_num_threads(), n_ctx=4096)
-        else:
-            print("llama.cpp arm left out: llama-cpp-python is not installed (pip install 'nanoserve[peers]')")
+    llama_cpp = llama_cpp_arm(model_path(engine), torch.get_num_threads(), n_ctx=4096, skip=args.skip_llama_cpp)
     chats, shared = [], []
     for _ in range(args.repeats):  # both workloads each repeat, every arm inside each, caches emptied first
         chats.append(run_chat(arms, llama_cpp, args.turns, args.answer_tokens))

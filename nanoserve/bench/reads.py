@@ -14,8 +14,9 @@ import torch
 
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.graphs import copy_bandwidth
+from nanoserve.errors import ConfigError
+from nanoserve.optional import available, install_hint
 from nanoserve.reads.gathered import gathered_decode
-from nanoserve.reads.streamed import streamed_decode
 
 
 def add_parser(sub) -> None:
@@ -42,6 +43,8 @@ def timed(fn, repeats: int) -> float:
 
 
 def one(batch: int, context: int, args, dtype, heads=32, kv_heads=8, dim=128, bs=16) -> dict:
+    from nanoserve.reads.streamed import streamed_decode  # Triton: imported only once it is known to be there
+
     per_row = context // bs
     blocks = batch * per_row + 1
     k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", dtype=dtype)
@@ -62,10 +65,19 @@ def one(batch: int, context: int, args, dtype, heads=32, kv_heads=8, dim=128, bs
     return row
 
 
-def main(args) -> int:
+def check_can_run() -> None:
+    """Both needs of the compiled kernel, named together: a CUDA device and Triton."""
+    missing = []
     if not torch.cuda.is_available():
-        print("bench reads times the compiled kernel and needs a CUDA device; on the CPU use bench wire")
-        return 2
+        missing.append("a CUDA device (none here; on the CPU, `nanoserve bench wire` compares the reads)")
+    if not available("triton"):
+        missing.append(f"Triton, which is not installed ({install_hint('triton')})")
+    if missing:
+        raise ConfigError("bench reads times the compiled Triton kernel and needs " + " and ".join(missing))
+
+
+def main(args) -> int:
+    check_can_run()
     dtype = getattr(torch, args.dtype)
     peak = copy_bandwidth() / 1e9
     rows = []

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from nanoserve.bench.common import machine, memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
-from nanoserve.bench.peers import LlamaCppArm, llama_cpp_available
+from nanoserve.bench.peers import LlamaCppArm, llama_cpp_arm
 from nanoserve.flags import add_engine_flags, engine_flags
+from nanoserve.optional import available, left_out
 from nanoserve.parallel.group import memory_of
 
 ONE_RANK = "nanoserve TP=1"
@@ -139,16 +140,21 @@ def _slug(arm: str) -> str:
     return arm.replace(" ", "_").replace(".", "")
 
 
-def llama_cpp_arm(args, engine, work) -> LlamaCppArm | None:
+def llama_cpp_for(args, engine, work) -> LlamaCppArm | None:
     """llama.cpp on the engine's own GGUF file, when the model is one and llama-cpp-python is installed."""
-    path = model_path(engine)
-    if args.skip_llama_cpp or not path.is_file():
-        return None
-    if not llama_cpp_available():
-        print("llama.cpp arm left out: llama-cpp-python is not installed (pip install 'nanoserve[peers]')")
-        return None
     longest = max(len(p) + n for p, n in work)
-    return LlamaCppArm(path, torch.get_num_threads(), n_ctx=max(longest, args.single_tokens + 64) + 16)
+    return llama_cpp_arm(model_path(engine), torch.get_num_threads(),
+                         n_ctx=max(longest, args.single_tokens + 64) + 16, skip=args.skip_llama_cpp)
+
+
+def transformers_for(args, engine):
+    """transformers on the same weights, unless skipped; without transformers the arm is left out, saying so."""
+    if args.skip_hf:
+        return None
+    if not available("transformers"):
+        print(left_out("transformers", "transformers"))
+        return None
+    return load_hf(engine)
 
 
 def main(args) -> int:
@@ -174,8 +180,8 @@ def main(args) -> int:
             if arm in bounds:
                 bounds[arm] = bounds[ONE_RANK]
 
-    hf = None if args.skip_hf else load_hf(arms.get("nanoserve dense", arms["nanoserve"]).engine)
-    llama_cpp = llama_cpp_arm(args, engine, work)
+    hf = transformers_for(args, arms.get("nanoserve dense", arms["nanoserve"]).engine)
+    llama_cpp = llama_cpp_for(args, engine, work)
     for llm in arms.values():
         run_nanoserve_single(llm, single_prompt, 8)  # warm-up
     single = {arm: [] for arm in (*arms, "transformers", LLAMA_CPP)}

@@ -119,11 +119,11 @@ def load_shard(group: TensorGroup, config, device: torch.device):
 def run_steps(group: TensorGroup, config, loaded, device: torch.device) -> int:
     """Every message rank 0 sends, until STOP: build the KV pool, then run each step's forward."""
     from nanoserve.kv.cache import KVCache
-    from nanoserve.reads.dispatch import PagedRead
+    from nanoserve.reads.dispatch import paged_read_for
 
     model, vocab = loaded.model, loaded.config.vocab_size
     dtype = next(model.parameters()).dtype
-    read = PagedRead("streamed", config.read_block) if config.streamed_read else PagedRead("gathered")
+    read = paged_read_for(config.streamed_read, config.read_block, device)
     cache = None
     while True:
         message = group.receive()

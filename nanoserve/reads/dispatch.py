@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.errors import ConfigError
+from nanoserve.optional import require
 from nanoserve.reads.gathered import gathered_decode, gathered_mask
 from nanoserve.reads.tiled import tiled_decode
 
@@ -72,6 +73,16 @@ def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, bloc
 
         return streamed_decode(q, k_cache, v_cache, block_table, context_lens, scale, block=block)
     return tiled_decode(q, k_cache, v_cache, block_table, context_lens, scale, block)
+
+
+def paged_read_for(streamed: bool, block: int, device: torch.device) -> PagedRead:
+    """The read a config asks for on `device`. On CUDA the streamed read is the Triton kernel, so Triton is
+    required here, at start-up, not at the first decode step; elsewhere it is the torch twin (tiled.py)."""
+    if not streamed:
+        return PagedRead("gathered")
+    if device.type == "cuda":
+        require("triton", "--streamed-read on CUDA (the compiled kernel)")
+    return PagedRead("streamed", block)
 
 
 class PagedRead:

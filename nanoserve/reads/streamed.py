@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve import TRITON_COMPILED_EARLY
 from nanoserve.errors import ConfigError
+from nanoserve.triton_env import COMPILED_EARLY
 
 MIN_DOT = 16  # tl.dot needs operands of at least 16 along every axis
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -79,7 +79,7 @@ def _streamed_decode(
 
 def check_runnable(device: torch.device) -> None:
     """Refuse, with the fix, a CPU process whose Triton was imported outside the interpreter."""
-    if device.type != "cuda" and not (INTERPRETED and not TRITON_COMPILED_EARLY):
+    if device.type != "cuda" and not (INTERPRETED and not COMPILED_EARLY):
         raise ConfigError("the streamed read on a CPU runs under Triton's interpreter, which must be chosen before "
                           "Triton is first imported: set TRITON_INTERPRET=1 in the environment (importing "
                           "nanoserve first also does it), or use the gathered read")

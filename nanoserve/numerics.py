@@ -1,0 +1,47 @@
+"""What the built engine computes in: its weights' forms, its activations' dtypes and its KV cache's dtype.
+
+Read off the modules the load actually installed, not off the flags: `--dtype auto` on the CPU with a Q4_1 file
+runs int4 linears on bfloat16 activations around a float32 model, and a header that said "float32" would hide it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from nanoserve.model.layers import MergedLinear
+from nanoserve.model.quant.linears import ACT, BF16Linear, PackedLinear
+from nanoserve.stats import Numerics
+
+LINEARS = (nn.Linear, MergedLinear, PackedLinear, BF16Linear)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _form(module: nn.Module) -> str:
+    """A linear's weight form: a packed format, the bfloat16 copy, or its weight's dtype."""
+    if isinstance(module, PackedLinear):
+        return module.format
+    if isinstance(module, BF16Linear):
+        return _name(ACT)
+    return _name(module.weight.dtype)
+
+
+def numerics_of(model: nn.Module, kv_dtype: torch.dtype) -> Numerics:
+    """`model` as loaded (a decoder with `layers`, `embed_tokens`, `lm_head`) and its KV cache's dtype."""
+    model_dtype = _name(model.embed_tokens.weight.dtype)
+    linears = Counter(_form(m) for m in model.layers.modules() if isinstance(m, LINEARS))
+    main = "+".join(form for form, _ in linears.most_common()) or model_dtype
+    head = _form(model.lm_head)
+    others = [f"{part} {form}" for part, form in (("head", head), ("rest", model_dtype)) if form != main]
+    weights = main + (f" ({', '.join(others)})" if others else "")
+    cast = [m for m in model.modules() if isinstance(m, PackedLinear | BF16Linear)]
+    activations = model_dtype
+    if cast and _name(ACT) != model_dtype:
+        where = "linears" if any(isinstance(m, PackedLinear) for m in cast) else "the head"
+        activations = f"{_name(ACT)} in {where}, {model_dtype}"
+    return Numerics(weights, activations, _name(kv_dtype))

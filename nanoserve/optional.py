@@ -1,0 +1,69 @@
+"""Packages outside the runtime dependencies: imported only by the feature that needs them.
+
+A missing one is a one-line error naming the extra that brings it, raised when that feature is used, never at
+the import of an unrelated command. Every optional package nanoserve or its scripts import is listed here, and
+`tests/test_optional_imports.py` walks every module with all of them hidden.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from nanoserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OptionalPackage:
+    distribution: str  # what pip installs
+    extra: str  # the nanoserve extra that brings it
+    used_for: str
+
+
+PACKAGES: dict[str, OptionalPackage] = {  # import name -> the package
+    "triton": OptionalPackage("triton", "gpu", "the streamed read's compiled kernel on CUDA"),
+    "transformers": OptionalPackage("transformers", "hf", "transformers' benchmark arm and random checkpoints"),
+    "llama_cpp": OptionalPackage("llama-cpp-python", "peers", "llama.cpp's benchmark arm"),
+    "xgrammar": OptionalPackage("xgrammar", "peers", "xgrammar's arm in bench grammar"),
+    "cairosvg": OptionalPackage("cairosvg", "docs", "the console screenshots as PNG"),
+}
+
+
+class MissingDependency(ConfigError):
+    """A feature was used whose optional package is not installed (the CLI prints it as one line)."""
+
+
+def install_hint(module: str) -> str:
+    package = PACKAGES[module]
+    return f"pip install 'nanoserve[{package.extra}]' (or pip install {package.distribution})"
+
+
+def available(module: str) -> bool:
+    """Whether `module` imports (an import that fails for any reason counts as absent)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """`module` imported, or MissingDependency: '<feature> needs <package>, which is not installed: <how>'.
+
+    A package that is there but fails to import (one of its own dependencies missing, say) is named as such,
+    with its error, since installing it again would not help."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        package = PACKAGES[module]
+        if (e.name or "").split(".")[0] != module:
+            raise MissingDependency(f"{feature} needs {package.distribution}, which is installed but does not "
+                                    f"import: {e}") from e
+        raise MissingDependency(f"{feature} needs {package.distribution}, which is not installed: "
+                                f"{install_hint(module)}") from e
+
+
+def left_out(arm: str, module: str) -> str:
+    """The line a benchmark prints when it runs without the arm that `module` would have given it."""
+    return f"{arm} arm left out: {PACKAGES[module].distribution} is not installed ({install_hint(module)})"

@@ -1,0 +1,82 @@
+"""`nanoserve bench throughput`, the source of the README's headline figures, on a tiny 4-bit GGUF file: its
+table's columns, the JSON it writes, and each peer's arm (transformers always; llama.cpp where
+llama-cpp-python is installed, which the quick-start install and CI leave out: it builds from source)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from nanoserve.cli import main
+from tests.gguf_fixtures import byte_level_vocab, hf_weights, write_llama_gguf
+from tests.without_optional import hidden_run
+
+COLUMNS = ["arm", "mixed_tok_s", "mixed_seconds", "output_tokens", "rows_at_once", "single_tok_s",
+           "single_share_of_bound"]
+WORKLOAD = ["--num-requests", "4", "--prompt-len", "8", "16", "--output-len", "4", "8", "--single-tokens", "8",
+            "--repeats", "2", "--hf-batch", "2", "--max-model-len", "128", "--kv-cache-gib", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny-q4.gguf"
+    return write_llama_gguf(path, hf_weights(len(byte_level_vocab()[0])), qtype="Q4_0")
+
+
+def run_bench(argv: list[str], out) -> tuple[list[dict], dict]:
+    assert main(["bench", "throughput", *argv, "--out", str(out)]) == 0
+    return read_results(out)
+
+
+def read_results(out) -> tuple[list[dict], dict]:
+    with open(out / "throughput.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        rows = list(reader)
+    return rows, json.loads((out / "throughput.json").read_text())
+
+
+def check_arms(rows: list[dict], result: dict, arms: list[str]) -> None:
+    """Every arm served the whole workload (the same output tokens) and has a single-stream median."""
+    assert [row["arm"] for row in rows] == arms
+    assert list(result["mixed"]) == arms
+    tokens = {int(row["output_tokens"]) for row in rows}
+    assert len(tokens) == 1 and 16 <= tokens.pop() <= 32  # 4 requests of 4-8 tokens each
+    for row in rows:
+        assert float(row["mixed_tok_s"]) > 0 and float(row["single_tok_s"]) > 0
+        assert len(result["single_runs"][row["arm"]]) == 2  # --repeats, interleaved
+    assert {"cpu", "cpu_flags", "threads", "torch"} <= set(result["machine"])
+
+
+def test_bench_throughput_puts_nanoserve_its_dense_self_and_transformers_in_one_table(tiny_gguf, tmp_path, capsys):
+    rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-llama-cpp"], tmp_path)
+    check_arms(rows, result, ["nanoserve", "nanoserve dense", "transformers"])
+    assert result["linear"]["format"] == "int4"
+    assert set(result["ratios"]) == {f"{kind}_vs_{arm}" for kind in ("mixed", "single")
+                                     for arm in ("nanoserve_dense", "transformers")}
+    printed = capsys.readouterr().out.splitlines()
+    header = next(line for line in printed if line.split()[:1] == ["arm"])
+    assert header.split() == COLUMNS
+
+
+def test_bench_throughput_runs_llama_cpp_on_the_same_file(tiny_gguf, tmp_path):
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (pip install 'nanoserve[peers]'), so llama.cpp's "
+                            "arm is not checked here")
+    rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf"], tmp_path)
+    check_arms(rows, result, ["nanoserve", "nanoserve dense", "llama.cpp"])
+    assert result["llama_cpp_python"] == llama_cpp.__version__
+    assert {"mixed_vs_llamacpp", "single_vs_llamacpp"} <= set(result["ratios"])
+
+
+def test_bench_throughput_from_the_quick_start_install_leaves_the_peers_out_and_says_how(runtime_modules, tiny_gguf,
+                                                                                      tmp_path):
+    run = hidden_run(runtime_modules, "cli", "bench", "throughput", "--model", str(tiny_gguf), *WORKLOAD,
+                     "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert "transformers arm left out: transformers is not installed (pip install 'nanoserve[hf]'" in run.stdout
+    assert "llama.cpp arm left out: llama-cpp-python is not installed (pip install 'nanoserve[peers]'" in run.stdout
+    rows, result = read_results(tmp_path)
+    check_arms(rows, result, ["nanoserve", "nanoserve dense"])
