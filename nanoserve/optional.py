@@ -35,8 +35,7 @@ class MissingDependency(ConfigError):
 
 
 def install_hint(module: str) -> str:
-    package = PACKAGES[module]
-    return f"pip install 'nanoserve[{package.extra}]' (or pip install {package.distribution})"
+    return f"pip install 'nanoserve[{PACKAGES[module].extra}]'"
 
 
 def available(module: str) -> bool:

@@ -117,16 +117,26 @@ def test_finishing_on_a_stop_token_id_flushes_held_back_text(llm):
     assert out.text == tok.decode(ids[:k]) and out.token_ids == tuple(ids[: k + 1])
 
 
+def _first_match_ending_after(text: str, stop: str, after: int) -> int | None:
+    """Where the first occurrence of `stop` that ends past `after` characters begins."""
+    return next((i for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > after), None)
+
+
 def test_stop_strings_wait_for_min_tokens(llm):
-    plain = run(llm, "The capital of France is", max_tokens=12)[0].outputs[0]
+    plain = run(llm, "The capital of France is", max_tokens=24)[0].outputs[0]
     tok = llm.get_tokenizer()
-    first = tok.decode(plain.token_ids[:1]).strip()  # appears in the very first token's text
-    assert first
-    early = run(llm, "The capital of France is", max_tokens=12, stop=[first])[0].outputs[0]
+    unarmed = len(tok.decode(plain.token_ids[:5]))  # min_tokens=6: the 6th token's text is the first checked
+    # a stop string in the very first token's text that occurs again in text the 6th token or a later one ends
+    stops = [c for c in dict.fromkeys(tok.decode(plain.token_ids[:1]).strip())
+             if _first_match_ending_after(plain.text, c, unarmed) is not None]
+    if not stops:
+        pytest.fail(f"no character of the first token recurs after the 5th in {plain.text!r}; choose another prompt")
+    stop = stops[0]
+    early = run(llm, "The capital of France is", max_tokens=24, stop=[stop])[0].outputs[0]
     assert early.finish_reason == "stop" and len(early.token_ids) == 1
-    late = run(llm, "The capital of France is", max_tokens=12, stop=[first], min_tokens=6)[0].outputs[0]
-    assert len(late.token_ids) >= 6
-    assert late.text.startswith(tok.decode(plain.token_ids[:6]).rstrip()[: len(first)])
+    late = run(llm, "The capital of France is", max_tokens=24, stop=[stop], min_tokens=6)[0].outputs[0]
+    assert late.finish_reason == "stop" and late.stop_reason == stop and len(late.token_ids) >= 6
+    assert late.text == plain.text[: _first_match_ending_after(plain.text, stop, unarmed)]
 
 
 def test_reused_request_id_under_row_compaction_reads_its_own_blocks(tiny_checkpoint):

@@ -20,6 +20,7 @@ from nanoserve.model.quant import (
     fastest_head,
     int4_supported,
 )
+from nanoserve.model.quant.install import head_forms
 from tests.oracles import logprobs_close
 
 pytestmark = pytest.mark.skipif(not int4_supported(torch.device("cpu")), reason="this torch has no int4 CPU kernel")
@@ -71,7 +72,20 @@ def test_int8_head_equals_a_float64_matmul_within_its_rounding():
     y, ref = Int8Linear(w)(x).double(), x.double() @ w.double().t()
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-2  # int8 per row and bfloat16 activations
     assert fastest_head(w) in ("own", "bfloat16")  # a dense head is never re-rounded to int8 unasked
-    assert fastest_head(w, mode="int8") in ("own", "bfloat16", "int8")
+
+
+def test_the_head_is_offered_the_forms_its_mode_and_file_allow():
+    """Lossy re-rounding (int8 per row) only under --quantization int4 / int8; the file's own blocks whenever
+    the head came quantized; a bfloat16 copy always."""
+    w = torch.randn(64, 128) * 0.05
+    q4 = Int4Blocks.quantize(w)
+    for mode in ("auto", "none"):
+        assert set(head_forms(w, None, mode)) == {"bfloat16"}
+        assert set(head_forms(w, q4, mode)) == {"bfloat16", "int4"}
+    for mode in ("int4", "int8"):
+        assert set(head_forms(w, None, mode)) == {"bfloat16", "int8"}
+        assert set(head_forms(w, q4, mode)) == {"bfloat16", "int4", "int8"}
+    assert fastest_head(w, mode="int8") in {"own", *head_forms(w, None, "int8")}
 
 
 def test_quantize_at_load_round_trips_within_a_step():

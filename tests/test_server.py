@@ -207,10 +207,18 @@ def test_logprobs_through_both_routes(client, offline):
     assert [round(x, 4) for x in lp.token_logprobs] == [round(e[t].logprob, 4) for t, e in zip(ref.token_ids,
                                                                                                 ref.logprobs)]
     assert all(len(t) <= 2 for t in lp.top_logprobs)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                          logprobs=True, top_logprobs=3, **GREEDY)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=3, **GREEDY)
     content = chat.choices[0].logprobs.content
-    assert len(content) == 16 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(content) == len(ref.logprobs) == 16
+    for served, token, position in zip(content, ref.token_ids, ref.logprobs, strict=True):
+        assert (served.token, round(served.logprob, 4)) == (position[token].decoded_token,
+                                                            round(position[token].logprob, 4))
+        top = sorted(position.values(), key=lambda lp: lp.rank)[:3]  # the sampled token may sit outside them
+        assert [(t.token, round(t.logprob, 4)) for t in served.top_logprobs] == \
+            [(lp.decoded_token, round(lp.logprob, 4)) for lp in top]
 
 
 def test_stop_strings_through_the_api(server, offline):
