@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("textual")
@@ -10,10 +12,11 @@ from textual.app import App  # noqa: E402
 
 from console.cli import main  # noqa: E402
 from console.panels.features import OFF, FeaturePanel  # noqa: E402
+from console.panels.header import header_text  # noqa: E402
 from console.panels.rows import RowsTable  # noqa: E402
 from console.panels.throughput import TokenRates  # noqa: E402
 from nanoserve.reads.dispatch import ReadStats  # noqa: E402
-from nanoserve.stats import EngineStats, KVStats, RowStats, SchedulerStats  # noqa: E402
+from nanoserve.stats import EngineStats, KVStats, Numerics, RowStats, SchedulerStats  # noqa: E402
 
 
 def snapshot(rows=(), prompt_total=0, generation_total=0, sections=None) -> EngineStats:
@@ -86,6 +89,15 @@ async def test_feature_panels_show_published_sections_only():
         inputs.show(published)
         assert "layers" in capture.content and "12" in capture.content
         assert inputs.content == OFF
+
+
+def test_header_says_what_runs_and_falls_back_to_the_dtype_for_an_older_server():
+    runs = Numerics("int4 (head int8g32, rest float32)", "bfloat16 in linears, float32", "float32")
+    model, numerics, flags = header_text(dataclasses.replace(snapshot(), numerics=runs)).splitlines()
+    assert model == "m · cpu · max_model_len 128" and flags == "flags: block_size=16"
+    assert numerics == "weights int4 (head int8g32, rest float32) · activations bfloat16 in linears, float32 · " \
+                       "KV float32"
+    assert header_text(snapshot()).splitlines()[1] == "float32"  # a snapshot without numerics: its dtype
 
 
 def test_token_rates_window_and_restart():

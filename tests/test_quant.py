@@ -21,6 +21,7 @@ from nanoserve.model.quant import (
     int4_supported,
 )
 from nanoserve.model.quant.install import head_forms
+from nanoserve.stats import Numerics
 from tests.oracles import logprobs_close
 
 pytestmark = pytest.mark.skipif(not int4_supported(torch.device("cpu")), reason="this torch has no int4 CPU kernel")
@@ -101,6 +102,16 @@ def dense_and_int4(default_llm_dense, default_llm):
     assert default_llm.engine.stats().sections["linear"]["format"] == "int4"
     assert "linear" not in default_llm_dense.engine.stats().sections
     return default_llm_dense, default_llm
+
+
+def test_the_snapshot_says_what_runs_as_built(dense_and_int4):
+    """The flags say dtype auto for both; what the engines built differs, and the snapshot says which."""
+    dense, int4 = dense_and_int4
+    assert dense.engine.stats().numerics == Numerics("float32", "float32", "float32")
+    packed = int4.engine.stats().numerics
+    head = int4.engine.stats().sections["linear"]["head"]
+    assert packed == Numerics(f"int4 (head {head}, rest float32)" if head != "int4" else "int4 (rest float32)",
+                              "bfloat16 in linears, float32", "float32")
 
 
 def test_default_model_int4_is_logprobs_close_to_dense_float32(dense_and_int4):
