@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -169,6 +170,10 @@ class Engine:
         torch.cuda.reset_peak_memory_stats(self.device)
         self._progress("warming up")
         self._warm_up()
+        # memory an engine closed before this one left in torch's cache counts as used in mem_get_info: hand it
+        # back first (a restart from the console, a second LLM in one script)
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         graphs = self._graph_reserve()

@@ -14,7 +14,7 @@ def test_cuda_greedy_matches_transformers(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint("qwen3")
-    llm = LLM(model=str(path), device="cuda", dtype="float32", max_model_len=256)
+    llm = LLM(model=str(path), device="cuda", dtype="float32", max_model_len=256, kv_cache_gib=0.05)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     ids = llm.tokenizer.encode("The quick brown fox")
     ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0].token_ids
@@ -33,6 +33,7 @@ def test_cuda_pool_is_sized_from_free_memory(tiny_checkpoint):
     assert stats.kv.bytes < 0.2 * total
 
 
+@pytest.mark.default_model
 def test_default_model_on_cuda_answers_paris():
     llm = LLM(device="cuda", max_model_len=2048)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

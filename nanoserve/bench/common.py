@@ -86,10 +86,19 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth as this process sees it: the best of a few sums over a `mib` MiB buffer (beyond cache)."""
-    x = torch.ones(mib * 2**18, dtype=torch.float32)
-    return x.nbytes / best_seconds(x.sum, repeats) / 1e9
+def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Read bandwidth of `device` as this process sees it: the best of a few sums over a `mib` MiB buffer (beyond
+    its caches; on CUDA each sum is waited for)."""
+    device = torch.device(device)
+    x = torch.ones(mib * 2**18, dtype=torch.float32, device=device)
+    if device.type != "cuda":
+        return x.nbytes / best_seconds(x.sum, repeats) / 1e9
+
+    def summed() -> None:
+        x.sum()
+        torch.cuda.synchronize(device)
+
+    return x.nbytes / best_seconds(summed, repeats) / 1e9
 
 
 def pick_prompts(n: int) -> list[str]:

@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--random-big", action="store_true", help="a random-weight ~0.75B model instead of --model")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="--random-big's tokenizer, a Hugging Face directory (default: the default model's)")
     p.add_argument("--out", default="bench-results")
     add_engine_flags(p)
 
@@ -47,20 +49,11 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 10 / (time.perf_counter() - started)
 
 
-def random_big_checkpoint() -> str:
-    from nanoserve.model.loader import default_model_path
-    from nanoserve.optional import require
-
-    require("transformers", "bench graphs --random-big")
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def random_big_checkpoint(tokenizer: str | None) -> str:
+    from nanoserve.bench.checkpoints import write_random_llama
 
     out = tempfile.mkdtemp(prefix="nanoserve-big-")
-    gguf = default_model_path()
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(bos_token_id=1, eos_token_id=2, **BIG)).to(torch.bfloat16)
-    model.save_pretrained(out)
-    del model
+    write_random_llama(out, BIG, torch.bfloat16, tokenizer, device="cuda", feature="bench graphs --random-big")
     torch.cuda.empty_cache()
     return out
 
@@ -106,7 +99,7 @@ def main(args) -> int:
         return 2
     flags = {**engine_flags(args), "cuda_graphs": True, "max_num_seqs": max(args.batches)}
     if args.random_big:
-        flags["model"] = random_big_checkpoint()
+        flags["model"] = random_big_checkpoint(args.tokenizer)
     flags["max_model_len"] = flags["max_model_len"] or 1024
     engine = Engine(EngineConfig.from_flags(**flags))
     rows = [one_batch(engine, b, args) for b in args.batches]

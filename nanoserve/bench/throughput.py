@@ -1,9 +1,10 @@
 """`nanoserve bench throughput`: a fixed mixed workload and a single stream, nanoserve vs its peers.
 
-Every arm runs in one process on the same weights and threads: nanoserve as configured, its dense float32 self
-when the linears are packed, transformers (batched generate with left padding; only the tokens each request
-asked for count as useful output), and llama.cpp on the same GGUF file when llama-cpp-python is installed
-(`pip install 'nanoserve[peers]'`). Single-stream runs are interleaved across arms; the table gives medians.
+Every arm runs in one process on the same weights, device and threads: nanoserve as configured, its dense float32
+self when the linears are packed, transformers when installed (`nanoserve[hf]`; batched generate with left padding;
+only the tokens each request asked for count as useful output), and llama.cpp on the same GGUF file when
+llama-cpp-python is installed (`nanoserve[peers]`). Single-stream runs are interleaved across arms; the table
+gives medians. Each arm's bound is the device's read bandwidth over the bytes of weights a token reads.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def run_hf_mixed(model, work, batch: int, pad_id: int) -> dict:
     for i in range(0, len(ordered), batch):
         group = ordered[i : i + batch]
         width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group], device=model.device)
         new = max(o for _, o in group)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -90,7 +91,7 @@ def run_hf_mixed(model, work, batch: int, pad_id: int) -> dict:
 
 
 def run_hf_single(model, prompt, n: int) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         t = time.perf_counter()
         model.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
@@ -119,7 +120,7 @@ def load_hf(engine):
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model.to(engine.device).eval()  # beside nanoserve on its device: on a GPU machine, the GPU
 
 
 def decode_weight_bytes(model) -> int:
@@ -173,7 +174,7 @@ def main(args) -> int:
     cfg = engine.model_config
     work = workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size)
     single_prompt = work[0][0][:64]
-    bandwidth = memory_bandwidth_gbs(mib=512)
+    bandwidth = memory_bandwidth_gbs(mib=4096 if engine.device.type == "cuda" else 512, device=engine.device)
     bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.model) for arm, llm in arms.items()}
     if parallel:  # the ranks share this machine's memory: the whole model is read per token all the same
         for arm in ("nanoserve", BACKEND_REDUCE):
