@@ -20,7 +20,8 @@ from nanoserve.stats import EngineStats
 @dataclass(frozen=True)
 class Health:
     """What the last poll found: `status` is the server's own word ("ok", "unhealthy", "stopped", "failed"),
-    or "unreachable" when no snapshot came back, with `reason` saying why."""
+    or "unreachable" when no snapshot came back, or "locked" when the server wants an API key for it, with
+    `reason` saying why."""
 
     status: str
     reason: str | None = None
@@ -30,6 +31,11 @@ class Health:
     @property
     def serving(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def brought_snapshot(self) -> bool:
+        """Whether the poll this describes brought a snapshot (a server that wants a key sends none)."""
+        return self.status not in ("unreachable", "locked", "connecting")
 
 
 def normalise_url(url: str) -> str:
@@ -79,10 +85,15 @@ class RemoteHost:
                 self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def poll(self, client: httpx.Client) -> None:
-        """One fetch of /health (and, until it answers, /v1/models for the served name)."""
+        """One fetch of /health (and, until it answers, /v1/models for the served name). A server with an API
+        key answers a caller without it with its status alone: that is "locked", with the fix, not "down"."""
         try:
             response = client.get(f"{self.url}/health")
             body = response.json()
+            if isinstance(body, dict) and "snapshot" in body and "model" not in body:
+                self.health = Health("locked", self._locked_reason(body), self.health.failed_steps,
+                                     time.monotonic())
+                return
             self._stats, self.fetched_at = EngineStats.from_dict(body), time.monotonic()
             self.health = Health(body.get("status", "ok" if response.status_code == 200 else "unhealthy"),
                                  body.get("reason"), body.get("failed_steps_total", 0), time.monotonic())
@@ -91,9 +102,16 @@ class RemoteHost:
         except (httpx.HTTPError, ValueError) as e:  # refused, timed out, not JSON, not a snapshot
             self.health = Health("unreachable", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
                                  self.health.failed_steps, time.monotonic())
-        with self._polled:
-            self.polls += 1
-            self._polled.notify_all()
+        finally:
+            with self._polled:
+                self.polls += 1
+                self._polled.notify_all()
+
+    def _locked_reason(self, body: dict) -> str:
+        said = f"; its status: {body.get('status')}" + (f", {body['reason']}" if body.get("reason") else "")
+        if "Authorization" in self.headers:
+            return f"this server did not accept the API key given: check --api-key{said}"
+        return f"this server wants an API key for its stats: --api-key{said}"
 
     def _served_name(self, client: httpx.Client) -> str | None:
         try:

@@ -69,7 +69,7 @@ def once_attached(urls: list[str], refresh_s: float, api_key: str | None = None)
         for poll in range(2):
             for server, rate in zip(servers, rates):
                 server.host.poll(client)
-                if server.host.health.status != "unreachable":
+                if server.host.health.brought_snapshot:
                     rate.add(server.host.fetched_at, server.host.stats())
             if poll == 0:
                 time.sleep(refresh_s)

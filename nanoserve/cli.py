@@ -164,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(same as --model; unset: the embedded default model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health's status word, "
+                            "/metrics, /version and the API docs (nanoserve/server/access.py)")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's)")
     serve.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",

@@ -76,6 +76,22 @@ def test_a_dead_server_is_unreachable_with_the_reason(dead_url):
         host.stop()
 
 
+def test_a_server_that_wants_a_key_is_locked_not_down(second_server, capsys):
+    """Without its key (or with a wrong one) a keyed server's /health gives no snapshot: the console says which
+    key to give, and --once exits 1 saying so; with the key it watches as usual."""
+    for headers, said in (({}, "wants an API key for its stats: --api-key"),
+                          ({"Authorization": "Bearer nope"}, "did not accept the API key given")):
+        host = RemoteHost(second_server.url, interval=0.05, headers=headers).start()
+        assert host.wait_polled()
+        host.stop()
+        assert host.health.status == "locked" and said in host.health.reason and "ok" in host.health.reason
+        assert host.stats() is None and not host.health.serving
+    assert main(["--once", "--refresh", "0.1", "--attach", second_server.url]) == 1
+    assert "no snapshot: locked (this server wants an API key for its stats: --api-key" in capsys.readouterr().out
+    assert main(["--once", "--refresh", "0.1", "--attach", second_server.url, "--api-key", "sesame"]) == 0
+    assert "serving tiny-b" in capsys.readouterr().out
+
+
 def test_a_stopped_engine_is_read_from_its_503(tiny_checkpoint):
     """/health answers 503 with the snapshot and a reason; the poller keeps both."""
     from nanoserve.server.serve import Server

@@ -217,7 +217,7 @@ def test_usage_reports_cached_tokens_and_reset_is_an_operator_route(ckpt):
         assert reset.status_code == 200 and reset.json()["blocks_forgotten"] > 0
         again = httpx.post(s.url + "/v1/completions", json=body, headers=auth).json()["usage"]
         assert again["prompt_tokens_details"] == {"cached_tokens": 0}
-        health = httpx.get(s.url + "/health").json()["prefix_cache"]
+        health = httpx.get(s.url + "/health", headers=auth).json()["prefix_cache"]  # the snapshot wants the key
         assert health["enabled"] and health["hits"] > 0 and 0 < health["hit_rate"] < 1
         metrics = httpx.get(s.url + "/metrics").text
         assert "nanoserve:prefix_cache_hits_total" in metrics and "nanoserve:prefix_cache_queries_total" in metrics

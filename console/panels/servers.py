@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.widgets import Tab, Tabs
 
-MARKS = {"ok": "ok", "unreachable": "DOWN", "connecting": "…"}  # any other status is written as it came
+MARKS = {"ok": "ok", "unreachable": "DOWN", "connecting": "…", "locked": "KEY?"}  # any other: as it came
 
 
 def tab_label(server) -> str:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.errors import NanoserveError
+from nanoserve.server.access import KEYED, WITHHELD, access
 from nanoserve.server.chat import ChatResponder
 from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
 from nanoserve.server.disconnect import ClientGone, unless_disconnected
@@ -52,7 +53,6 @@ from nanoserve.server.schemas import (
 from nanoserve.tools.parsers import parser_for
 
 MAX_BODY_BYTES = 4 * 2**20
-GUARDED = ("/v1/", "/reset_prefix_cache")  # what --api-key protects: generation, models, operator actions
 DISCARD_BYTES = 64 * 2**20  # past the limit, bytes read and dropped so the 413 reaches the client
 PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
 log = logging.getLogger("nanoserve.server")
@@ -71,6 +71,9 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 class _Guard:
     """API key and body size, checked before a route parses anything (a pure ASGI middleware).
 
+    The key is asked of every route but those access.WITHOUT_KEY lists; whether the caller sent it is left in
+    the request's state (`authorized`) for the routes that answer both, less without it (/health).
+
     The body is counted as it arrives, not trusted from Content-Length: a chunked upload has none, and was read,
     parsed and tokenized whole before. It is read here up to the limit and handed on; one byte over, the
     request is answered 413 and the rest is never read.
@@ -84,10 +87,12 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._expected is not None and scope["path"].startswith(GUARDED):
-            if not secrets.compare_digest(headers.get(b"authorization", b""), self._expected):  # constant time
-                return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                                    "authentication_error")(scope, receive, send)
+        authorized = self._expected is None or \
+            secrets.compare_digest(headers.get(b"authorization", b""), self._expected)  # constant time
+        scope.setdefault("state", {})["authorized"] = authorized
+        if not authorized and access(scope["path"]) == KEYED:
+            return await _error(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                                "authentication_error")(scope, receive, send)
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body:
             return await self._too_large(int(length), scope, receive, send, more=True)
@@ -193,13 +198,17 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         return max(1, engine.max_model_len - len(ids))
 
     @app.get("/health", summary="The engine's stats snapshot (flags, scheduler, KV pool, paged read, rows); "
-                                "503 with the reason while it is stopped, failing repeatedly, or failed to load",
+                                "503 with the reason while it is stopped, failing repeatedly, or failed to load. "
+                                "On a server with an API key, a caller without it gets the status and reason only",
              responses={503: {"description": "The snapshot, with status stopped, unhealthy or failed and the "
                                              "reason"}})
-    async def health():
+    async def health(request: Request):
         state = host.health()
-        body = {"status": state.status, "reason": state.reason, "failed_steps_total": host.failures.total,
-                **host.stats().as_dict()}
+        body = {"status": state.status, "reason": state.reason}
+        if request.state.authorized:
+            body |= {"failed_steps_total": host.failures.total, **host.stats().as_dict()}
+        else:
+            body["snapshot"] = WITHHELD
         return JSONResponse(body, status_code=200 if state.ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text/plain)",

@@ -13,6 +13,7 @@ import uvicorn
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.errors import ConfigError
+from nanoserve.server.access import is_loopback
 from nanoserve.server.app import build_app
 from nanoserve.server.host import EngineHost
 from nanoserve.server.http import GracefulServer, header_timeout_protocol
@@ -38,6 +39,9 @@ class Server:
         with the fix, not after a load and a "serving" line (and uvicorn serves on this very socket, so nothing
         can take the port in between). Port 0 binds a free one."""
         self.socket = bind_listener(host, port)
+        if api_key is None and not is_loopback(host):
+            log.warning("serving on %s without --api-key: every route is open to whoever reaches the port, the "
+                        "stats snapshot on /health (requests, users, flags) included", host)
         try:
             engine = Engine(config, progress=progress)
         except BaseException:
