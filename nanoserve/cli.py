@@ -130,7 +130,8 @@ def cmd_serve(args) -> int:
                     api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                     trust_request_chat_template=args.trust_request_chat_template,
                     shutdown_timeout=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
-                    header_timeout=args.header_timeout, tool_call_parser=args.tool_call_parser)
+                    header_timeout=args.header_timeout, tool_call_parser=args.tool_call_parser,
+                    prompt_tokens_details=args.enable_prompt_tokens_details)
     server.run()
     return 0
 
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (it is rendered on the server, so "
                             "by default such requests are refused)")
+    serve.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=True,
+                       help="usage.prompt_tokens_details.cached_tokens in every response (vLLM's flag; on by "
+                            "default here, since clients read cached_tokens)")
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                        help="the format tool_choice 'auto' reads calls in (default: the chat template's own, "
                             "Hermes <tool_call> blocks where it writes them or renders no tools)")

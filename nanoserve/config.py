@@ -9,6 +9,7 @@ import torch
 
 from nanoserve.errors import ConfigError
 from nanoserve.reads.dispatch import check_read_block
+from nanoserve.sampling_params import MAX_LOGPROBS
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +69,8 @@ class EngineConfig:
     kv_cache_gib: float | None = _flag(None, "KV budget in GiB; unset: 1 GiB on CPU, gpu_memory_utilization on CUDA")
     gpu_memory_utilization: float = _flag(0.9, "share of the card the engine may fill (CUDA, KV budget unset)")
     seed: int = _flag(0, "seeds the generator that unseeded sampled requests draw from")
+    max_logprobs: int = _flag(MAX_LOGPROBS, "the most logprobs alternatives a request may ask for (vLLM's flag); "
+                                            "-1: no limit, so logprobs -1 returns the whole vocabulary")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix another request already "
                                               "computed (full blocks, named by content; as vLLM, on by default)")
     decode_buckets: bool = _flag(False, "pad decode-only steps up to a closed set of shapes (rows x table width)")
@@ -95,6 +98,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = (
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 for no limit, got {self.max_logprobs}"),
             (self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
             (self.max_num_batched_tokens >= self.max_num_seqs,

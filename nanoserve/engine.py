@@ -258,10 +258,12 @@ class Engine:
         arrival_time: float | None = None,
         user: str | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated.
 
-        `user` names who sent it (OpenAI's field); its rows in the stats snapshot carry it. With a `cache_salt`
+        `user` names who sent it (OpenAI's field) and `session_id` the conversation or agent session it belongs
+        to (vLLM's); its rows in the stats snapshot carry both. With a `cache_salt`
         (vLLM's) the request shares prefix-cache blocks only with requests that carry the same salt.
         With `params.n` > 1 the request is n sequences sharing the prompt (see SamplingParams.for_completion).
         """
@@ -274,7 +276,7 @@ class Engine:
         if request_id in self._groups:
             raise RequestError(f"request id {request_id!r} is already in use; pick a unique id")
         text, ids = self._prompt_ids(prompt)
-        params.validate_against(self.model_config.vocab_size)
+        params = params.validate_against(self.model_config.vocab_size, self.config.max_logprobs)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise RequestError(
@@ -295,7 +297,7 @@ class Engine:
             if index:  # the prompt's logprobs are the same for every completion: compute them once
                 own = dataclasses.replace(own, prompt_logprobs=None)
             req = Request(request_id, text, ids, own, max_tokens, index=index, bad_word_ids=bad_words, user=user,
-                          cache_salt=cache_salt, matcher=grammar.matcher() if grammar else None)
+                          session_id=session_id, cache_salt=cache_salt, matcher=grammar.matcher() if grammar else None)
             if own.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
             if arrival_time is not None:
@@ -516,7 +518,7 @@ class Engine:
         now = time.monotonic()
         rows = tuple(
             RowStats(r.name, r.status.value, len(r.prompt_ids), len(r.output_ids), len(r.blocks),
-                     _rate(len(r.output_ids), r.first_token_time, now), r.user)
+                     _rate(len(r.output_ids), r.first_token_time, now), r.user, r.session_id)
             for r in (*s.running, *s.waiting)
         )
         return EngineStats(

@@ -47,6 +47,7 @@ class Request:
     index: int = 0  # which of the request's n completions this sequence is
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
     user: str | None = None  # who sent it, when the client said (OpenAI's `user`)
+    session_id: str | None = None  # the conversation or agent session it belongs to, when said (vLLM's)
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt (vLLM's)
     matcher: object | None = None  # its structured output's grammar state (nanoserve.structured.Matcher)
     names: BlockNames = field(default_factory=BlockNames)  # content names of its full blocks (prefix caching)

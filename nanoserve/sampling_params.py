@@ -19,7 +19,7 @@ __all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "SamplingParamsError", "St
 
 # vLLM treats temperatures below this as greedy: dividing by them overflows float32.
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the engine's default --max-logprobs (vLLM's): alternatives a request may ask for
 MAX_N = 128  # completions per request; each is a sequence with its own KV blocks
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 
@@ -79,8 +79,9 @@ class SamplingParams:
     `max_tokens=None` means "up to the model's context length"; the engine fills it in.
     `ignore_eos` only tells the engine not to stop on EOS; the sampler never masks EOS
     for it. `logprobs=N` returns the sampled token's logprob and the top N alternatives
-    (0: the sampled token only), computed from the raw model logits; `prompt_logprobs=N`
-    does the same for every prompt token after the first.
+    (0: the sampled token only; -1: the whole vocabulary, as vLLM), computed from the raw model
+    logits; `prompt_logprobs=N` does the same for every prompt token after the first. The engine
+    holds N to its max_logprobs (20 unless started otherwise).
     `n` completions share the prompt; with a seed, completion i draws with seed + i (vLLM's
     rule), so each is reproducible and they differ from one another.
     `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits before the pick,
@@ -194,14 +195,11 @@ class SamplingParams:
         )
 
         for name in ("logprobs", "prompt_logprobs"):
-            value = _as_int(name, getattr(self, name), f"an int in [0, {MAX_LOGPROBS}], or None for no logprobs",
-                            allow_none=True)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                fail(
-                    name,
-                    f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}; "
-                    f"ask for at most {MAX_LOGPROBS} alternatives (0 returns only the token's own logprob)",
-                )
+            value = _as_int(name, getattr(self, name), "an int >= 0 (-1: the whole vocabulary), or None for no "
+                                                       "logprobs", allow_none=True)
+            if value is not None and value < -1:
+                fail(name, f"{name} must be >= 0, -1 (the whole vocabulary) or None, got {value}; 0 returns only "
+                           "the token's own logprob")
             setattr(self, name, value)
 
         self.detokenize = _as_bool("detokenize", self.detokenize)
@@ -292,8 +290,10 @@ class SamplingParams:
         """True when the next token is the argmax (temperature 0, or so small it would overflow)."""
         return self.temperature < _GREEDY_EPS
 
-    def validate_against(self, vocab_size: int) -> None:
-        """Refuse token ids (stop_token_ids, logit_bias, allowed_token_ids) that this model can never produce."""
+    def validate_against(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+        """These params for one model: token ids (stop_token_ids, logit_bias, allowed_token_ids) it can never
+        produce are refused, and logprobs -1 becomes its vocabulary; logprobs past `max_logprobs` (-1: no limit)
+        are refused, as vLLM's --max-logprobs does."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
                           ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = [i for i in ids if i >= vocab_size]
@@ -303,6 +303,19 @@ class SamplingParams:
                     f"{name} {bad} are outside this model's vocabulary [0, {vocab_size}); "
                     "use ids from this model's tokenizer",
                 )
+        resolved = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            wanted = vocab_size if asked == -1 else asked
+            if wanted is not None and max_logprobs != -1 and wanted > max_logprobs:
+                what = f"{name} -1 asks for the whole vocabulary ({vocab_size} tokens)" if asked == -1 else \
+                    f"{name} {asked} asks for more alternatives"
+                raise SamplingParamsError(name, f"{what} than this server returns (--max-logprobs {max_logprobs}); "
+                                                f"ask for at most {max_logprobs}, or start it with a higher "
+                                                "--max-logprobs (-1: no limit)")
+            if asked == -1:
+                resolved[name] = wanted
+        return dataclasses.replace(self, **resolved) if resolved else self
 
     def for_completion(self, index: int) -> SamplingParams:
         """The params of completion `index` of n: one sequence, seeded seed + index when a seed is set."""

@@ -62,6 +62,7 @@ class RowStats:
     blocks: int
     tokens_per_s: float = 0.0  # generated tokens over the time since its first token
     user: str | None = None  # the client's `user` field, when it sent one
+    session_id: str | None = None  # vLLM's `session_id`, when the client sent one
 
 
 @dataclass(frozen=True)

@@ -105,8 +105,7 @@ INVALID = [
     ("ignore_eos", "yes"),
     ("skip_special_tokens", None),
     ("include_stop_str_in_output", 0),
-    ("logprobs", MAX_LOGPROBS + 1),
-    ("logprobs", -1),
+    ("logprobs", -2),  # -1 is the whole vocabulary; how many the engine returns is its max_logprobs
     ("logprobs", True),
     ("logprobs", 2.0),
 ]

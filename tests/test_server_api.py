@@ -207,7 +207,8 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(server):
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert all("usage" in e for e in events) and counts == sorted(counts) and counts[-1] == 8
     chat = sse_events(server, "/v1/chat/completions", {**GREEDY, "messages": [{"role": "user", "content": "Hi"}],
-                                                       "stream_options": {"continuous_usage_stats": True}})
+                                                       "stream_options": {"include_usage": True,
+                                                                          "continuous_usage_stats": True}})
     assert all(e["usage"]["prompt_tokens"] > 0 for e in chat)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -58,10 +59,13 @@ COMMON = {
     "stream": (True, CHANGES, {}),
     "stream_options": ({"include_usage": True}, CHANGES, {"stream": True}),
     "user": ("alice", CHANGES, {}),
+    "session_id": ("agent-7", CHANGES, {}),
     "cache_salt": ("tenant-a", CHANGES, {}),
     "request_id": ("my-request", CHANGES, {}),
     "add_special_tokens": (None, CHANGES, {}),  # per route below: the non-default for that route
     "truncate_prompt_tokens": (2, CHANGES, {}),
+    "truncation_side": ("right", CHANGES, {"truncate_prompt_tokens": 2}),
+    "return_token_ids": (True, CHANGES, {}),
     "return_tokens_as_token_ids": (True, CHANGES, {"logprobs": 1}),
     "response_format": ({"type": "json_object"}, CHANGES, {}),
     "structured_outputs": ({"choice": ["yes", "no"]}, CHANGES, {}),
@@ -98,8 +102,13 @@ CHAT = {
     "tools": (TOOLS, CHANGES, {}),  # this model's template renders none: they reach it as a system prompt
     "tool_choice": ("required", CHANGES, {"tools": TOOLS}),
     "parallel_tool_calls": (False, CHANGES, {"tools": TOOLS, "tool_choice": "required"}),
+    "echo": (True, CHANGES, {"continue_final_message": True, "add_generation_prompt": False, "messages": [
+        {"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "I like"}]}),
+    "return_prompt_text": (True, CHANGES, {}),
 }
-STREAM_OPTIONS = {"include_usage": (True, CHANGES, {}), "continuous_usage_stats": (True, CHANGES, {})}
+# continuous_usage_stats refines include_usage (vLLM's rule), so alone it would do nothing: it is refused;
+# with include_usage it puts usage on every chunk (tests/test_vllm_conformance.py)
+STREAM_OPTIONS = {"include_usage": (True, CHANGES, {}), "continuous_usage_stats": (True, REFUSED, {})}
 MESSAGE = {
     "role": ("system", CHANGES, {}),
     "content": ("Another question", CHANGES, {}),
@@ -122,6 +131,16 @@ TOKENIZE = {
     "add_special_tokens": (False, CHANGES, {}),
     "add_generation_prompt": (False, CHANGES, {"prompt": None, "messages": [{"role": "user", "content": "Hi"}]}),
     "return_token_strs": (True, CHANGES, {}),
+    **{name: (value, expect, {"prompt": None, "messages": [{"role": "user", "content": "Hi"}], **extra})
+       for name, (value, expect, extra) in {
+           "continue_final_message": (True, CHANGES, {"add_generation_prompt": False, "messages": [
+               {"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "I like"}]}),
+           "chat_template": (CUSTOM_TEMPLATE, CHANGES, {}),
+           "chat_template_kwargs": ({"not_in_the_template": 1}, REFUSED, {}),
+           "tools": (TOOLS, CHANGES, {}),
+           "media_io_kwargs": ({"image": {}}, REFUSED, {}),
+           "mm_processor_kwargs": ({"x": 1}, REFUSED, {}),
+       }.items()},
 }
 DETOKENIZE = {"model": ("other", REFUSED, {}), "tokens": ([5, 6], CHANGES, {})}
 
@@ -154,15 +173,16 @@ def server(bos_checkpoint):
 
 @pytest.fixture
 def seen(server, monkeypatch):
-    """What reached the engine: (prompt ids, sampling params, (user, cache salt), request id) per add_request."""
+    """What reached the engine: (prompt ids, sampling params, (user, cache salt, session id), request id) per
+    add_request."""
     engine, calls = server.engine, []
     real = engine.add_request
 
-    def spy(prompt, params=None, request_id=None, arrival_time=None, user=None, cache_salt=None):
-        calls.append((list(prompt) if not isinstance(prompt, str) else prompt, repr(params), (user, cache_salt),
-                      request_id))
+    def spy(prompt, params=None, request_id=None, arrival_time=None, user=None, cache_salt=None, session_id=None):
+        calls.append((list(prompt) if not isinstance(prompt, str) else prompt, repr(params),
+                      (user, cache_salt, session_id), request_id))
         return real(prompt, params, request_id=request_id, arrival_time=arrival_time, user=user,
-                    cache_salt=cache_salt)
+                    cache_salt=cache_salt, session_id=session_id)
 
     monkeypatch.setattr(engine, "add_request", spy)
     return calls
@@ -242,6 +262,20 @@ def test_every_message_field_is_honoured_or_refused(server, seen):
 def test_every_response_format_field_is_honoured(server, seen):
     walk(server, seen, "/v1/chat/completions", CHAT_BASE, RESPONSE_FORMAT, ResponseFormat,
          nest=lambda body, fields: {**body, "response_format": {"type": "text", **fields}})
+
+
+VLLM = json.loads((Path(__file__).with_name("vllm_request_fields.json")).read_text())
+
+
+@pytest.mark.parametrize("key,cls", [("completion", CompletionRequest), ("chat", ChatCompletionRequest),
+                                     ("tokenize_prompt", TokenizeRequest), ("tokenize_messages", TokenizeRequest),
+                                     ("detokenize", DetokenizeRequest)])
+def test_every_vllm_request_field_is_declared_so_the_walk_proves_it(key, cls):
+    """vLLM's request models (tests/vllm_request_fields.json, read from a vLLM wheel by scripts/vllm-fields.py):
+    every field there is declared here, so the walks above prove it honoured or refused; none falls through to
+    the warning that fields of neither OpenAI nor vLLM get."""
+    missing = sorted(set(VLLM[key]) - set(cls.model_fields))
+    assert not missing, f"vLLM {VLLM['vllm']}'s {key} fields that nanoserve does not declare: {missing}"
 
 
 def test_every_tokenize_and_detokenize_field_is_honoured(server, seen):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import secrets
 import uuid
@@ -31,7 +32,7 @@ from nanoserve.server.fanout import Fanout
 from nanoserve.server.host import EngineFailure, EngineHost, HostStopped
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.openapi import ERRORS, install_openapi, ok, streamed
-from nanoserve.server.prompts import chat_prompt, completion_prompts
+from nanoserve.server.prompts import chat_prompt, completion_prompts, rendered_chat
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -163,11 +164,14 @@ def _version() -> str:
 
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
-              trust_request_chat_template: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+              prompt_tokens_details: bool = True) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
     a template is code the server renders, so without it such a request is refused. `tool_call_parser` names
-    the format tool_choice 'auto' reads calls in, when the chat template's own is not the one to use. The waiting queue's limit
-    is the host's (EngineHost(max_waiting=...)): it is checked on the engine thread, where it cannot race."""
+    the format tool_choice 'auto' reads calls in, when the chat template's own is not the one to use.
+    `prompt_tokens_details` off leaves usage.prompt_tokens_details (cached tokens) out, as vLLM does without
+    --enable-prompt-tokens-details. The waiting queue's limit is the host's (EngineHost(max_waiting=...)): it
+    is checked on the engine thread, where it cannot race."""
     app = FastAPI(title="nanoserve", version=_version())
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
@@ -196,6 +200,11 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
 
     def room_for(engine, ids: list[int]) -> int:
         return max(1, engine.max_model_len - len(ids))
+
+    def check_template_trusted(template: str | None) -> None:
+        if template is not None and not trust_request_chat_template:
+            raise APIError(400, "chat_template from a request is rendered on the server, so this server refuses "
+                                "it; start it with --trust-request-chat-template to allow it", param="chat_template")
 
     @app.get("/health", summary="The engine's stats snapshot (flags, scheduler, KV pool, paged read, rows); "
                                 "503 with the reason while it is stopped, failing repeatedly, or failed to load. "
@@ -245,11 +254,12 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
         tokenizer = engine.tokenizer
         check_model(body.model)
         if body.messages is not None:
-            chat = ChatCompletionRequest.model_construct(messages=body.messages,
-                                                         add_generation_prompt=body.add_generation_prompt)
-            ids = await off_loop(chat_prompt, chat, tokenizer)
+            check_template_trusted(body.chat_template)
+            chat = body.as_chat()
+            ids = await off_loop(chat_prompt, chat, tokenizer, chat.tool_request())
         else:
-            ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)
         strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -280,38 +290,46 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
                                 "prompt); send max_tokens >= 1", param="max_tokens")
         engine = host.serving()  # read per request: a restart may bring a new engine
         tokenizer = engine.tokenizer
-        prompts = await off_loop(completion_prompts, body, tokenizer, engine.model_config.vocab_size)
+        prompts = await off_loop(completion_prompts, body, tokenizer, engine.model_config.vocab_size,
+                                 engine.max_model_len)
         ids = [p[1] for p in prompts]
         longest = max(ids, key=len)
         params = body.sampling_params(engine_max_tokens(body, room_for(engine, longest)), body.logprobs,
                                       prompt_logprobs_wanted(body))
         rid = request_id(body, "cmpl")
         await compiled(engine, params)
-        fanout = await Fanout(host, ids, params, rid).open(body.user, body.cache_salt)
+        fanout = await Fanout(host, ids, params, rid, prompt_tokens_details).open(body.user, body.cache_salt,
+                                                                                  body.session_id)
         responder = CompletionResponder(body, fanout, [p[0] for p in prompts], tokenizer, model_name, rid, metrics)
         return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 
     @app.post("/v1/chat/completions", responses={**ERRORS, **streamed(ChatResponse)})
     async def chat(body: ChatCompletionRequest, request: Request):
         admit(body)
-        if body.chat_template is not None and not trust_request_chat_template:
-            raise APIError(400, "chat_template from a request is rendered on the server, so this server refuses "
-                                "it; start it with --trust-request-chat-template to allow it", param="chat_template")
+        check_template_trusted(body.chat_template)
         engine = host.serving()
         tokenizer = engine.tokenizer
         tools = body.tool_request()
         parser = parser_for(tools, tokenizer.template_source(body.chat_template, tools=[]) if tools else "",
                             bool(tools) and tokenizer.template_reads("tools", body.chat_template), tool_call_parser)
-        ids = await off_loop(chat_prompt, body, tokenizer, tools)
+        text, ids = await off_loop(rendered_chat, body, tokenizer, tools, engine.max_model_len)
         limit = body.token_limit()
         params = body.sampling_params(limit if limit is not None else room_for(engine, ids), body.chat_logprobs())
         rid = request_id(body, "chatcmpl")
         await compiled(engine, params)
-        fanout = await Fanout(host, [ids], params, rid).open(body.user, body.cache_salt)
-        responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics, parser)
+        fanout = await Fanout(host, [ids], params, rid, prompt_tokens_details).open(body.user, body.cache_salt,
+                                                                                    body.session_id)
+        responder = ChatResponder(body, fanout, tokenizer, model_name, rid, metrics, parser, text)
         return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 
     return app
+
+
+# pydantic's type errors -> what the field takes, in JSON's words
+_TAKES = {"bool_type": "true or false (a JSON boolean)", "bool_parsing": "true or false (a JSON boolean)",
+          "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+          "float_type": "a number", "float_parsing": "a number", "string_type": "a string",
+          "list_type": "a list", "dict_type": "an object"}
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -322,6 +340,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message = "request body is not valid JSON"
+        elif first.get("type") in _TAKES:
+            came = first.get("input")
+            shown = json.dumps(came)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            message = f"must be {_TAKES[first['type']]}, not {'the string ' if isinstance(came, str) else ''}{shown}"
         return _error(400, f"{where + ': ' if where else ''}{message}", param=where or None)
 
     @app.exception_handler(APIError)

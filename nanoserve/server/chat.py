@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: n choices, logprobs, usage on every chunk when asked (continuous_usage_stats), and
 tool calls read out of each choice's text by the request's parser (nanoserve.tools.parsers), streamed as
-`delta.tool_calls` pieces."""
+`delta.tool_calls` pieces. vLLM's extensions: echo (the last message's content in front of the reply when it
+is the reply's own role, for prefill-style continuation), return_token_ids and return_prompt_text."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from nanoserve.tools.parsers import Arguments, CallStart, Content, joined
 
 class ChatResponder:
     def __init__(self, body: ChatCompletionRequest, fanout: Fanout, tokenizer, model: str, rid: str, metrics,
-                 parser=None):
-        """`parser` makes each choice's tool-call parser (None: the reply is text)."""
+                 parser=None, prompt_text: str = ""):
+        """`parser` makes each choice's tool-call parser (None: the reply is text); `prompt_text` is what the
+        chat template rendered (returned with return_prompt_text)."""
         self.body, self.fanout, self.model, self.rid, self.metrics = body, fanout, model, rid, metrics
-        self.parser = parser
+        self.parser, self.prompt_text = parser, prompt_text
+        self.echoed = echoed_content(body)
         self.name = token_namer(tokenizer, body.return_tokens_as_token_ids)
         self.created = int(time.time())
         self.base = {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": model}
@@ -27,7 +30,8 @@ class ChatResponder:
             if out.outputs[0].finish_reason is not None:
                 self.metrics.observe(out)
         body = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [self._choice_json(c) for c in self.fanout.choices], "usage": usage(*self.fanout.usage_counts())}
+                "choices": [self._choice_json(c) for c in self.fanout.choices], "usage": usage(*self.fanout.usage_counts()),
+                **self._prompt_fields()}
         if self.body.prompt_logprobs is not None:
             scored = self.fanout.prompt_logprobs[0]
             body["prompt_logprobs"] = prompt_logprobs_json(scored.entries(), self.name) if scored else None
@@ -37,8 +41,12 @@ class ChatResponder:
         return sse(self._events())
 
     async def _events(self):
-        for choice in self.fanout.choices:  # every choice opens with its role, before any text
-            yield self._chunk(choice, {"role": "assistant", "content": ""}, None, None)
+        for i, choice in enumerate(self.fanout.choices):  # every choice opens with its role, before any text
+            first = self._chunk(choice, {"role": "assistant", "content": ""}, None, None)
+            yield {**first, **self._prompt_fields()} if i == 0 else first
+        if self.echoed:
+            for choice in self.fanout.choices:
+                yield self._chunk(choice, {"content": self.echoed}, None, None)
         parsers = {choice.index: self.parser() for choice in self.fanout.choices} if self.parser else None
         async for choice, out in self.fanout.outputs():
             c = choice.completion
@@ -64,11 +72,22 @@ class ChatResponder:
         if options is not None and options.include_usage:
             yield {**self.base, "choices": [], "usage": usage(*self.fanout.usage_counts())}
 
+    def _prompt_fields(self) -> dict:
+        """vLLM's top-level prompt fields, on the whole response or the first chunk."""
+        fields = {}
+        if self.body.return_token_ids:
+            fields["prompt_token_ids"] = list(self.fanout.prompts[0])
+        if self.body.return_prompt_text:
+            fields["prompt_text"] = self.prompt_text
+        return fields
+
     def _chunk(self, choice: Choice, delta: dict, logprobs, finish_reason) -> dict:
-        chunk = {**self.base, "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": finish_reason}]}
+        item = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.body.return_token_ids:
+            item["token_ids"] = self.fanout.new_token_ids(choice)
+        chunk = {**self.base, "choices": [item]}
         options = self.body.stream_options
-        if options is not None and options.continuous_usage_stats:
+        if options is not None and options.include_usage and options.continuous_usage_stats:
             generated = len(choice.completion.token_ids) if choice.completion is not None else 0
             chunk["usage"] = usage(len(self.fanout.prompts[0]), generated)
         return chunk
@@ -92,8 +111,24 @@ class ChatResponder:
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
-        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason,
-                "stop_reason": c.stop_reason}
+        if self.echoed:
+            message["content"] = self.echoed + (message["content"] or "")
+        out = {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+               "stop_reason": c.stop_reason}
+        if self.body.return_token_ids:
+            out["token_ids"] = list(c.token_ids)
+        return out
+
+
+def echoed_content(body: ChatCompletionRequest) -> str:
+    """What echo puts in front of the reply: the last message's text when it is the reply's own role (assistant),
+    as vLLM does; else nothing."""
+    if not body.echo or not body.messages or body.messages[-1].role != "assistant":
+        return ""
+    content = body.messages[-1].content
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content)
+    return content or ""
 
 
 def _delta(event) -> dict:

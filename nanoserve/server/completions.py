@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompts in every accepted shape, n choices each, echo with the prompt's logprobs."""
+"""POST /v1/completions: prompts in every accepted shape, n choices each, echo with the prompt's logprobs, and
+vLLM's return_token_ids (each choice's prompt ids, and its generated ids, streamed as they come)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ class CompletionResponder:
             self._observe(out)
             if self.echo is not None and not choice.started:
                 yield self._chunk(choice, *self._echo_piece(choice), None)
-            choice.started = True
             c = choice.completion
             if self.echo is not None and self.echo.only:
                 if c.finish_reason is not None:
@@ -72,11 +72,16 @@ class CompletionResponder:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model}
 
     def _chunk(self, choice: Choice, text: str, logprobs, finish_reason) -> dict:
-        chunk = {**self._base(), "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                              "finish_reason": finish_reason}]}
+        item = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.body.return_token_ids:  # the prompt's ids on a choice's first chunk, then the new ids on each
+            if not choice.started:
+                item["prompt_token_ids"] = list(self.fanout.prompts[choice.prompt])
+            item["token_ids"] = [] if self.echo is not None and self.echo.only else self.fanout.new_token_ids(choice)
+        choice.started = True
+        chunk = {**self._base(), "choices": [item]}
         choice.sent_chars += len(text)
         options = self.body.stream_options
-        if options is not None and options.continuous_usage_stats:
+        if options is not None and options.include_usage and options.continuous_usage_stats:
             generated = 0 if self.echo is not None and self.echo.only else len(choice.completion.token_ids)
             chunk["usage"] = usage(len(self.fanout.prompts[choice.prompt]), generated)
         return chunk
@@ -119,6 +124,9 @@ class CompletionResponder:
         out = {"index": choice.index, "text": text,
                "logprobs": completion_logprobs(ids, entries, self.name) if self.body.logprobs is not None else None,
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.body.return_token_ids:
+            out["prompt_token_ids"] = list(self.fanout.prompts[choice.prompt])
+            out["token_ids"] = [] if self.echo is not None and self.echo.only else list(c.token_ids)
         if self.body.prompt_logprobs is not None:
             scored = self.fanout.prompt_logprobs[choice.prompt]
             out["prompt_logprobs"] = prompt_logprobs_json(scored.entries(), self.name) if scored else None

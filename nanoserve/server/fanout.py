@@ -26,13 +26,17 @@ class Choice:
     completion: CompletionOutput | None = None  # the latest state of this choice
     sent_logprobs: int = 0  # logprob entries already streamed
     sent_chars: int = 0  # characters already streamed (text_offset of the next piece)
+    sent_tokens: int = 0  # generated token ids already streamed (return_token_ids)
     started: bool = False  # a first chunk (role, or echoed prompt) was sent
     called_tools: bool = False  # a tool call was streamed (its finish reason is then "tool_calls")
 
 
 class Fanout:
-    def __init__(self, host: EngineHost, prompts: list[list[int]], params: SamplingParams, request_id: str):
+    def __init__(self, host: EngineHost, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                 cached_details: bool = True):
+        """`cached_details` off: usage leaves out prompt_tokens_details (--no-enable-prompt-tokens-details)."""
         self.host, self.prompts, self.params, self.request_id = host, prompts, params, request_id
+        self.cached_details = cached_details
         self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
         self.prompt_logprobs: list = [None] * len(prompts)  # per prompt, once its prefill is done
         self.cached_tokens: list[int | None] = [None] * len(prompts)  # per prompt, from the prefix cache
@@ -41,12 +45,13 @@ class Fanout:
     def engine_id(self, prompt: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt}"
 
-    async def open(self, user: str | None = None, cache_salt: str | None = None) -> Fanout:
+    async def open(self, user: str | None = None, cache_salt: str | None = None,
+                   session_id: str | None = None) -> Fanout:
         """Submit every prompt (a refusal raises here, before any response is started, and frees the rest)."""
         try:
             for p, ids in enumerate(self.prompts):
                 self._streams.append(await self.host.open(ids, self.params, request_id=self.engine_id(p), user=user,
-                                                            cache_salt=cache_salt))
+                                                            cache_salt=cache_salt, session_id=session_id))
         except BaseException:
             await self.close()
             raise
@@ -75,7 +80,13 @@ class Fanout:
         off) so far: each prompt counted once, every choice's tokens."""
         completion = sum(len(c.completion.token_ids) for c in self.choices if c.completion is not None)
         known = [c for c in self.cached_tokens if c is not None]
-        return sum(len(ids) for ids in self.prompts), completion, sum(known) if known else None
+        return sum(len(ids) for ids in self.prompts), completion, sum(known) if known and self.cached_details else None
+
+    def new_token_ids(self, choice: Choice) -> list[int]:
+        """The generated ids of `choice` not yet streamed (return_token_ids), marked as streamed."""
+        ids = list(choice.completion.token_ids[choice.sent_tokens:]) if choice.completion is not None else []
+        choice.sent_tokens += len(ids)
+        return ids
 
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:

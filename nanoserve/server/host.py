@@ -54,6 +54,7 @@ class _Add:
     sink: Callable[[RequestOutput | BaseException], None]
     user: str | None = None
     cache_salt: str | None = None
+    session_id: str | None = None
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -188,12 +189,14 @@ class EngineHost:
 
     # ---- requests -----------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, sink: Callable, request_id: str | None = None,
-               timeout: float = 60.0, user: str | None = None, cache_salt: str | None = None) -> str:
+               timeout: float = 60.0, user: str | None = None, cache_salt: str | None = None,
+               session_id: str | None = None) -> str:
         """Queue a request from any thread; returns its id, or raises the engine's refusal (nothing held)."""
-        return self._send(prompt, params, sink, request_id, user, cache_salt).result(timeout)
+        return self._send(prompt, params, sink, request_id, user, cache_salt, session_id).result(timeout)
 
-    def _send(self, prompt, params, sink, request_id, user=None, cache_salt=None) -> concurrent.futures.Future:
-        cmd = _Add(prompt, params, request_id, sink, user, cache_salt)
+    def _send(self, prompt, params, sink, request_id, user=None, cache_salt=None,
+              session_id=None) -> concurrent.futures.Future:
+        cmd = _Add(prompt, params, request_id, sink, user, cache_salt, session_id)
         self._enqueue(cmd, bounded=True)
         return cmd.accepted
 
@@ -237,7 +240,7 @@ class EngineHost:
         self._wake.set()
 
     async def open(self, prompt, params: SamplingParams, request_id: str | None = None, user: str | None = None,
-                   cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                   cache_salt: str | None = None, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit now (a refusal raises here, before any response is started) and return the output stream.
 
         Closing the stream before its last output (a client that went away) aborts the request.
@@ -249,7 +252,7 @@ class EngineHost:
             loop.call_soon_threadsafe(outputs.put, item)  # raises once the loop is closed: the host aborts
 
         # Awaiting the engine thread's answer holds no executor thread, however many clients arrive at once.
-        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user, cache_salt))
+        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user, cache_salt, session_id))
         return self._stream(rid, outputs)
 
     async def _stream(self, rid: str, outputs: OutputCollector) -> AsyncIterator[RequestOutput]:
@@ -396,7 +399,7 @@ class EngineHost:
                 continue
             try:
                 rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, user=cmd.user,
-                                              cache_salt=cmd.cache_salt)
+                                              cache_salt=cmd.cache_salt, session_id=cmd.session_id)
             except Exception as e:
                 cmd.accepted.set_exception(e)
                 continue

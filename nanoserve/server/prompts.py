@@ -13,6 +13,7 @@ from nanoserve.tools.spec import ToolRequest
 
 # message keys a template may or may not render
 _TEMPLATE_ONLY_KEYS = ("name", "tool_calls", "tool_call_id")
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # OpenAI's; any other is the template's
 
 
 class PromptError(RequestError):
@@ -23,7 +24,8 @@ class PromptError(RequestError):
         self.field = field
 
 
-def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str, list[int]]]:
+def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size: int,
+                       max_model_len: int) -> list[tuple[str, list[int]]]:
     """(prompt text, token ids) per prompt of the request, in order. The text is what echo returns: the prompt
     as sent, or the decoded ids when it was sent as ids or truncated ("" when echo is off: nothing reads it)."""
     special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -39,7 +41,7 @@ def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size
             if bad:
                 raise PromptError("prompt", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
                                             "encode the prompt with this model's tokenizer")
-        ids = _truncated(ids, body.truncate_prompt_tokens)
+        ids = truncated(ids, body, max_model_len)
         if not ids:
             raise PromptError("prompt", f"prompt {i} encodes to no tokens; send at least one token")
         if not body.echo:
@@ -52,9 +54,16 @@ def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size
     return out
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> list[int]:
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRequest | None = None,
+                max_model_len: int | None = None) -> list[int]:
     """The conversation rendered with the chat template (or the request's own) and encoded, with the request's
     tools where its tool_choice shows them to the model (see nanoserve.tools.prompt)."""
+    return rendered_chat(body, tokenizer, tools, max_model_len)[1]
+
+
+def rendered_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRequest | None = None,
+                  max_model_len: int | None = None) -> tuple[str, list[int]]:
+    """(the prompt text the template rendered, its token ids after any truncation)."""
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     _check_tool_results(messages)
     variables = dict(body.chat_template_kwargs or {})
@@ -86,8 +95,25 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRe
     if any("name" in m for m in messages) and renders_the_same_without("name"):
         raise PromptError("messages.name", "this model's chat template does not render a message's 'name', so it "
                                            "would be dropped; send the conversation without it")
+    _check_roles_render(messages, text, render)
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-    return _truncated(ids, body.truncate_prompt_tokens)
+    return text, truncated(ids, body, max_model_len)
+
+
+def _check_roles_render(messages: list[dict], text: str, render) -> None:
+    """A message of a role outside OpenAI's is passed to the template as vLLM passes it; one the template drops
+    (the conversation renders the same without it) is refused, since the model would never see it."""
+    for i, m in enumerate(messages):
+        if m["role"] in ROLES:
+            continue
+        try:
+            dropped = render(messages[:i] + messages[i + 1:]) == text
+        except RequestError:  # the template cannot do without it: it reads it
+            dropped = False
+        if dropped:
+            raise PromptError(f"messages.{i}.role", f"messages[{i}] has role {m['role']!r}, which this model's chat "
+                                                    f"template does not render, so the model would never see it; "
+                                                    f"use one of {', '.join(sorted(ROLES))}")
 
 
 def _check_tool_results(messages: list[dict]) -> None:
@@ -140,6 +166,18 @@ def _without(message: dict, key: str) -> dict:
     return {k: v for k, v in message.items() if k != key}
 
 
-def _truncated(ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens."""
-    return ids if keep is None else ids[-keep:]
+def truncated(ids: list[int], body, max_model_len: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep that many tokens, the last ones (truncation_side 'left', the default)
+    or the first ('right'); -1 keeps as many as the model takes with one left for output. More than the model
+    takes is refused, as vLLM refuses it."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    if max_model_len is not None and keep > max_model_len:
+        raise PromptError("truncate_prompt_tokens", f"truncate_prompt_tokens {keep} is more than max_model_len "
+                                                    f"{max_model_len}; ask for at most {max_model_len - 1}")
+    if keep == -1:
+        keep = max_model_len - 1 if max_model_len is not None else len(ids)
+    if keep >= len(ids):
+        return ids
+    return ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep:]

@@ -11,9 +11,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
-from nanoserve.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
+from nanoserve.sampling import MAX_N, SamplingParams
 from nanoserve.structured.params import StructuredOutputsParams
 from nanoserve.tools.spec import ToolRequest, tool_request
 
@@ -27,6 +36,8 @@ def _number(value: Any) -> Any:
 
 Number = Annotated[float, BeforeValidator(_number)]
 TokenIds = list[StrictInt]
+INT64 = (-(2**63), 2**63 - 1)  # the seed's range, as vLLM (and torch's generator) takes it
+TEXT_ONLY = "this model takes text only"
 
 # name -> (values that ask for nothing, why any other value is refused and what to do instead)
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
@@ -38,15 +49,37 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
                                    "allowed_token_ids or bad_words"),
     "priority": ((None, 0), "request priorities are not supported; requests are served in arrival order"),
     "kv_transfer_params": ((None,), "KV transfer between servers is not supported"),
-    "mm_processor_kwargs": ((None,), "this model takes text only"),
+    "mm_processor_kwargs": ((None,), TEXT_ONLY),
     "prompt_embeds": ((None,), "prompt embeddings are not supported; send text or token ids"),
     "vllm_xargs": ((None,), "extra engine arguments per request are not supported"),
+    # vLLM 0.33's newer fields (tests/vllm_request_fields.json)
+    "watermarking": ((None, False), "watermarking is not supported"),
+    "logprob_token_ids": ((None,), "logprobs of chosen token ids are not supported; use logprobs (the top N), or "
+                                   "-1 for the whole vocabulary on a server started with --max-logprobs -1"),
+    "return_weight_versions": ((None, False), "this server's weights never change while it serves, so there are "
+                                              "no weight versions to return"),
+    "routed_experts_prompt_start": ((None, 0), "routed-expert data belongs to mixture-of-experts models, which "
+                                               "nanoserve does not serve"),
+    "return_token_offsets": ((None, False), "token offsets come from vLLM's render endpoints, which nanoserve does "
+                                            "not have; /tokenize with return_token_strs gives each token's text"),
+    "mm_payload": ((None, "tensors"), TEXT_ONLY),
+    "return_mm_kwargs": ((None,), TEXT_ONLY),
+    "ec_transfer_params": ((None,), "encoder-cache transfer between servers is not supported"),
+    "repetition_detection": ((None,), "repetition detection is not supported; use stop strings, "
+                                      "repetition_penalty or max_tokens"),
+    "thinking_token_budget": ((None, -1), "a thinking budget needs a reasoning parser, which this server does not "
+                                          "have"),
+    "stream_interval": ((None, 1), "every step's tokens are streamed as they come; a coarser interval is not "
+                                   "supported"),
 }
 CHAT_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     **UNSUPPORTED,
     "functions": ((None, []), "function calling is not supported; describe the functions in a system message"),
     "function_call": ((None, "none"), "function calling is not supported; send no function_call"),
     "audio": ((None,), "this model writes text only"),
+    "media_io_kwargs": ((None,), TEXT_ONLY),
+    "include_reasoning": ((None, True), "this server does not separate reasoning from the answer, so there is none "
+                                        "to leave out"),
     "modalities": ((None, ["text"]), "this model writes text only; send modalities ['text'] or none"),
     "prediction": ((None,), "predicted outputs are not supported"),
     "reasoning_effort": ((None,), "reasoning effort is not supported by this server"),
@@ -54,7 +87,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "store": ((None, False), "nanoserve stores no completions"),
     "metadata": ((None,), "metadata tags stored completions, which nanoserve does not keep"),
     "service_tier": ((None, "auto", "default"), "there is one service tier here; send 'auto' or none"),
-    "echo": ((None, False), "echo is not supported on chat; use /v1/completions with echo"),
 }
 
 
@@ -121,16 +153,19 @@ class _Request(BaseModel):
     logit_bias: dict[str, Number] | None = None
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (--max-logprobs)
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     best_of: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    session_id: str | None = Field(default=None, min_length=1, max_length=200)  # vLLM's: kept with the request
     request_id: str | None = Field(default=None, min_length=1, max_length=200)
     add_special_tokens: StrictBool | None = None
-    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # -1: as many as fit (vLLM's)
+    truncation_side: Literal["left", "right"] | None = None  # left (default) keeps the last tokens
     return_tokens_as_token_ids: StrictBool = False
+    return_token_ids: StrictBool | None = None  # the prompt's and each choice's token ids in the response
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
     guided_json: dict[str, Any] | str | None = None
@@ -150,6 +185,24 @@ class _Request(BaseModel):
     mm_processor_kwargs: Any = None
     prompt_embeds: Any = None
     vllm_xargs: Any = None
+    watermarking: Any = None
+    logprob_token_ids: Any = None
+    return_weight_versions: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    ec_transfer_params: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_int64(cls, seed: int | None) -> int | None:
+        if seed is not None and not INT64[0] <= seed <= INT64[1]:
+            raise ValueError(f"must be an integer within int64 [{INT64[0]}, {INT64[1]}], got {seed}")
+        return seed
 
     def refusal(self) -> tuple[str, str] | None:
         """(field, message) for the first unsupported field set to something it cannot do, else None."""
@@ -158,12 +211,20 @@ class _Request(BaseModel):
                 return name, f"{name} is not supported: {why}"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options only apply to a streamed response; send stream: true too"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            return "stream_options.continuous_usage_stats", ("continuous_usage_stats puts usage on every chunk of a "
+                                                             "stream that reports usage; send include_usage: true "
+                                                             "too")
         given = [name for name in ("response_format", "structured_outputs", *GUIDED) if self._asks(name)]
         if len(given) > 1:
             return given[1], (f"{' and '.join(given)} each constrain the output; send one of them")
         if self.guided_whitespace_pattern is not None and not any(getattr(self, name) is not None for name in GUIDED):
             return "guided_whitespace_pattern", ("guided_whitespace_pattern shapes a guided_json output; send it "
                                                  "with guided_json (or use structured_outputs.whitespace_pattern)")
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            return "truncation_side", ("truncation_side says which end truncate_prompt_tokens cuts; send it with "
+                                       "truncate_prompt_tokens")
         if self.best_of not in (None, self.n):
             return "best_of", (f"best_of={self.best_of} with n={self.n} is not supported: every completion is "
                                "returned; send best_of equal to n, or none")
@@ -207,8 +268,11 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 class CompletionRequest(_Request):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: StrictInt | None = Field(default=16, ge=0)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (--max-logprobs)
     echo: StrictBool = False
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
 
     @model_validator(mode="before")
     @classmethod
@@ -246,8 +310,10 @@ def _prompt_item_kind(item: Any) -> str | None:
 
 
 class ChatMessage(BaseModel):
+    """Any role: the chat template decides what it renders (a role it drops is refused, see prompts.py)."""
+
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -285,7 +351,9 @@ class ChatCompletionRequest(_Request):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (--max-logprobs)
+    echo: StrictBool = False  # vLLM's: the last message's content in front of the reply, when it is the reply's role
+    return_prompt_text: StrictBool | None = None  # vLLM's: the prompt the chat template rendered
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template: str | None = None
@@ -304,7 +372,8 @@ class ChatCompletionRequest(_Request):
     store: Any = None
     metadata: Any = None
     service_tier: Any = None
-    echo: Any = None
+    media_io_kwargs: Any = None
+    include_reasoning: Any = None
 
     def unknown_fields(self) -> list[str]:
         inner = {f"messages[].{k}" for m in self.messages for k in (m.model_extra or ())}
@@ -345,21 +414,41 @@ class ChatCompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template as /v1/chat/completions does."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # prompt: true; messages: false (the template writes them)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
     return_token_strs: StrictBool = False
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt or messages")
+        chat_only = [name for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
+                     if self.prompt is not None and getattr(self, name) not in (None, False)]
+        if chat_only:
+            raise ValueError(f"{chat_only[0]} shapes how messages are rendered; send it with messages, not prompt")
+        for name in ("media_io_kwargs", "mm_processor_kwargs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported: {TEXT_ONLY}")
         return self
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request whose prompt this is (chat_prompt renders both alike)."""
+        return ChatCompletionRequest.model_construct(  # the fields not named keep their defaults
+            messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message, chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs, tools=self.tools, add_special_tokens=self.add_special_tokens)
 
 
 class DetokenizeRequest(BaseModel):

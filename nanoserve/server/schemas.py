@@ -44,6 +44,8 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason
     stop_reason: str | int | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids: the generated ids
 
 
 class CompletionResponse(BaseModel):
@@ -92,6 +94,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the generated ids
 
 
 class ChatResponse(BaseModel):
@@ -102,6 +105,8 @@ class ChatResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_text: str | None = None  # with return_prompt_text: what the chat template rendered
 
 
 class ModelCard(BaseModel):

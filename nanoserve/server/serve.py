@@ -28,7 +28,8 @@ class Server:
                  api_key: str | None = None, served_model_name: str | None = None, max_waiting: int = 256,
                  progress=None, trust_request_chat_template: bool = False, shutdown_timeout: float = 10.0,
                  tool_call_parser: str | None = None,
-                 limit_concurrency: int | None = 1000, header_timeout: float = 15.0):
+                 limit_concurrency: int | None = 1000, header_timeout: float = 15.0,
+                 prompt_tokens_details: bool = True):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases.
 
         On a stop, requests in flight get `shutdown_timeout` seconds to finish before they are aborted.
@@ -52,7 +53,7 @@ class Server:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # what a client here sends
         self.app = build_app(self.host, self.model_name, api_key=api_key,
                              trust_request_chat_template=trust_request_chat_template,
-                             tool_call_parser=tool_call_parser)
+                             tool_call_parser=tool_call_parser, prompt_tokens_details=prompt_tokens_details)
         self.address = (host, self.socket.getsockname()[1])
         config = uvicorn.Config(self.app, host=host, port=self.address[1], log_level="warning",
                                 http=header_timeout_protocol(header_timeout), limit_concurrency=limit_concurrency,
