@@ -23,7 +23,7 @@ def hostile_bodies(max_model_len: int) -> list[tuple[str, str, bytes | None, dic
          *_json(f'{{"prompt": [1], "max_tokens": {max_model_len + 10}}}'), 400),
         ("unknown model", completions, *_json('{"model": "gpt-9", "prompt": "hi"}'), 404),
         ("no messages", chat, *_json('{"messages": []}'), 400),
-        ("unknown role", chat, *_json('{"messages": [{"role": "wizard", "content": "hi"}]}'), 400),
+        ("a role that is no string", chat, *_json('{"messages": [{"role": 5, "content": "hi"}]}'), 400),
         ("tools, which are refused", chat,
          *_json('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}'), 400),
         ("deeply nested JSON", completions, *_json('{"prompt": ' + "[" * 2000 + "]" * 2000 + "}"), 400),
