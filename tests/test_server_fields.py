@@ -195,9 +195,42 @@ def exchange(server, seen, path: str, body: dict) -> tuple:
     """The response (status and body, ids and times blanked) and what the engine was asked to run."""
     seen.clear()
     r = httpx.post(server.url + path, json=body, timeout=60)
-    text = _VOLATILE.sub(r'"\1": _', r.text)
+    text = _VOLATILE.sub(r'"\1": _', _unframed(r.text) if body.get("stream") else r.text)
     return r.status_code, text, [(p, params, user, rid if body.get("request_id") else None)
                                  for p, params, user, rid in seen]
+
+
+def _unframed(sse: str) -> str:
+    """A stream with consecutive text-only chunks joined: a reader that falls behind gets several steps' deltas
+    in one chunk (server/collector.py), so how the text was framed depends on timing, and what it says does not."""
+    events = [e[len("data: "):] for e in sse.split("\n\n") if e.startswith("data: ")]
+    out: list = []
+    for event in events:
+        chunk = json.loads(event) if event != "[DONE]" else event
+        if out and _text_only(out[-1]) and _text_only(chunk, last_may_finish=True) \
+                and out[-1]["choices"][0].get("index") == chunk["choices"][0].get("index"):
+            _append_text(out[-1], chunk)
+        else:
+            out.append(chunk)
+    return "\n".join(c if isinstance(c, str) else json.dumps(c) for c in out)
+
+
+def _text_only(chunk, last_may_finish: bool = False) -> bool:
+    if not isinstance(chunk, dict) or chunk.get("usage") or len(chunk.get("choices", ())) != 1:
+        return False
+    choice = chunk["choices"][0]
+    if choice.get("logprobs") is not None or (choice.get("finish_reason") is not None and not last_may_finish):
+        return False
+    return "text" in choice or set(choice.get("delta", {})) == {"content"}
+
+
+def _append_text(into: dict, chunk: dict) -> None:
+    old, new = into["choices"][0], chunk["choices"][0]
+    if "text" in old:
+        old["text"] += new["text"]
+    else:
+        old["delta"]["content"] += new["delta"]["content"]
+    old["finish_reason"] = new.get("finish_reason")
 
 
 def walk(server, seen, path, base, table, model_cls, nest=None):

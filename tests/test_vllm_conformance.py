@@ -156,6 +156,10 @@ def test_logprobs_minus_one_is_the_whole_vocabulary_within_max_logprobs(server, 
     assert [len(c["top_logprobs"]) for c in chat["choices"][0]["logprobs"]["content"]] == [vocab, vocab]
     prompt = post(open_server, "/v1/completions", {**COMPLETION, **short, "prompt_logprobs": -1}).json()
     assert len(prompt["choices"][0]["prompt_logprobs"][1]) == vocab
+    echoed = post(open_server, "/v1/completions", {**COMPLETION, **short, "echo": True, "logprobs": -1,
+                                                   "return_tokens_as_token_ids": True}).json()
+    tops = echoed["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops[0] is None and {len(t) for t in tops[1:]} == {vocab}  # the echoed prompt's positions too
 
 
 def test_a_wrong_type_names_what_the_field_takes(server):

@@ -27,9 +27,11 @@ def engine_max_tokens(body: CompletionRequest, room: int) -> int:
 
 
 def prompt_logprobs_wanted(body: CompletionRequest) -> int | None:
-    """Echo with logprobs needs the prompt's logprobs (vLLM: prompt_logprobs = logprobs)."""
+    """Echo with logprobs needs the prompt's logprobs (vLLM: prompt_logprobs = logprobs); the wider of the two
+    asks wins, and -1 (the whole vocabulary) is the widest."""
     if body.echo and body.logprobs is not None:
-        return max(body.logprobs, body.prompt_logprobs or 0)
+        asks = (body.logprobs, body.prompt_logprobs or 0)
+        return -1 if -1 in asks else max(asks)
     return body.prompt_logprobs
 
 
