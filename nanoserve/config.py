@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.errors import ConfigError
-from nanoserve.reads.dispatch import check_read_block
+from nanoserve.reads.dispatch import STREAMED_NOT_INVARIANT, check_read_block
 from nanoserve.sampling_params import MAX_LOGPROBS
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
@@ -73,6 +73,10 @@ class EngineConfig:
                                             "-1: no limit, so logprobs -1 returns the whole vocabulary")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix another request already "
                                               "computed (full blocks, named by content; as vLLM, on by default)")
+    batch_invariant: bool = _flag(False, "deterministic: a row's numbers depend only on its own tokens, never on "
+                                         "the rows beside it, the chunk boundaries, the prefix cache or timing at "
+                                         "load (README: Determinism); off: kernels chosen by a call's rows and by "
+                                         "timing at load")
     decode_buckets: bool = _flag(False, "pad decode-only steps up to a closed set of shapes (rows x table width)")
     persistent_inputs: bool = _flag(False, "decode inputs and block table live in buffers written in place")
     row_compaction: bool = _flag(False, "decode rows keep their table row; a leaving row's place takes the last row")
@@ -138,6 +142,8 @@ class EngineConfig:
             raise ConfigError("CUDA-graph capture under tensor parallelism is not built yet; use cuda_graphs with "
                               "tensor_parallel_size 1, or the other decode switches (buckets, persistent inputs, "
                               "compaction), which work per rank")
+        if self.streamed_read and self.batch_invariant:
+            raise ConfigError(STREAMED_NOT_INVARIANT)
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; choose one of "
                               f"{', '.join(QUANTIZATIONS)}")

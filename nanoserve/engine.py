@@ -16,7 +16,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.decode.capture import CapturedDecode
 from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, RequestError
-from nanoserve.kv.cache import KVCache, blocks_from_budget
+from nanoserve.kv.cache import KVCache, blocks_from_budget, kv_layout
 from nanoserve.kv.pool import BlockPool
 from nanoserve.model.batch import PrefillSegment, StepBatch, general_batch
 from nanoserve.model.loader import LoadedModel, load_model, peek_config
@@ -71,7 +71,7 @@ class Engine:
         """`progress`, when given, hears each start-up phase ("loading weights", "sizing the KV pool", ...)."""
         self.config = config = config or EngineConfig()
         self.device = config.torch_device()
-        self.read = paged_read_for(config.streamed_read, config.read_block, self.device)
+        self.read = paged_read_for(config.streamed_read, config.read_block, self.device, config.batch_invariant)
         self._progress = progress or (lambda phase: None)
         started = time.monotonic()
         self.parallel: ParallelGroup | None = None
@@ -85,8 +85,10 @@ class Engine:
         self.dtype = next(self.model.parameters()).dtype
         self._progress("sizing the KV pool")
         num_blocks = self._size_pool()
-        self.cache = KVCache(self.model.config, num_blocks, config.block_size, self.dtype, self.device)
-        self.numerics = numerics_of(self.model, self.cache.k.dtype)
+        self.cache = KVCache(self.model.config, num_blocks, config.block_size, self.dtype, self.device,
+                             kv_layout(config))
+        self.not_invariant = self._invariance()
+        self.numerics = numerics_of(self.model, self.cache.k.dtype, self._determinism())
         if self.parallel is not None:
             self.parallel.build_pools(self.model, self.cache)
         self.pool = BlockPool(num_blocks, config.block_size)
@@ -121,13 +123,31 @@ class Engine:
             config.block_size, self.max_model_len, time.monotonic() - started,
         )
 
+    def _invariance(self) -> str | None:
+        """Why this engine is not batch-invariant (the flag off, or a kernel of this machine), or None."""
+        if not self.config.batch_invariant:
+            return "--no-batch-invariant"
+        from nanoserve.invariance import report
+
+        reason = report(self.model, self.device)
+        if reason is not None:
+            log.warning("batch invariance does not hold here: %s; outputs may depend on the batch", reason)
+        return reason
+
+    def _determinism(self) -> str:
+        if self.not_invariant is None:
+            return "batch-invariant"
+        if not self.config.batch_invariant:
+            return "not batch-invariant (--no-batch-invariant)"
+        return f"not batch-invariant here: {self.not_invariant}"
+
     def _load(self, config: EngineConfig) -> LoadedModel:
         """The model, or under tensor parallelism this rank's part of it, with the other ranks started and
         loading theirs. A size that does not divide the model is refused before any process starts."""
         if config.tensor_parallel_size == 1:
             self._progress("loading weights")
             return load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
-                              config.quantization)
+                              config.quantization, invariant=config.batch_invariant)
         shapes = peek_config(config.model)
         check_divisible(shapes, config.tensor_parallel_size)
         self._progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
@@ -136,7 +156,8 @@ class Engine:
         try:
             with self.parallel.own_threads():
                 loaded = load_model(config.model, config.torch_dtype, self.device, config.max_model_len,
-                                    config.quantization, shard=self.parallel.shard)
+                                    config.quantization, shard=self.parallel.shard,
+                                    invariant=config.batch_invariant)
         except Exception as e:
             self.parallel.confirm(f"{type(e).__name__}: {e}", "load")  # stops the other ranks, then raises
             raise
@@ -187,16 +208,18 @@ class Engine:
         table, and indexing past it is a device-side assert on CUDA that poisons the process. The step's size,
         which is what sets its peak, is unchanged."""
         n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
-        cache = KVCache(self.model.config, 2, self.config.block_size, self.dtype, self.device)
+        cache = KVCache(self.model.config, 2, self.config.block_size, self.dtype, self.device,
+                        kv_layout(self.config))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device) % self.model.rope.cos.shape[0]
         batch = StepBatch(
             input_ids=ids, positions=positions, slots=ids % self.config.block_size,
             num_decode=0, decode_block_table=ids[:0, None], decode_context_lens=ids[:0],
             prefills=(PrefillSegment(0, n, 0),), logits_indices=ids[-1:],
+            prefill_blocks=(torch.zeros(-(-n // self.config.block_size), dtype=torch.long, device=self.device),),
         )
         with torch.inference_mode():
-            self.forward(batch, cache, PagedRead("gathered"))
+            self.forward(batch, cache, PagedRead("gathered", invariant=self.config.batch_invariant))
         del cache
 
     def _decode_fast_path(self, cache: KVCache, max_model_len: int):
@@ -220,7 +243,8 @@ class Engine:
         self._progress("measuring the CUDA-graph pool")
         longest = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
-        scratch = KVCache(self.model.config, 2, self.config.block_size, self.dtype, self.device)
+        scratch = KVCache(self.model.config, 2, self.config.block_size, self.dtype, self.device,
+                          kv_layout(self.config))
         path, captured = self._decode_fast_path(scratch, longest)
         captured.capture(shapes=[max(path.buckets.shapes)])
         reserve = captured.stats.pool_bytes

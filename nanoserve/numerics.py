@@ -31,8 +31,9 @@ def _form(module: nn.Module) -> str:
     return _name(module.weight.dtype)
 
 
-def numerics_of(model: nn.Module, kv_dtype: torch.dtype) -> Numerics:
-    """`model` as loaded (a decoder with `layers`, `embed_tokens`, `lm_head`) and its KV cache's dtype."""
+def numerics_of(model: nn.Module, kv_dtype: torch.dtype, determinism: str = "") -> Numerics:
+    """`model` as loaded (a decoder with `layers`, `embed_tokens`, `lm_head`), its KV cache's dtype, and what
+    the engine says of its determinism (see Engine)."""
     model_dtype = _name(model.embed_tokens.weight.dtype)
     linears = Counter(_form(m) for m in model.layers.modules() if isinstance(m, LINEARS))
     main = "+".join(form for form, _ in linears.most_common()) or model_dtype
@@ -44,4 +45,4 @@ def numerics_of(model: nn.Module, kv_dtype: torch.dtype) -> Numerics:
     if cast and _name(ACT) != model_dtype:
         where = "linears" if any(isinstance(m, PackedLinear) for m in cast) else "the head"
         activations = f"{_name(ACT)} in {where}, {model_dtype}"
-    return Numerics(weights, activations, _name(kv_dtype))
+    return Numerics(weights, activations, _name(kv_dtype), determinism)

@@ -93,9 +93,11 @@ class Numerics:
     weights: str  # e.g. "int4 (head bfloat16, rest float32)": the decoder linears' form first
     activations: str  # e.g. "bfloat16 in linears, float32"
     kv_cache: str
+    determinism: str = ""  # "batch-invariant", or why not (the flag off, or a kernel of this machine)
 
     def text(self) -> str:
-        return f"weights {self.weights} · activations {self.activations} · KV {self.kv_cache}"
+        tail = f" · {self.determinism}" if self.determinism else ""
+        return f"weights {self.weights} · activations {self.activations} · KV {self.kv_cache}{tail}"
 
 
 @dataclass(frozen=True)

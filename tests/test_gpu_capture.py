@@ -45,7 +45,8 @@ def test_replay_equals_eager_with_the_streamed_read(ckpt, crowd):
     """The streamed kernel inside the graphs, one shape per row bucket (no width axis): the same tokens as the
     same decode path run eager, so only the capture differs."""
     prompts, params = [p for p, _ in MIXED[:crowd]], [s for _, s in MIXED[:crowd]]
-    path = dict(decode_buckets=True, persistent_inputs=True, row_compaction=True, streamed_read=True, max_num_seqs=16)
+    path = dict(decode_buckets=True, persistent_inputs=True, row_compaction=True, streamed_read=True, batch_invariant=False,
+                max_num_seqs=16)
     eager_llm = cuda_llm(ckpt, **path)
     eager = eager_llm.generate(prompts, params)
     assert eager_llm.engine.captured is None
@@ -138,10 +139,10 @@ def test_every_graph_writes_one_shared_logits_buffer_and_the_pool_counts_it(ckpt
 def test_capture_and_the_streamed_read_run_on_a_second_device(ckpt, streamed):
     """Capture on cuda:1 while cuda:0 is current: every call names the engine's device."""
     prompts, params = [p for p, _ in MIXED[:5]], [s for _, s in MIXED[:5]]
-    want = tokens(cuda_llm(ckpt, streamed_read=streamed).generate(prompts, params))
+    want = tokens(cuda_llm(ckpt, streamed_read=streamed, batch_invariant=not streamed).generate(prompts, params))
     torch.cuda.set_device(0)
     llm = make(ckpt, device="cuda:1", dtype="float32", kv_cache_gib=0.05, cuda_graphs=True, max_num_seqs=16,
-               streamed_read=streamed)
+               streamed_read=streamed, batch_invariant=not streamed)
     assert llm.engine.captured.logits.device == torch.device("cuda:1")
     assert tokens(llm.generate(prompts, params)) == want
     assert llm.engine.stats().as_dict()["capture"]["replays"] > 0

@@ -15,7 +15,14 @@ from nanoserve.errors import ConfigError
 from nanoserve.reads.dispatch import PagedRead
 from nanoserve.reads.streamed import streamed_decode
 from tests.helpers import counters
-from tests.test_engine_crowd import MIXED, assert_same, make
+from tests.test_engine_crowd import MIXED, assert_same
+from tests.test_engine_crowd import make as crowd_make
+
+
+def make(path, **flags):
+    """An engine without batch invariance: the two reads compared here are its reads (the streamed read is
+    refused beside the batch-invariant attention)."""
+    return crowd_make(path, **{"batch_invariant": False, **flags})
 
 
 def dense_oracle(q, k_cache, v_cache, table, lens, scale):
@@ -132,7 +139,7 @@ def test_two_live_servers_one_flag_apart_send_identical_bytes(tiny_checkpoint):
     from nanoserve.bench.ab import ab_requests, pick_prompts, run_ab, variant
 
     base = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.01, device="cpu",
-                        max_num_seqs=4)
+                        max_num_seqs=4, batch_invariant=False)  # the two reads of the engine without invariance
     result = run_ab(base, variant(base, "streamed_read=on read_block=16"), ab_requests(pick_prompts(8), 16),
                     concurrency=6)
     assert result.all_identical, [v.label for v in result.verdicts]
@@ -142,5 +149,5 @@ def test_two_live_servers_one_flag_apart_send_identical_bytes(tiny_checkpoint):
 
 def test_llm_api_accepts_the_flags(tiny_checkpoint):
     llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01, streamed_read=True,
-              read_block=32)
+              batch_invariant=False, read_block=32)
     assert llm.engine.read.mode == "streamed" and llm.engine.read.block == 32

@@ -13,18 +13,41 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
-class KVCache:
-    """K and V as [layers, blocks, block_size, kv_heads, head_dim]; a token's slot is block * block_size + offset."""
+LAYOUTS = ("slots", "heads")
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+def kv_layout(config) -> str:
+    """The layout an EngineConfig's attention reads: head-major for the batch-invariant attention."""
+    return "heads" if config.batch_invariant else "slots"
+
+
+class KVCache:
+    """K and V for every layer; a token's slot is block * block_size + offset.
+
+    Two layouts: "slots" keeps [layers, blocks, block_size, kv_heads, head_dim] (a slot's heads side by side: the
+    gathered and streamed reads), "heads" keeps [layers, kv_heads, blocks, block_size, head_dim] (a head's blocks
+    side by side: the batch-invariant attention gathers one contiguous span per kv head and row).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 layout: str = "slots"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"KV layout {layout!r} is not one of {LAYOUTS}")
+        kv, dim = cfg.num_kv_heads, cfg.head_dim
+        shape = (cfg.num_layers, num_blocks, block_size, kv, dim) if layout == "slots" else \
+            (cfg.num_layers, kv, num_blocks, block_size, dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layout = layout
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # each layer's storage as [slots, kv_heads, head_dim], viewed once instead of on every write
-        self._k_slots = [layer.view(-1, *shape[-2:]) for layer in self.k]
-        self._v_slots = [layer.view(-1, *shape[-2:]) for layer in self.v]
+        self.kv_heads = kv
+        # each layer's storage as rows the write indexes, viewed once instead of on every write:
+        # [slots, kv_heads, head_dim] ("slots") or [kv_heads * slots, head_dim] ("heads")
+        rows = (-1, kv, dim) if layout == "slots" else (-1, dim)
+        self._k_rows = [layer.view(*rows) for layer in self.k]
+        self._v_rows = [layer.view(*rows) for layer in self.v]
+        self._head_slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, their head-major rows)
 
     @property
     def nbytes(self) -> int:
@@ -32,8 +55,22 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store this step's K/V rows ([tokens, kv_heads, head_dim]) at their slots."""
-        self._k_slots[layer].index_copy_(0, slots, k)
-        self._v_slots[layer].index_copy_(0, slots, v)
+        if self.layout == "slots":
+            self._k_rows[layer].index_copy_(0, slots, k)
+            self._v_rows[layer].index_copy_(0, slots, v)
+            return
+        rows = self._rows_of(slots)
+        self._k_rows[layer].index_copy_(0, rows, k.transpose(0, 1).reshape(-1, k.shape[-1]))
+        self._v_rows[layer].index_copy_(0, rows, v.transpose(0, 1).reshape(-1, v.shape[-1]))
+
+    def _rows_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The head-major rows of `slots` (head h of slot s is row h * slots_per_head + s), computed once a step:
+        every layer writes the same slots."""
+        if self._head_slots is None or self._head_slots[0] is not slots:
+            per_head = self.num_blocks * self.block_size
+            heads = torch.arange(self.kv_heads, device=slots.device)[:, None] * per_head
+            self._head_slots = (slots, (slots[None, :] + heads).reshape(-1))
+        return self._head_slots[1]
 
 
 def blocks_from_budget(cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:

@@ -73,7 +73,19 @@ class FastAttributes:
 
 
 class Linear(FastAttributes, nn.Linear):
-    """nn.Linear with FastAttributes (the dense projections and the output head)."""
+    """nn.Linear with FastAttributes (the dense projections and the output head), its rows padded to
+    `row_multiple` (nanoserve/model/rows.py)."""
+
+    row_multiple = 1
+
+    @property
+    def matmul_dtype(self):
+        return self.weight.dtype
+
+    def forward(self, x):
+        from nanoserve.model.rows import linear_rows
+
+        return linear_rows(x, self.weight, self.bias, self.row_multiple)
 
 
 class Embedding(FastAttributes, nn.Embedding):

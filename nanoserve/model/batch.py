@@ -37,6 +37,7 @@ class StepBatch:
     prefills: tuple[PrefillSegment, ...]
     logits_indices: torch.Tensor  # [sampled rows] which tokens' hidden states become logits
     shared_pasts: tuple[SharedPast, ...] = ()  # continuing segments grouped by the cache blocks of their pasts
+    prefill_blocks: tuple[torch.Tensor, ...] = ()  # each segment's sequence's blocks (the batch-invariant path)
 
 
 def decode_rows(requests: list, positions: list[int], block_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -67,7 +68,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         _mark_prompt(c, row, prompt_at, prompt_rows)
     width = max((-(-n // bs) for n in lens), default=0)
     table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
-    segments, tables = [], []
+    segments, tables, blocks = [], [], []
     for c in prefills:
         req = c.request
         start = len(ids)
@@ -76,6 +77,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         positions.extend(span)
         slots.extend(req.blocks[p // bs] * bs + p % bs for p in span)
         tables.append(req.blocks)
+        blocks.append(torch.tensor(req.blocks[: -(-(c.start + c.length) // bs)], dtype=torch.long, device=device))
         segments.append(PrefillSegment(start, c.length, c.start))
         _mark(c, len(ids) - 1, logits_at, sampled)
         _mark_prompt(c, start, prompt_at, prompt_rows)
@@ -89,6 +91,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         prefills=tuple(segments),
         logits_indices=torch.tensor(logits_at + prompt_at, dtype=torch.long, device=device),
         shared_pasts=share_pasts(segments, tables, bs, device),
+        prefill_blocks=tuple(blocks),
     )
     return batch, sampled, prompt_rows
 

@@ -46,7 +46,9 @@ class Attention(FastAttributes, nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         cache.write(self.layer, k, v, batch.slots)
         nd = batch.num_decode
-        if nd == tokens:
+        if read.invariant:  # every token, decode or prefill, the one way (nanoserve/attention/invariant.py)
+            out = read.attend(q, cache.k[self.layer], cache.v[self.layer], self.scale)
+        elif nd == tokens:
             out = read.decode(q, cache.k[self.layer], cache.v[self.layer], self.scale)
         else:
             parts = []
@@ -131,7 +133,7 @@ class CausalLM(FastAttributes, nn.Module):
             group, start = self.vocab_parallel
             x = group.embed(self.embed_tokens, batch.input_ids, start)
         rope = self.rope.table(batch.positions, x.dtype)
-        step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size)
+        step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache)
         for layer in self.layers:
             x = layer(x, rope, batch, cache, step_read)
         x = x[batch.logits_indices]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.attrs import FastAttributes
+from nanoserve.model.rows import linear_rows
 
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
@@ -58,8 +59,14 @@ class MergedLinear(FastAttributes, nn.Module):
             raise ValueError(f"{shard}.{kind} has shape {tuple(tensor.shape)}, expected {expected}")
         target.data[lo:hi].copy_(tensor)
 
+    row_multiple = 1  # rows of a call are padded to this (nanoserve/model/rows.py); set at load
+
+    @property
+    def matmul_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_rows(x, self.weight, self.bias, self.row_multiple)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

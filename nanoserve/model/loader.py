@@ -17,6 +17,7 @@ from nanoserve.model.decoder import CausalLM
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.layers import MergedLinear, RotaryEmbedding
 from nanoserve.model.quant import QuantBlocks, QuantStats, install_quantized, int4_supported, int8_supported
+from nanoserve.model.rows import pad_dense_rows
 from nanoserve.parallel.shard import TensorShard, pad_rows
 from nanoserve.tokenizer import Tokenizer
 
@@ -82,6 +83,7 @@ DtypeChoice = Callable[[str | None], torch.dtype]
 def load_model(
     path: str | os.PathLike | None, dtype: torch.dtype | DtypeChoice, device: torch.device,
     max_positions: int | None = None, quantization: str = "none", shard: TensorShard | None = None,
+    invariant: bool = False,
 ) -> LoadedModel:
     """Load config, weights and tokenizer.
 
@@ -93,6 +95,9 @@ def load_model(
     With a `shard` (tensor parallelism) the model is one rank's part: built with the local sizes, holding only
     its slices of the weights (read as slices where the format allows); `LoadedModel.config` stays the whole
     model's, `LoadedModel.model.config` is the part's.
+
+    `invariant` builds the model batch-invariant: kernels chosen by machine, shape and dtype only (see
+    install_quantized and nanoserve/model/rows.py).
     """
     supported = {"auto": int4_supported, "int4": int4_supported, "int8": int8_supported}
     if quantization != "none" and not supported[quantization](device):
@@ -102,8 +107,12 @@ def load_model(
         quantization = "none"
     p, name = _resolve(path)
     if p.is_file():
-        return _load_gguf(p, dtype, device, max_positions, quantization, shard)
-    return _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard)
+        loaded = _load_gguf(p, dtype, device, max_positions, quantization, shard, invariant)
+    else:
+        loaded = _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard, invariant)
+    if invariant:
+        pad_dense_rows(loaded.model, device)
+    return loaded
 
 
 def _resolve(path) -> tuple[Path, str | None]:
@@ -137,7 +146,8 @@ def peek_config(path: str | os.PathLike | None) -> ModelConfig:
         raise CheckpointError(f"{p}/config.json cannot be read ({e}); pass a complete checkpoint directory") from None
 
 
-def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=None) -> LoadedModel:
+def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=None,
+               invariant: bool = False) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
@@ -152,11 +162,12 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=N
     )
     local = shard.local_config(config) if shard is not None else config
     model, quant = _build(local, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
-                          head_blocks=ckpt.head_blocks)
+                          head_blocks=ckpt.head_blocks, invariant=invariant)
     return LoadedModel(p.stem, config, model, tokenizer, quant)
 
 
-def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str, shard=None) -> LoadedModel:
+def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str, shard=None,
+                 invariant: bool = False) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -172,7 +183,7 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization:
     tokenizer = Tokenizer.from_dir(p)
     local = shard.local_config(config) if shard is not None else config
     model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, device, max_positions,
-                          quantization)
+                          quantization, invariant=invariant)
     return LoadedModel(name, config, model, tokenizer, quant)
 
 
@@ -211,7 +222,7 @@ def _read_slice(f, key: str, shard: TensorShard, vocab: int) -> torch.Tensor:
 
 
 def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none",
-           head_blocks: QuantBlocks | None = None) -> tuple[CausalLM, QuantStats | None]:
+           head_blocks: QuantBlocks | None = None, invariant: bool = False) -> tuple[CausalLM, QuantStats | None]:
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
         model = CausalLM(config, positions)
@@ -234,7 +245,7 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         model.lm_head.weight = model.embed_tokens.weight
     if head_blocks is not None:
         kept["lm_head"] = {"weight": head_blocks}
-    quant = install_quantized(model, kept, quantization) if quantization != "none" else None
+    quant = install_quantized(model, kept, quantization, invariant) if quantization != "none" else None
     return model.eval(), quant
 
 

@@ -70,7 +70,8 @@ def batch_to(batch, device: torch.device, copy: bool = False):
                                            for f in dataclasses.fields(obj)
                                            if isinstance(getattr(obj, f.name), torch.Tensor)})
 
-    return dataclasses.replace(moved(batch), shared_pasts=tuple(moved(p) for p in batch.shared_pasts))
+    return dataclasses.replace(moved(batch), shared_pasts=tuple(moved(p) for p in batch.shared_pasts),
+                               prefill_blocks=tuple(b.to(device, copy=copy) for b in batch.prefill_blocks))
 
 
 def serve(rank: int, world: int, init_method: str, timeout_s: float, device_type: str = "cpu",
@@ -106,7 +107,7 @@ def load_shard(group: TensorGroup, config, device: torch.device):
     shard = TensorShard(group.rank, group.world)
     try:
         loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len, config.quantization,
-                            shard=shard)
+                            shard=shard, invariant=config.batch_invariant)
     except Exception as e:
         group.report_failure(e)
         group.gather_status("load", f"{type(e).__name__}: {e}")
@@ -118,23 +119,24 @@ def load_shard(group: TensorGroup, config, device: torch.device):
 
 def run_steps(group: TensorGroup, config, loaded, device: torch.device) -> int:
     """Every message rank 0 sends, until STOP: build the KV pool, then run each step's forward."""
-    from nanoserve.kv.cache import KVCache
+    from nanoserve.kv.cache import KVCache, kv_layout
     from nanoserve.reads.dispatch import paged_read_for
 
     model, vocab = loaded.model, loaded.config.vocab_size
     dtype = next(model.parameters()).dtype
-    read = paged_read_for(config.streamed_read, config.read_block, device)
+    read = paged_read_for(config.streamed_read, config.read_block, device, config.batch_invariant)
     cache = None
     while True:
         message = group.receive()
         if message == STOP:
             return 0
         if isinstance(message, Pool):
-            cache = KVCache(model.config, message.num_blocks, config.block_size, dtype, device)
+            cache = KVCache(model.config, message.num_blocks, config.block_size, dtype, device, kv_layout(config))
             group.gather_status("KV pool", memory_of(model, cache))
             continue
         step_cache = cache if cache is not None and cache.num_blocks == message.cache_blocks else \
-            KVCache(model.config, message.cache_blocks, config.block_size, dtype, device)  # the CUDA warm-up's
+            KVCache(model.config, message.cache_blocks, config.block_size, dtype, device,
+                    kv_layout(config))  # the CUDA warm-up's
         with torch.inference_mode():
             logits = model(batch_to(message.batch, device), step_cache, read)
         group.gather_logits(logits.float(), vocab)

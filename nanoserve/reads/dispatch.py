@@ -17,6 +17,9 @@ from nanoserve.reads.gathered import gathered_decode, gathered_mask
 from nanoserve.reads.tiled import tiled_decode
 
 READ_MODES = ("gathered", "streamed")
+STREAMED_NOT_INVARIANT = (
+    "streamed_read walks the KV tiles with an online softmax, whose sums differ in the last bits from the "
+    "batch-invariant attention's; run or A/B the streamed read without batch_invariant (--no-batch-invariant)")
 
 
 def check_read_block(block: int | None) -> None:
@@ -75,30 +78,40 @@ def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, bloc
     return tiled_decode(q, k_cache, v_cache, block_table, context_lens, scale, block)
 
 
-def paged_read_for(streamed: bool, block: int, device: torch.device) -> PagedRead:
+def paged_read_for(streamed: bool, block: int, device: torch.device, invariant: bool = False) -> PagedRead:
     """The read a config asks for on `device`. On CUDA the streamed read is the Triton kernel, so Triton is
-    required here, at start-up, not at the first decode step; elsewhere it is the torch twin (tiled.py)."""
+    required here, at start-up, not at the first decode step; elsewhere it is the torch twin (tiled.py).
+    `invariant`: the batch-invariant attention (nanoserve/attention/invariant.py) serves decode and prefill."""
     if not streamed:
-        return PagedRead("gathered")
+        return PagedRead("gathered", invariant=invariant)
     if device.type == "cuda":
         require("triton", "--streamed-read on CUDA (the compiled kernel)")
-    return PagedRead("streamed", block)
+    return PagedRead("streamed", block, invariant=invariant)
 
 
 class PagedRead:
     """Owns the read mode and dispatches decode attention to it, counting as it goes."""
 
-    def __init__(self, mode: str = "gathered", block: int | None = None):
+    def __init__(self, mode: str = "gathered", block: int | None = None, invariant: bool = False):
         if mode not in READ_MODES:
             raise ValueError(f"read mode {mode!r} is not available; choose one of {READ_MODES}")
         if mode == "streamed":
             check_read_block(block)
+            if invariant:
+                raise ConfigError(STREAMED_NOT_INVARIANT)
         self.mode = mode
+        self.invariant = invariant
         self.block = block if mode == "streamed" else None
         self._calls = self._rows = self._score = self._held = 0
 
-    def step(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> StepRead:
-        """This read over one step's decode rows, for every layer of the step to call (see StepRead)."""
+    def step(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, batch=None,
+             cache=None) -> StepRead:
+        """This read over one step's decode rows, for every layer of the step to call (see StepRead); when
+        batch-invariant, the invariant attention over the whole step (`batch` and `cache` are then needed)."""
+        if self.invariant:
+            from nanoserve.attention.invariant import InvariantStep
+
+            return InvariantStep(self, batch, cache)
         return StepRead(self, block_table, context_lens, block_size)
 
     def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
@@ -138,6 +151,8 @@ class StepRead:
     What depends only on the rows, not on the layer (the gathered read's mask), is built by the first layer's
     call and reused by the others; it lives only as long as the step's forward, inside a captured graph too.
     """
+
+    invariant = False  # prefill chunks take the model's prefill attention (InvariantStep attends them itself)
 
     def __init__(self, read: PagedRead, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int):
         self.read, self.block_table, self.context_lens = read, block_table, context_lens

@@ -29,6 +29,7 @@ ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128)  # call widths timed once per weight 
 _CROSSOVERS: dict[tuple, int | None] = {}  # (format, out, in, threads) -> rows, measured once a process
 
 
+KEPT_REPEATS = 15  # a choice kept for the machine is timed once: with more care than one for a single load
 DENSE_MARGIN = 0.85  # the dense copy must take at most this share of the packed kernel's time to be chosen
 
 
@@ -121,19 +122,44 @@ class QuantStats:
                 "head_us": dict(self.head_us)}
 
 
+def _timed_head(weight: torch.Tensor, forms: dict, repeats: int = 3) -> tuple[str, dict[str, float]]:
+    """The head's fastest form timed now, and the microseconds a row behind the choice."""
+    times = head_timings(weight, forms, repeats)
+    return min(times, key=times.get), {name: round(t * 1e6, 1) for name, t in times.items()}
+
+
+def _kept_head(weight: torch.Tensor, forms: dict) -> tuple[str, dict[str, float]]:
+    """The head's form as first timed on this machine (kernel_table), so every load picks the same one."""
+    from nanoserve.kernel_table import kept_choice
+
+    name = f"head {'x'.join(map(str, weight.shape))} {str(weight.dtype).removeprefix('torch.')} {'|'.join(forms)}"
+
+    def measure() -> dict:
+        head, us = _timed_head(weight, forms, repeats=KEPT_REPEATS)
+        return {"choice": head, "us": us}
+
+    kept = kept_choice(name, measure)
+    return kept["choice"], kept["us"]
+
+
 def _packed(blocks: QuantBlocks, bias, sizes) -> PackedLinear:
     if isinstance(blocks, Int8Blocks):
         return Int8GroupLinear(blocks, bias, sizes)
     return Int4Linear(blocks, bias, sizes)
 
 
-def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str) -> QuantStats | None:
+def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str,
+                      invariant: bool = False) -> QuantStats | None:
     """Swap the decoder's linears for packed ones. Each whose weights arrived as blocks (`kept`: module path ->
     shard -> blocks) runs on them: 4-bit blocks as an Int4Linear, GGUF Q8_0 as an Int8GroupLinear. Under mode
     "int4" or "int8" every other decoder linear is quantized at load to that format. A merged projection whose
     shards arrived in different forms (some dense, or 4-bit beside 8-bit) stays dense: its blocks are written
     dequantized. The output head takes the fastest of its forms (see head_forms); blocks kept for it under
-    "lm_head" are the file's own. Returns None when nothing was swapped."""
+    "lm_head" are the file's own. Returns None when nothing was swapped.
+
+    `invariant` (batch invariance): every call runs the packed kernel whatever its rows (a dense copy for wide
+    calls would give a row other numbers beside many rows than alone), and the head's form is timed once per
+    machine and kept (nanoserve/kernel_table.py), not timed at each load."""
     from nanoserve.model.layers import MergedLinear
 
     calls = {"int4": 0, "int8": 0, "int8g32": 0, "dense": 0}
@@ -168,7 +194,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
             weight = linear.dequantize()
         else:
             continue
-        rows = dense_crossover(linear, weight)
+        rows = None if invariant else dense_crossover(linear, weight)
         linear.use_dense_from(rows, weight)
         crossover[f"{linear.format} {linear.out_features}x{linear.in_features}"] = rows
         linear.calls, linear.rows = calls, served_rows  # one tally for all: the snapshot reads it without a walk
@@ -181,9 +207,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
         return None
     weight, head_blocks = model.lm_head.weight, kept.get("lm_head", {}).get("weight")
     forms = head_forms(weight, head_blocks, mode)
-    times = head_timings(weight, forms)
-    head_us = {name: round(t * 1e6, 1) for name, t in times.items()}
-    head = min(times, key=times.get)
+    head, head_us = _kept_head(weight, forms) if invariant else _timed_head(weight, forms)
     if head == "own":
         head = str(weight.dtype).removeprefix("torch.")
     else:

@@ -13,6 +13,7 @@ from torch import nn
 
 from nanoserve.model.attrs import FastAttributes
 from nanoserve.model.quant.blocks import GROUP, Int4Blocks, Int8Blocks
+from nanoserve.model.rows import linear_rows
 
 ACT = torch.bfloat16
 
@@ -152,12 +153,15 @@ class BF16Linear(FastAttributes, nn.Module):
     """A dense linear run on a bfloat16 copy of its weight (the output head over a tied, unquantized embedding),
     where it measured fastest for one row (see fastest_head)."""
 
+    matmul_dtype = ACT
+    row_multiple = 1  # rows of a call are padded to this (nanoserve/model/rows.py); set at load
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.register_buffer("weight_bf16", weight.detach().to(ACT).contiguous())
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(ACT), self.weight_bf16).to(x.dtype)
+        return linear_rows(x.to(ACT), self.weight_bf16, None, self.row_multiple).to(x.dtype)
 
 

@@ -1,0 +1,185 @@
+"""Batch-invariant attention: a query's output depends on its own context only, never on what shares the step.
+
+Every query of a step, a decode row or a token of a prefill chunk, is attended the same way over its whole
+context, read from the paged cache after the step's own K/V were written:
+
+- **scores** `s = scale * q.k` for keys [0, span), the span the context rounded up to TILE keys (more for a row in
+  a step with longer rows), keys past the query's position masked to -inf by an additive bias;
+- **weights** `p = softmax(s)` over the span: torch's last-dim softmax reduces one row lane by lane, so masked
+  keys add exact zeros and a longer span changes nothing;
+- **output** `sum over tiles t of p_t @ v_t`, TILE keys a tile, the tiles added in order (a float64 running sum):
+  every values matmul has the same inner length whatever the span, so BLAS adds a query's products in the same
+  order for a decode row alone, in a crowd, or inside a prefill.
+
+The query heads that share a kv head are padded to a multiple of ROW_MULTIPLE rows, the shapes in which BLAS
+computes a row independently of the others (the machine check in nanoserve/invariance.py confirms it here).
+Keys are gathered head-major from a cache laid out [kv_heads, blocks, block_size, head_dim] (KVCache "heads"),
+so each (kv head, row) is one contiguous span and no copy stands between the gather and the matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TILE = 64  # keys a values matmul adds at a time; part of the numerics (changing it changes the last bits)
+ROW_MULTIPLE = 4  # query rows of every matmul are padded to a multiple of this
+QUERY_CHUNK = 128  # prefill tokens scored at once (bounds the [rows, span] scores; changes no number)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def tiled_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """sum_t p_t @ v_t over TILE-wide tiles, added in tile order: p [B, M, S] (S a multiple of TILE), v [B, S, D]."""
+    batch, rows, span = p.shape
+    tiles = span // TILE
+    if tiles == 1:
+        return torch.bmm(p, v)
+    pt = p.view(batch, rows, tiles, TILE).transpose(1, 2).reshape(batch * tiles, rows, TILE)
+    out = torch.bmm(pt, v.reshape(batch * tiles, TILE, v.shape[-1])).view(batch, tiles, rows, -1)
+    return out.cumsum(1).select(1, -1)  # sequential (in float64 for float32), so trailing empty tiles add 0
+
+
+def _gather(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Blocks `ids` of a head-major cache layer [kv_heads, blocks, block_size, dim] (ids already offset by
+    head * blocks), as [len(ids), block_size * dim]."""
+    flat = cache.view(-1, cache.shape[2] * cache.shape[3])
+    return flat.index_select(0, ids) if out is None else torch.index_select(flat, 0, ids, out=out)
+
+
+def head_major_ids(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Block ids [..] -> the same blocks of every kv head in the flattened head-major cache: [kv_heads * n]."""
+    heads = torch.arange(kv_heads, device=blocks.device)[:, None] * num_blocks
+    return (blocks.reshape(1, -1) + heads).reshape(-1)
+
+
+def _grouped(q: torch.Tensor, kv_heads: int, rows_to: int) -> torch.Tensor:
+    """q [tokens, heads, dim] -> [kv_heads, tokens * group (padded to rows_to), dim], rows ordered (token, head)."""
+    tokens, heads, dim = q.shape
+    group = heads // kv_heads
+    qg = q.view(tokens, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, tokens * group, dim)
+    return F.pad(qg, (0, 0, 0, rows_to - tokens * group)) if rows_to != tokens * group else qg
+
+
+class DecodeRows:
+    """One step's decode rows (one query token each) and what every layer shares: the gather index, the mask
+    bias and the gather buffers."""
+
+    def __init__(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                 num_blocks: int, kv_heads: int, group: int):
+        rows, width = block_table.shape
+        self.rows, self.kv_heads, self.group = rows, kv_heads, group
+        self.span = round_up(max(width * block_size, TILE), TILE)
+        if self.span != width * block_size:
+            block_table = F.pad(block_table, (0, self.span // block_size - width))
+        self.ids = head_major_ids(block_table, kv_heads, num_blocks)
+        self.padded_group = round_up(group, ROW_MULTIPLE)
+        hidden = torch.arange(self.span, device=block_table.device)[None, :] >= context_lens[:, None]
+        bias = torch.zeros(rows, self.span, device=block_table.device).masked_fill_(hidden, float("-inf"))
+        self.bias = bias[None, :, None, :].expand(kv_heads, rows, 1, self.span).reshape(kv_heads * rows, 1, self.span)
+        self._buffers: tuple | None = None
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [rows, heads, dim]; one layer's head-major caches -> [rows, heads, dim] in q's dtype."""
+        rows, heads, dim = q.shape
+        kv, g4, span = self.kv_heads, self.padded_group, self.span
+        if self._buffers is None:
+            self._buffers = tuple(torch.empty(self.ids.numel(), k_cache.shape[2] * dim, dtype=k_cache.dtype,
+                                              device=k_cache.device) for _ in range(2))
+        k = _gather(k_cache, self.ids, self._buffers[0]).view(kv * rows, span, dim).float()
+        v = _gather(v_cache, self.ids, self._buffers[1]).view(kv * rows, span, dim).float()
+        qg = _grouped_rows(q.float(), kv, g4)
+        scores = torch.baddbmm(self.bias, qg, k.transpose(1, 2), alpha=scale)
+        out = tiled_values(scores.softmax(-1), v)
+        return out.view(kv, rows, g4, dim)[:, :, : self.group].transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
+
+
+def _grouped_rows(q: torch.Tensor, kv_heads: int, padded_group: int) -> torch.Tensor:
+    """Decode queries [rows, heads, dim] -> [kv_heads * rows, padded_group, dim]: each row's query heads of one
+    kv head, padded to a multiple of ROW_MULTIPLE."""
+    rows, heads, dim = q.shape
+    group = heads // kv_heads
+    qg = F.pad(q.view(rows, kv_heads, group, dim).transpose(0, 1), (0, 0, 0, padded_group - group))
+    return qg.reshape(kv_heads * rows, padded_group, dim)
+
+
+class PrefillSegmentRows:
+    """One prefill segment (tokens [start, start + length) of a sequence whose context starts at
+    `context_start`), attended over its whole context read back from the cache."""
+
+    def __init__(self, start: int, length: int, context_start: int, blocks: torch.Tensor, block_size: int,
+                 num_blocks: int, kv_heads: int):
+        self.start, self.length, self.context_start = start, length, context_start
+        self.span = round_up(max(context_start + length, TILE), TILE)
+        table = blocks[: -(-(context_start + length) // block_size)]
+        table = F.pad(table, (0, self.span // block_size - table.shape[0]))
+        self.ids = head_major_ids(table, kv_heads, num_blocks)
+        self.kv_heads = kv_heads
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [length, heads, dim] (the segment's queries) -> [length, heads, dim] in q's dtype."""
+        length, heads, dim = q.shape
+        kv = self.kv_heads
+        group = heads // kv
+        keys = _gather(k_cache, self.ids, None).view(kv, self.span, dim).float()
+        values = _gather(v_cache, self.ids, None).view(kv, self.span, dim).float()
+        outs = []
+        for first in range(0, length, QUERY_CHUNK):
+            last = min(length, first + QUERY_CHUNK)
+            outs.append(self._chunk(q[first:last].float(), first, keys, values, scale, group))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out.to(q.dtype)
+
+    def _chunk(self, q, first: int, keys, values, scale: float, group: int) -> torch.Tensor:
+        tokens, heads, dim = q.shape
+        kv = self.kv_heads
+        rows = tokens * group
+        padded = round_up(rows, ROW_MULTIPLE)
+        top = self.context_start + first  # position of the chunk's first query
+        span = round_up(max(top + tokens, TILE), TILE)  # keys the chunk's last query can see, in whole tiles
+        positions = torch.arange(top, top + tokens, device=q.device).repeat_interleave(group)
+        positions = F.pad(positions, (0, padded - rows), value=top)
+        visible = torch.arange(span, device=q.device)[None, :] <= positions[:, None]
+        bias = torch.zeros(1, padded, span, device=q.device).masked_fill_(~visible[None], float("-inf"))
+        qg = _grouped(q, kv, padded)
+        scores = torch.baddbmm(bias, qg, keys[:, :span].transpose(1, 2), alpha=scale)
+        out = tiled_values(scores.softmax(-1), values[:, :span].contiguous())
+        return out[:, :rows].view(kv, tokens, group, dim).transpose(0, 1).reshape(tokens, heads, dim)
+
+
+class InvariantStep:
+    """The batch-invariant attention over one step: its decode rows (the step's first `num_decode` tokens) and
+    its prefill segments, for every layer to call with its own queries and cache. `read` is the PagedRead whose
+    counters the decode rows are charged to."""
+
+    invariant = True
+
+    def __init__(self, read, batch, cache):
+        if cache.layout != "heads":
+            raise ValueError("the batch-invariant attention reads a head-major KV cache (KVCache layout 'heads')")
+        self.read, self.batch = read, batch
+        self.block_size, self.num_blocks, self.kv_heads = cache.block_size, cache.num_blocks, cache.kv_heads
+        self.segments = tuple(
+            PrefillSegmentRows(seg.start, seg.length, seg.context_start, blocks, cache.block_size,
+                               cache.num_blocks, cache.kv_heads)
+            for seg, blocks in zip(batch.prefills, batch.prefill_blocks))
+        if len(self.segments) != len(batch.prefills):
+            raise ValueError(f"the batch has {len(batch.prefills)} prefill segments but block tables for "
+                             f"{len(batch.prefill_blocks)}")
+        self._decode: DecodeRows | None = None
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention for every token of the step, in token order: q [tokens, heads, dim] -> the same shape."""
+        nd = self.batch.num_decode
+        parts = []
+        if nd:
+            if self._decode is None:
+                self._decode = DecodeRows(self.batch.decode_block_table, self.batch.decode_context_lens,
+                                          self.block_size, self.num_blocks, self.kv_heads, q.shape[1] // self.kv_heads)
+            self.read.charge(nd, q.shape[1], self._decode.span)
+            parts.append(self._decode.attend(q[:nd], k_cache, v_cache, scale))
+        for seg in self.segments:
+            parts.append(seg.attend(q[seg.start: seg.start + seg.length], k_cache, v_cache, scale))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]

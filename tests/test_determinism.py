@@ -1,0 +1,161 @@
+"""Same request, same answer: a row's numbers depend on its own tokens only (batch invariance, --batch-invariant).
+
+Each row's output (its tokens and each token's logprob, which is a function of the row's logits) is compared
+bitwise with the same request run alone on an engine with other settings. What varies is everything that must
+not matter: the rows beside it, the chunk budget, the prefix cache (cold, warm, and a previous answer's blocks),
+preemption and recompute, decode against prefill. The property test draws those at random (hypothesis); the
+named tests below are SGLang's three kinds and the pairs a user notices.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoserve import LLM, SamplingParams
+
+VOCAB = 49152
+
+
+def run(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
+    """(token ids, chosen-token logprobs) of each request, run together in one generate call."""
+    outs = llm.generate([ids for ids, _ in requests], [p for _, p in requests], use_tqdm=False)
+    return [_answer(o) for o in outs]
+
+
+def _answer(output) -> tuple:
+    c = output.outputs[0]
+    return tuple(c.token_ids), tuple(entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids))
+
+
+def alone(llm: LLM, requests) -> list[tuple]:
+    return [run(llm, [r])[0] for r in requests]
+
+
+def params(greedy: bool, seed: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 0.9, seed=None if greedy else seed,
+                          logprobs=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["int4", "none"])
+def engines(request, tiny_checkpoint):
+    """Engines on one tiny checkpoint (4-bit packed and dense float32): a reference that runs each request alone,
+    and crowds with small chunk budgets, a small KV pool (preemption), the prefix cache on and off."""
+    path = tiny_checkpoint("llama")
+    common = dict(model=str(path), quantization=request.param, max_model_len=256, batch_invariant=True)
+    reference = LLM(**common, kv_cache_gib=0.01, enable_prefix_caching=False)
+    crowds = {
+        "chunk16": LLM(**common, kv_cache_gib=0.01, max_num_batched_tokens=16, max_num_seqs=8),
+        "chunk48-nocache": LLM(**common, kv_cache_gib=0.01, max_num_batched_tokens=48, max_num_seqs=8,
+                               enable_prefix_caching=False),
+        "preempt": LLM(**common, kv_cache_gib=40 * 8192 / 2**30, max_num_batched_tokens=64, max_num_seqs=8),
+    }
+    return reference, crowds
+
+
+rows = st.lists(
+    st.tuples(st.integers(0, 3),  # which shared prefix (0: none)
+              st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=70),
+              st.booleans(), st.integers(0, 2**31), st.integers(1, 6)),
+    min_size=1, max_size=7)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=rows, crowd=st.sampled_from(["chunk16", "chunk48-nocache", "preempt"]), warm=st.booleans())
+def test_a_row_is_the_same_whatever_shares_its_step(engines, batch, crowd, warm):
+    reference, crowds = engines
+    prefixes = {0: [], 1: list(range(100, 140)), 2: list(range(200, 217)), 3: list(range(100, 131))}
+    requests = [(prefixes[p] + tail, params(greedy, seed, n)) for p, tail, greedy, seed, n in batch]
+    llm = crowds[crowd]
+    if warm:  # the prefix cache holds blocks of these prompts, computed by another step
+        run(llm, requests[:1])
+    assert run(llm, requests) == alone(reference, requests)
+
+
+def test_the_preempting_engine_preempts(engines):
+    """The 'preempt' crowd above really recomputes rows (else it would test nothing the others do not)."""
+    _, crowds = engines
+    llm = crowds["preempt"]
+    before = llm.engine.scheduler.num_preemptions
+    run(llm, [(list(range(300 + 7 * i, 380 + 7 * i)), params(True, 0, 40)) for i in range(6)])
+    assert llm.engine.scheduler.num_preemptions > before
+
+
+# ---- the default model ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    """The default model, batch-invariant (the module's own: the session's default_llm runs the default flags)."""
+    return LLM(max_model_len=1024, kv_cache_gib=0.1, batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def chunked_llm():
+    """The default model with a 32-token step budget: every prompt here is prefilled in chunks."""
+    return LLM(max_model_len=1024, kv_cache_gib=0.1, max_num_batched_tokens=32, max_num_seqs=32, batch_invariant=True)
+
+
+TEXT = ("The harbour was quiet before dawn. Fishing boats rocked against the pier while gulls circled, waiting "
+        "for the first catch. An old woman walked along the stones with a basket of bread, greeting the sailors "
+        "by name, and the smell of salt and tar hung in the cold air as the lighthouse turned its last slow "
+        "circles over the water.")
+
+
+@pytest.mark.default_model
+def test_the_same_prompt_in_batches_of_every_size(default_llm):
+    """SGLang's first kind: one prompt, alone and among 1, 3, 7 and 15 others (greedy and seeded)."""
+    ids = default_llm.get_tokenizer().encode(TEXT)
+    for greedy in (True, False):
+        target = (ids, params(greedy, 7, 24))
+        want = run(default_llm, [target])[0]
+        for size in (2, 4, 8, 16):
+            others = [(ids[: 10 + 9 * i], params(i % 2 == 0, i, 24)) for i in range(size - 1)]
+            assert run(default_llm, [*others, target])[-1] == want, (greedy, size)
+
+
+@pytest.mark.default_model
+def test_short_and_long_prompts_mixed(default_llm, chunked_llm):
+    """SGLang's second kind: short and long prompts in one batch, each against itself alone, with and without
+    chunked prefill."""
+    ids = default_llm.get_tokenizer().encode(TEXT * 3)
+    requests = [(ids[: n], params(n % 3 == 0, n, 12)) for n in (5, 180, 12, 230, 40, 3)]
+    want = alone(default_llm, requests)
+    assert run(default_llm, requests) == want
+    assert run(chunked_llm, requests) == want
+
+
+@pytest.mark.default_model
+def test_prefixes_of_one_text_batched_at_random(default_llm, chunked_llm):
+    """SGLang's third kind: prefixes of one long text at different lengths, in shuffled batches; the prefix cache
+    holds the earlier ones' blocks when the later ones run."""
+    import random
+
+    ids = default_llm.get_tokenizer().encode(TEXT * 2)
+    lengths = list(range(20, len(ids), 23))
+    requests = [(ids[:n], params(True, 0, 8)) for n in lengths]
+    want = alone(default_llm, requests)
+    shuffled = random.Random(0)
+    for llm in (default_llm, chunked_llm):
+        order = list(range(len(requests)))
+        shuffled.shuffle(order)
+        got = run(llm, [requests[i] for i in order])
+        assert [got[order.index(i)] for i in range(len(requests))] == want
+
+
+@pytest.mark.default_model
+def test_a_conversation_reads_its_previous_answer_from_the_cache(default_llm, chunked_llm):
+    """A multi-turn chat: each turn's prompt holds the previous answer, whose blocks were written by decode
+    steps and come back from the prefix cache; a cold engine (no cache) prefills them and must agree."""
+    cold = LLM(max_model_len=1024, kv_cache_gib=0.1, enable_prefix_caching=False, batch_invariant=True)
+    messages = []
+    for turn, question in enumerate(["Name a fruit.", "Why that one?", "Give a recipe with it.", "Shorter."]):
+        messages.append({"role": "user", "content": question})
+        sampling = params(turn % 2 == 0, turn, 40)
+        warm = default_llm.chat([messages], sampling, use_tqdm=False)[0]
+        chunked = chunked_llm.chat([messages], sampling, use_tqdm=False)[0]
+        fresh = cold.chat([messages], sampling, use_tqdm=False)[0]
+        assert _answer(warm) == _answer(fresh) == _answer(chunked), turn
+        messages.append({"role": "assistant", "content": warm.outputs[0].text})
+    assert default_llm.engine.stats().prefix_cache.hits > 0
