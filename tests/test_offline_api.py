@@ -214,8 +214,9 @@ def test_prompt_logprobs_do_not_depend_on_chunking(tiny_checkpoint):
     path = str(tiny_checkpoint("llama"))
     prompt = "one two three four five six seven eight nine ten eleven twelve"
     params = SamplingParams(max_tokens=1, prompt_logprobs=2)
-    whole = LLM(model=path, max_model_len=256, kv_cache_gib=0.02).generate(prompt, params, use_tqdm=False)[0]
-    chunked = LLM(model=path, max_model_len=256, kv_cache_gib=0.02, max_num_batched_tokens=5,
+    whole = LLM(model=path, max_model_len=256, kv_cache_gib=0.02, batch_invariant=True).generate(
+        prompt, params, use_tqdm=False)[0]
+    chunked = LLM(model=path, max_model_len=256, kv_cache_gib=0.02, max_num_batched_tokens=5, batch_invariant=True,
                   max_num_seqs=4).generate(prompt, params, use_tqdm=False)[0]
     assert len(whole.prompt_logprobs) == len(whole.prompt_token_ids) > 10
     assert whole.prompt_logprobs[0] is None and chunked.prompt_logprobs[0] is None
