@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from tests.helpers import TINY_SERVE, tiny_server_running
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 TINY = dict(
@@ -113,19 +115,13 @@ def default_llm_dense():
     return LLM(max_model_len=2048, kv_cache_gib=0.25, quantization="none")
 
 
-TINY_SERVE = dict(max_model_len=128, kv_cache_gib=0.01)
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_checkpoint):
     """A live server on loopback over the tiny llama checkpoint, served as "tiny" (one per test module)."""
-    from nanoserve import EngineConfig
-    from nanoserve.server.serve import Server
-
-    s = Server(EngineConfig(model=str(tiny_checkpoint("llama")), **TINY_SERVE), port=0,
-               served_model_name="tiny").start()
-    yield s
-    s.stop()
+    with tiny_server_running(tiny_checkpoint("llama")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

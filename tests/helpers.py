@@ -3,6 +3,24 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+
+TINY_SERVE = dict(max_model_len=128, kv_cache_gib=0.01)  # a tiny checkpoint's server: short context, small pool
+
+
+@contextmanager
+def tiny_server_running(checkpoint, engine_flags: dict | None = None, **server_options):
+    """A live server on loopback over `checkpoint`, served as "tiny", with `engine_flags` beyond TINY_SERVE and
+    Server's `server_options`."""
+    from nanoserve import EngineConfig
+    from nanoserve.server.serve import Server
+
+    config = EngineConfig(model=str(checkpoint), **{**TINY_SERVE, **(engine_flags or {})})
+    s = Server(config, port=0, served_model_name="tiny", **server_options).start()
+    try:
+        yield s
+    finally:
+        s.stop()
 
 
 def wait_until(predicate, timeout: float = 10.0, every: float = 0.02) -> bool:

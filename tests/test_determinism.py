@@ -86,8 +86,8 @@ def test_the_preempting_engine_preempts(engines):
 
 
 @pytest.fixture(scope="module")
-def default_llm():
-    """The default model, batch-invariant (the module's own: the session's default_llm runs the default flags)."""
+def invariant_llm():
+    """The default model, batch-invariant."""
     return LLM(max_model_len=1024, kv_cache_gib=0.1, batch_invariant=True)
 
 
@@ -104,40 +104,40 @@ TEXT = ("The harbour was quiet before dawn. Fishing boats rocked against the pie
 
 
 @pytest.mark.default_model
-def test_the_same_prompt_in_batches_of_every_size(default_llm):
+def test_the_same_prompt_in_batches_of_every_size(invariant_llm):
     """SGLang's first kind: one prompt, alone and among 1, 3, 7 and 15 others (greedy and seeded)."""
-    ids = default_llm.get_tokenizer().encode(TEXT)
+    ids = invariant_llm.get_tokenizer().encode(TEXT)
     for greedy in (True, False):
         target = (ids, params(greedy, 7, 24))
-        want = run(default_llm, [target])[0]
+        want = run(invariant_llm, [target])[0]
         for size in (2, 4, 8, 16):
             others = [(ids[: 10 + 9 * i], params(i % 2 == 0, i, 24)) for i in range(size - 1)]
-            assert run(default_llm, [*others, target])[-1] == want, (greedy, size)
+            assert run(invariant_llm, [*others, target])[-1] == want, (greedy, size)
 
 
 @pytest.mark.default_model
-def test_short_and_long_prompts_mixed(default_llm, chunked_llm):
+def test_short_and_long_prompts_mixed(invariant_llm, chunked_llm):
     """SGLang's second kind: short and long prompts in one batch, each against itself alone, with and without
     chunked prefill."""
-    ids = default_llm.get_tokenizer().encode(TEXT * 3)
+    ids = invariant_llm.get_tokenizer().encode(TEXT * 3)
     requests = [(ids[: n], params(n % 3 == 0, n, 12)) for n in (5, 180, 12, 230, 40, 3)]
-    want = alone(default_llm, requests)
-    assert run(default_llm, requests) == want
+    want = alone(invariant_llm, requests)
+    assert run(invariant_llm, requests) == want
     assert run(chunked_llm, requests) == want
 
 
 @pytest.mark.default_model
-def test_prefixes_of_one_text_batched_at_random(default_llm, chunked_llm):
+def test_prefixes_of_one_text_batched_at_random(invariant_llm, chunked_llm):
     """SGLang's third kind: prefixes of one long text at different lengths, in shuffled batches; the prefix cache
     holds the earlier ones' blocks when the later ones run."""
     import random
 
-    ids = default_llm.get_tokenizer().encode(TEXT * 2)
+    ids = invariant_llm.get_tokenizer().encode(TEXT * 2)
     lengths = list(range(20, len(ids), 23))
     requests = [(ids[:n], params(True, 0, 8)) for n in lengths]
-    want = alone(default_llm, requests)
+    want = alone(invariant_llm, requests)
     shuffled = random.Random(0)
-    for llm in (default_llm, chunked_llm):
+    for llm in (invariant_llm, chunked_llm):
         order = list(range(len(requests)))
         shuffled.shuffle(order)
         got = run(llm, [requests[i] for i in order])
@@ -145,7 +145,7 @@ def test_prefixes_of_one_text_batched_at_random(default_llm, chunked_llm):
 
 
 @pytest.mark.default_model
-def test_a_conversation_reads_its_previous_answer_from_the_cache(default_llm, chunked_llm):
+def test_a_conversation_reads_its_previous_answer_from_the_cache(invariant_llm, chunked_llm):
     """A multi-turn chat: each turn's prompt holds the previous answer, whose blocks were written by decode
     steps and come back from the prefix cache; a cold engine (no cache) prefills them and must agree."""
     cold = LLM(max_model_len=1024, kv_cache_gib=0.1, enable_prefix_caching=False, batch_invariant=True)
@@ -153,9 +153,9 @@ def test_a_conversation_reads_its_previous_answer_from_the_cache(default_llm, ch
     for turn, question in enumerate(["Name a fruit.", "Why that one?", "Give a recipe with it.", "Shorter."]):
         messages.append({"role": "user", "content": question})
         sampling = params(turn % 2 == 0, turn, 40)
-        warm = default_llm.chat([messages], sampling, use_tqdm=False)[0]
+        warm = invariant_llm.chat([messages], sampling, use_tqdm=False)[0]
         chunked = chunked_llm.chat([messages], sampling, use_tqdm=False)[0]
         fresh = cold.chat([messages], sampling, use_tqdm=False)[0]
         assert _answer(warm) == _answer(fresh) == _answer(chunked), turn
         messages.append({"role": "assistant", "content": warm.outputs[0].text})
-    assert default_llm.engine.stats().prefix_cache.hits > 0
+    assert invariant_llm.engine.stats().prefix_cache.hits > 0

@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from nanoserve.config import EngineConfig
 from nanoserve.server.serve import Server
+from tests.helpers import tiny_server_running
 
 KEY = "s3cret"
 USER = "alice@example.com"
@@ -42,10 +43,8 @@ CALLERS = {"no key": {}, "a wrong key": {"Authorization": "Bearer nope"},
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_checkpoint):
-    s = Server(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01), port=0,
-               served_model_name="tiny", api_key=KEY).start()
-    yield s
-    s.stop()
+    with tiny_server_running(tiny_checkpoint("llama"), api_key=KEY) as s:
+        yield s
 
 
 def served_routes(app) -> set[tuple[str, str]]:

@@ -10,8 +10,7 @@ import json
 import httpx
 import pytest
 
-from nanoserve import EngineConfig
-from nanoserve.server.serve import Server
+from tests.helpers import tiny_server_running
 
 GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 6, "ignore_eos": True}
 CHAT = {**GREEDY, "messages": [{"role": "user", "content": "Hello there"}]}
@@ -22,19 +21,15 @@ DROPS_OTHER_ROLES = ("{% for m in messages %}{% if m.role in ['system', 'user', 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    s = Server(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01), port=0,
-               served_model_name="tiny", trust_request_chat_template=True).start()
-    yield s
-    s.stop()
+    with tiny_server_running(tiny_checkpoint("llama"), trust_request_chat_template=True) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def open_server(tiny_checkpoint):
     """--max-logprobs -1 (no limit) and --no-enable-prompt-tokens-details."""
-    s = Server(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01,
-                            max_logprobs=-1), port=0, served_model_name="tiny", prompt_tokens_details=False).start()
-    yield s
-    s.stop()
+    with tiny_server_running(tiny_checkpoint("llama"), {"max_logprobs": -1}, prompt_tokens_details=False) as s:
+        yield s
 
 
 def post(server, path: str, body: dict) -> httpx.Response:

@@ -31,6 +31,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def tiled_span(keys: int) -> int:
+    """Keys read for a context of `keys`: whole tiles, at least one."""
+    return round_up(max(keys, TILE), TILE)
+
+
 def tiled_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """sum_t p_t @ v_t over TILE-wide tiles, added in tile order: p [B, M, S] (S a multiple of TILE), v [B, S, D]."""
     batch, rows, span = p.shape
@@ -42,11 +47,16 @@ def tiled_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.cumsum(1).select(1, -1)  # sequential (in float64 for float32), so trailing empty tiles add 0
 
 
-def _gather(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _gather(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Blocks `ids` of a head-major cache layer [kv_heads, blocks, block_size, dim] (ids already offset by
-    head * blocks), as [len(ids), block_size * dim]."""
-    flat = cache.view(-1, cache.shape[2] * cache.shape[3])
-    return flat.index_select(0, ids) if out is None else torch.index_select(flat, 0, ids, out=out)
+    head * blocks) into `out` [len(ids), block_size * dim]."""
+    return torch.index_select(cache.view(-1, cache.shape[2] * cache.shape[3]), 0, ids, out=out)
+
+
+def _gather_buffers(ids: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a step's K and V gathers land, allocated by its first layer and rewritten by every other."""
+    shape = (ids.numel(), cache.shape[2] * cache.shape[3])
+    return tuple(torch.empty(shape, dtype=cache.dtype, device=cache.device) for _ in range(2))
 
 
 def head_major_ids(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -55,8 +65,18 @@ def head_major_ids(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torc
     return (blocks.reshape(1, -1) + heads).reshape(-1)
 
 
-def _grouped(q: torch.Tensor, kv_heads: int, rows_to: int) -> torch.Tensor:
-    """q [tokens, heads, dim] -> [kv_heads, tokens * group (padded to rows_to), dim], rows ordered (token, head)."""
+def _decode_queries(q: torch.Tensor, kv_heads: int, padded_group: int) -> torch.Tensor:
+    """Decode queries [rows, heads, dim] -> [kv_heads * rows, padded_group, dim]: each row's query heads of one
+    kv head, padded to a multiple of ROW_MULTIPLE."""
+    rows, heads, dim = q.shape
+    group = heads // kv_heads
+    qg = F.pad(q.view(rows, kv_heads, group, dim).transpose(0, 1), (0, 0, 0, padded_group - group))
+    return qg.reshape(kv_heads * rows, padded_group, dim)
+
+
+def _prefill_queries(q: torch.Tensor, kv_heads: int, rows_to: int) -> torch.Tensor:
+    """Prefill queries [tokens, heads, dim] -> [kv_heads, tokens * group (padded to rows_to), dim], rows ordered
+    (token, head)."""
     tokens, heads, dim = q.shape
     group = heads // kv_heads
     qg = q.view(tokens, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, tokens * group, dim)
@@ -70,8 +90,8 @@ class DecodeRows:
     def __init__(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                  num_blocks: int, kv_heads: int, group: int):
         rows, width = block_table.shape
-        self.rows, self.kv_heads, self.group = rows, kv_heads, group
-        self.span = round_up(max(width * block_size, TILE), TILE)
+        self.kv_heads, self.group = kv_heads, group
+        self.span = tiled_span(width * block_size)
         if self.span != width * block_size:
             block_table = F.pad(block_table, (0, self.span // block_size - width))
         self.ids = head_major_ids(block_table, kv_heads, num_blocks)
@@ -86,23 +106,13 @@ class DecodeRows:
         rows, heads, dim = q.shape
         kv, g4, span = self.kv_heads, self.padded_group, self.span
         if self._buffers is None:
-            self._buffers = tuple(torch.empty(self.ids.numel(), k_cache.shape[2] * dim, dtype=k_cache.dtype,
-                                              device=k_cache.device) for _ in range(2))
+            self._buffers = _gather_buffers(self.ids, k_cache)
         k = _gather(k_cache, self.ids, self._buffers[0]).view(kv * rows, span, dim).float()
         v = _gather(v_cache, self.ids, self._buffers[1]).view(kv * rows, span, dim).float()
-        qg = _grouped_rows(q.float(), kv, g4)
+        qg = _decode_queries(q.float(), kv, g4)
         scores = torch.baddbmm(self.bias, qg, k.transpose(1, 2), alpha=scale)
         out = tiled_values(scores.softmax(-1), v)
         return out.view(kv, rows, g4, dim)[:, :, : self.group].transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
-
-
-def _grouped_rows(q: torch.Tensor, kv_heads: int, padded_group: int) -> torch.Tensor:
-    """Decode queries [rows, heads, dim] -> [kv_heads * rows, padded_group, dim]: each row's query heads of one
-    kv head, padded to a multiple of ROW_MULTIPLE."""
-    rows, heads, dim = q.shape
-    group = heads // kv_heads
-    qg = F.pad(q.view(rows, kv_heads, group, dim).transpose(0, 1), (0, 0, 0, padded_group - group))
-    return qg.reshape(kv_heads * rows, padded_group, dim)
 
 
 class PrefillSegmentRows:
@@ -112,19 +122,23 @@ class PrefillSegmentRows:
     def __init__(self, start: int, length: int, context_start: int, blocks: torch.Tensor, block_size: int,
                  num_blocks: int, kv_heads: int):
         self.start, self.length, self.context_start = start, length, context_start
-        self.span = round_up(max(context_start + length, TILE), TILE)
+        self.span = tiled_span(context_start + length)
         table = blocks[: -(-(context_start + length) // block_size)]
         table = F.pad(table, (0, self.span // block_size - table.shape[0]))
         self.ids = head_major_ids(table, kv_heads, num_blocks)
         self.kv_heads = kv_heads
+        self._masks: dict[int, tuple[torch.Tensor, int]] = {}  # chunk's first token -> (bias, span): every layer's
+        self._buffers: tuple | None = None  # the K and V gather's output, written by every layer in turn
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q [length, heads, dim] (the segment's queries) -> [length, heads, dim] in q's dtype."""
         length, heads, dim = q.shape
         kv = self.kv_heads
         group = heads // kv
-        keys = _gather(k_cache, self.ids, None).view(kv, self.span, dim).float()
-        values = _gather(v_cache, self.ids, None).view(kv, self.span, dim).float()
+        if self._buffers is None:
+            self._buffers = _gather_buffers(self.ids, k_cache)
+        keys = _gather(k_cache, self.ids, self._buffers[0]).view(kv, self.span, dim).float()
+        values = _gather(v_cache, self.ids, self._buffers[1]).view(kv, self.span, dim).float()
         outs = []
         for first in range(0, length, QUERY_CHUNK):
             last = min(length, first + QUERY_CHUNK)
@@ -135,18 +149,26 @@ class PrefillSegmentRows:
     def _chunk(self, q, first: int, keys, values, scale: float, group: int) -> torch.Tensor:
         tokens, heads, dim = q.shape
         kv = self.kv_heads
-        rows = tokens * group
-        padded = round_up(rows, ROW_MULTIPLE)
-        top = self.context_start + first  # position of the chunk's first query
-        span = round_up(max(top + tokens, TILE), TILE)  # keys the chunk's last query can see, in whole tiles
-        positions = torch.arange(top, top + tokens, device=q.device).repeat_interleave(group)
-        positions = F.pad(positions, (0, padded - rows), value=top)
-        visible = torch.arange(span, device=q.device)[None, :] <= positions[:, None]
-        bias = torch.zeros(1, padded, span, device=q.device).masked_fill_(~visible[None], float("-inf"))
-        qg = _grouped(q, kv, padded)
+        bias, span = self._mask(first, tokens, group, q.device)
+        qg = _prefill_queries(q, kv, bias.shape[1])
         scores = torch.baddbmm(bias, qg, keys[:, :span].transpose(1, 2), alpha=scale)
-        out = tiled_values(scores.softmax(-1), values[:, :span].contiguous())
-        return out[:, :rows].view(kv, tokens, group, dim).transpose(0, 1).reshape(tokens, heads, dim)
+        out = tiled_values(scores.softmax(-1), values[:, :span])
+        return out[:, : tokens * group].view(kv, tokens, group, dim).transpose(0, 1).reshape(tokens, heads, dim)
+
+    def _mask(self, first: int, tokens: int, group: int, device) -> tuple[torch.Tensor, int]:
+        """The causal bias of the chunk starting at token `first` ([1, rows padded, span]: a row is one query head
+        of one token), and the keys its last query can see in whole tiles; built by the step's first layer."""
+        if first not in self._masks:
+            rows = tokens * group
+            padded = round_up(rows, ROW_MULTIPLE)
+            top = self.context_start + first  # position of the chunk's first query
+            span = tiled_span(top + tokens)
+            positions = torch.arange(top, top + tokens, device=device).repeat_interleave(group)
+            positions = F.pad(positions, (0, padded - rows), value=top)
+            hidden = torch.arange(span, device=device)[None, :] > positions[:, None]
+            bias = torch.zeros(1, padded, span, device=device).masked_fill_(hidden[None], float("-inf"))
+            self._masks[first] = (bias, span)
+        return self._masks[first]
 
 
 class InvariantStep:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from nanoserve.model.rows import linear_rows
+
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 
@@ -83,8 +85,6 @@ class Linear(FastAttributes, nn.Linear):
         return self.weight.dtype
 
     def forward(self, x):
-        from nanoserve.model.rows import linear_rows
-
         return linear_rows(x, self.weight, self.bias, self.row_multiple)
 
 

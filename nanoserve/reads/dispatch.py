@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.attention.invariant import InvariantStep
 from nanoserve.errors import ConfigError
 from nanoserve.optional import require
 from nanoserve.reads.gathered import gathered_decode, gathered_mask
@@ -109,8 +110,6 @@ class PagedRead:
         """This read over one step's decode rows, for every layer of the step to call (see StepRead); when
         batch-invariant, the invariant attention over the whole step (`batch` and `cache` are then needed)."""
         if self.invariant:
-            from nanoserve.attention.invariant import InvariantStep
-
             return InvariantStep(self, batch, cache)
         return StepRead(self, block_table, context_lens, block_size)
 
