@@ -10,6 +10,7 @@ from textual.binding import Binding
 
 RUN = "ctrl+r"  # start a load run, an A/B run
 STOP = "ctrl+b"  # stop what runs: a load run, an A/B run, a streaming answer
+AA = "ctrl+t"  # the A/B screen's A/A check: the A flags on both arms
 RESET = "ctrl+n"  # back to the start: the flags form, a new chat
 APPLY = "ctrl+s"  # apply the flags form (a restart)
 

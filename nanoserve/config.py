@@ -73,7 +73,7 @@ class EngineConfig:
                                             "-1: no limit, so logprobs -1 returns the whole vocabulary")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of a prompt prefix another request already "
                                               "computed (full blocks, named by content; as vLLM, on by default)")
-    batch_invariant: bool = _flag(False, "deterministic: a row's numbers depend only on its own tokens, never on "
+    batch_invariant: bool = _flag(True, "deterministic: a row's numbers depend only on its own tokens, never on "
                                          "the rows beside it, the chunk boundaries, the prefix cache or timing at "
                                          "load (README: Determinism); off: kernels chosen by a call's rows and by "
                                          "timing at load")

@@ -13,6 +13,7 @@ from torch import nn
 
 from nanoserve.model.layers import MergedLinear
 from nanoserve.model.quant.linears import ACT, BF16Linear, PackedLinear
+from nanoserve.model.rescore import SHORTLIST
 from nanoserve.stats import Numerics
 
 LINEARS = (nn.Linear, MergedLinear, PackedLinear, BF16Linear)
@@ -38,6 +39,8 @@ def numerics_of(model: nn.Module, kv_dtype: torch.dtype, determinism: str = "") 
     linears = Counter(_form(m) for m in model.layers.modules() if isinstance(m, LINEARS))
     main = "+".join(form for form, _ in linears.most_common()) or model_dtype
     head = _form(model.lm_head)
+    if getattr(model, "exact_head", None) is not None:
+        head += f" + {_name(model.exact_head.dtype)} top {SHORTLIST}"
     others = [f"{part} {form}" for part, form in (("head", head), ("rest", model_dtype)) if form != main]
     weights = main + (f" ({', '.join(others)})" if others else "")
     cast = [m for m in model.modules() if isinstance(m, PackedLinear | BF16Linear)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -10,8 +11,10 @@ pytest.importorskip("textual")
 
 from textual.widgets import DataTable, Input  # noqa: E402
 
+from console import keys  # noqa: E402
 from console.app import NanoserveConsole  # noqa: E402
 from console.screens.ab import ABScreen  # noqa: E402
+from nanoserve.bench.ab import DEFAULT_B, NOT_EVIDENCE, variant  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
 from tests.console_helpers import started, text, wait_until  # noqa: E402
 
@@ -35,11 +38,11 @@ def engine_threads() -> int:
     return sum(t.name == "nanoserve-engine" for t in threading.enumerate())
 
 
-async def test_default_ab_run_gathered_vs_streamed_is_identical_and_shows_both_sides(config):
+async def test_default_ab_run_plain_vs_fast_path_is_identical_and_shows_both_sides(config):
     app = NanoserveConsole(config, refresh_s=0.05)
     async with app.run_test(size=(160, 50)) as pilot:
         screen = await open_ab(app, pilot, num_prompts="6", max_tokens="16")
-        assert screen.query_one("#flags-b", Input).value == "streamed_read=on"
+        assert screen.query_one("#flags-b", Input).value == DEFAULT_B
         await pilot.press("ctrl+r")
         assert screen.running
         await wait_until(pilot, lambda: not screen.running, 120, "the A/B run")
@@ -49,11 +52,32 @@ async def test_default_ab_run_gathered_vs_streamed_is_identical_and_shows_both_s
         assert "done" in text(app, "#ab-phase")
         counters = screen.query_one("#counters", DataTable)
         assert [str(c.label) for c in counters.columns.values()] == ["counter", "A", "B"]
-        assert [str(cell) for cell in counters.get_row("flag streamed_read")] == ["flag streamed_read", "False", "True"]
-        assert [str(cell) for cell in counters.get_row("paged_read.mode")][1:] == ["gathered", "streamed"]
+        assert [str(cell) for cell in counters.get_row("flag decode_buckets")] == ["flag decode_buckets", "False", "True"]
+        padded = [str(cell) for cell in counters.get_row("buckets.padded_rows")][1:]
+        assert padded[0] == "-" and int(padded[1].replace(",", "")) > 0  # B ran padded buckets, A none
         assert [str(cell) for cell in counters.get_row("scheduler.generation_tokens_total")][1:] == ["96", "96"]
         assert screen.query_one("#verdicts", DataTable).row_count == 6
         assert screen.ab.live == [] and engine_threads() == 1  # only the console's own engine is left
+
+
+async def test_aa_runs_the_a_flags_on_both_arms_and_its_noise_discounts_a_later_ab(config):
+    """A/A on its key: the same flags both sides. Without batch invariance the engine may differ from itself, and
+    then the A/B verdict after it says its differences are no evidence (checked on a recorded noisy A/A)."""
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(160, 50)) as pilot:
+        screen = await open_ab(app, pilot, num_prompts="4", max_tokens="8", flags_b="max_num_seqs=lots")
+        await pilot.press(keys.AA)  # B's bad flag is not read: A/A runs A twice
+        await wait_until(pilot, lambda: not screen.running and screen.result is not None, 120, "the A/A run")
+        result = screen.result
+        assert result.same_arms and result.a.config == result.b.config and result.all_identical
+        assert text(app, "#ab-summary").startswith("A/A 4/4 identical")
+        assert screen.aa_results[repr(result.a.config)] is result
+        noisy = dataclasses.replace(result, verdicts=[dataclasses.replace(result.verdicts[0], identical=False),
+                                                      *result.verdicts[1:]])
+        other = dataclasses.replace(result, b=dataclasses.replace(result.b, config=variant(result.a.config,
+                                                                                          "max_num_seqs=2")))
+        assert NOT_EVIDENCE in noisy.summary() and noisy.summary().startswith("A/A 1 differ")
+        assert NOT_EVIDENCE in other.summary(aa=noisy) and NOT_EVIDENCE not in other.summary(aa=result)
 
 
 async def test_stop_midway_takes_the_servers_down(config):

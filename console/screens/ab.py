@@ -1,5 +1,8 @@
 """The A/B screen: two flag sets over the flags in force, the same requests at both, a verdict per request.
 
+A/A (its own key) runs the A flags on both arms: any difference there is the engine's noise, and the A/B verdict
+line after it says so, since a difference the engine makes by itself is no evidence against a flag.
+
 The run itself is `nanoserve.bench.ab.ABRun` in a thread worker (it loads engines, which blocks); this screen
 only reads its phase and counts on a timer, so nothing crosses threads but plain attribute reads, and Stop
 is `ABRun.cancel()`, which hangs up the clients and stops whichever server is up.
@@ -10,6 +13,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, Input, ProgressBar, Static
 from textual.worker import Worker, WorkerState
@@ -44,6 +48,7 @@ class ABScreen(ConsoleScreen):
     AUTO_FOCUS = "#run"
     BINDINGS = [
         keys.run("run_ab", "ab_run"),
+        Binding(keys.AA, "run_aa", "A/A", id="ab_aa"),
         keys.stop("stop_ab", "ab_stop"),
     ]
     DEFAULT_CSS = """
@@ -68,6 +73,7 @@ class ABScreen(ConsoleScreen):
         self.result: ABResult | None = None
         self.verdicts: list = []
         self.error: str | None = None  # why the last Run was refused or failed
+        self.aa_results: dict[str, ABResult] = {}  # repr(A config) -> its last A/A run
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="ab-form"):
@@ -80,10 +86,12 @@ class ABScreen(ConsoleScreen):
                     if not field_id.startswith("flags"):
                         yield Input(value, placeholder=placeholder, type="integer", id=field_id)
                 yield Button(keys.label("Run", keys.RUN), id="run", variant="primary")
+                yield Button(keys.label("A/A", keys.AA), id="run-aa")
                 yield Button(keys.label("Stop", keys.STOP), id="stop", variant="error", disabled=True)
         with Horizontal(id="ab-progress-line"):
             yield ProgressBar(total=1, id="ab-progress", show_eta=False)  # determinate: an idle bar never animates
-            yield Static(f"set two flag sets and press {keys.RUN} to run", markup=False, id="ab-phase")
+            yield Static(f"set two flag sets and press {keys.RUN} to run ({keys.AA}: A/A, the A flags on both arms)",
+                         markup=False, id="ab-phase")
         yield Static("", markup=False, id="ab-summary")
         with Horizontal(id="ab-tables"):
             yield DataTable(id="verdicts", zebra_stripes=True, cursor_type="row")
@@ -105,18 +113,26 @@ class ABScreen(ConsoleScreen):
     # ---- actions ------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Run while idle, Stop while running (None: the footer greys the other out)."""
-        if action not in ("run_ab", "stop_ab"):
+        if action not in ("run_ab", "run_aa", "stop_ab"):
             return super().check_action(action, parameters)
-        return {"run_ab": not self.running, "stop_ab": self.running}[action] or None
+        return {"run_ab": not self.running, "run_aa": not self.running, "stop_ab": self.running}[action] or None
 
     @on(Button.Pressed, "#run")
     @on(Input.Submitted)
     def action_run_ab(self) -> None:
+        self.start(aa=False)
+
+    @on(Button.Pressed, "#run-aa")
+    def action_run_aa(self) -> None:
+        self.start(aa=True)
+
+    def start(self, aa: bool) -> None:
+        """Run A against B, or (`aa`) A against itself."""
         if self.running:
             return
         try:
             config_a = variant(self.app.config, self.query_one("#flags-a", Input).value)
-            config_b = variant(self.app.config, self.query_one("#flags-b", Input).value)
+            config_b = config_a if aa else variant(self.app.config, self.query_one("#flags-b", Input).value)
             num_prompts, max_tokens, concurrency = map(self.count, ("num-prompts", "max-tokens", "concurrency"))
         except ValueError as e:  # ConfigError is a ValueError too
             self.refuse(str(e))
@@ -150,6 +166,7 @@ class ABScreen(ConsoleScreen):
         run, stop = self.query_one("#run", Button), self.query_one("#stop", Button)
         wanted, other = (stop, run) if running else (run, stop)
         wanted.disabled, other.disabled = False, True
+        self.query_one("#run-aa", Button).disabled = running
         wanted.focus()
         self.refresh_bindings()
 
@@ -186,6 +203,9 @@ class ABScreen(ConsoleScreen):
         counters = self.query_one("#counters", DataTable)
         for name, value_a, value_b in result.counter_rows():
             counters.add_row(Text(name), Text(show(value_a, name)), Text(show(value_b, name)), key=name)
+        key = repr(result.a.config)
+        if result.same_arms:
+            self.aa_results[key] = result
         summary = self.query_one("#ab-summary", Static)
-        summary.update(result.summary())
+        summary.update(result.summary(aa=None if result.same_arms else self.aa_results.get(key)))
         summary.styles.color = "green" if result.all_identical and result.crowded else "red"

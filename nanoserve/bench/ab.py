@@ -29,7 +29,8 @@ from nanoserve.config import EngineConfig, FlagSpec
 from nanoserve.errors import ConfigError
 from nanoserve.flags import add_engine_flags, engine_flags
 
-DEFAULT_B = "streamed_read=on"  # the other read: must change no output
+DEFAULT_B = "decode_buckets=on persistent_inputs=on row_compaction=on"  # the CPU's decode fast path: no output change
+NOT_EVIDENCE = "this engine is not deterministic here: differences are not evidence"
 SCHEDULING_B = "max_num_seqs=4 max_num_batched_tokens=64"  # another scheduling: must change no output either
 Progress = Callable[[str, int, int], None]  # (phase, requests done, requests in all)
 
@@ -203,9 +204,22 @@ class ABResult:
         self.uncrowded = [side for side in self.sides if side.peak_running < 2]  # never ran 2 rows at once
         self.crowded = not self.uncrowded
 
-    def summary(self) -> str:
+    @property
+    def same_arms(self) -> bool:
+        """An A/A run: both arms the same flags, so any difference is the engine's noise, not a flag's."""
+        return self.a.config == self.b.config
+
+    def summary(self, aa: ABResult | None = None) -> str:
+        """The verdict line. `aa`: the last A/A run of this A, whose differences make this run's no evidence;
+        without one, an A that is not batch-invariant is said to be unchecked."""
         n, differ = len(self.verdicts), self.differing
         verdict = f"{n}/{n} identical" if not differ else f"{differ} differ ({n - differ}/{n} identical)"
+        if self.same_arms:
+            verdict = f"A/A {verdict}" + ("" if not differ else f" · {NOT_EVIDENCE}")
+        elif aa is not None and not aa.all_identical:
+            verdict += f" · {NOT_EVIDENCE} (A/A: {aa.differing} of {len(aa.verdicts)} differ)"
+        elif aa is None and differ and not self.a.config.batch_invariant:
+            verdict += " · A is not batch-invariant: run A/A before reading these differences"
         crowd = f"peak running A {self.a.peak_running}, B {self.b.peak_running}"
         if not self.crowded:
             crowd += " - UNCROWDED: a side never ran 2 rows at once, so this proves nothing about batching"

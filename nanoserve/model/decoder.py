@@ -12,6 +12,7 @@ from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
 from nanoserve.model.prefill import prefill_attention
+from nanoserve.model.rescore import rescore_shortlist
 from nanoserve.reads.dispatch import PagedRead, StepRead
 
 
@@ -116,6 +117,7 @@ class CausalLM(FastAttributes, nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.requires_grad_(False)
         self.vocab_parallel = None  # tensor parallel: (group, first id) of this rank's slice of the vocabulary
+        self.exact_head: torch.Tensor | None = None  # float32 head weight to rescore a coarse head's shortlist by
 
     def parallelize(self, group, vocab_start: int) -> None:
         """Make this rank's shard a part of the group's model: the row-parallel projections' outputs and the
@@ -136,5 +138,8 @@ class CausalLM(FastAttributes, nn.Module):
         step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache)
         for layer in self.layers:
             x = layer(x, rope, batch, cache, step_read)
-        x = x[batch.logits_indices]
-        return self.lm_head(self.norm(x)).float()
+        hidden = self.norm(x[batch.logits_indices])
+        logits = self.lm_head(hidden).float()
+        if self.exact_head is not None:
+            logits = rescore_shortlist(logits, hidden, self.exact_head)
+        return logits

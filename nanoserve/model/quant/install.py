@@ -22,6 +22,7 @@ from nanoserve.model.quant.linears import (
     PackedLinear,
     int4_packable,
 )
+from nanoserve.model.rescore import SHORTLIST
 from nanoserve.timing import best_seconds
 
 ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128)  # call widths timed once per weight shape to find the crossover
@@ -109,6 +110,7 @@ class QuantStats:
     rows: dict[str, int]  # the rows (tokens) of those calls, by kernel
     head: str  # the form the output head runs in (see head_forms), or the model's dtype where that was fastest
     head_us: dict[str, float]  # the measurement behind `head`: microseconds a row in each form ("own" = as loaded)
+    head_rescored: int = 0  # each row's highest logits recomputed in float32 (nanoserve/model/rescore.py); 0: none
 
     def as_dict(self) -> dict:
         kinds = sorted(self.formats)
@@ -119,7 +121,8 @@ class QuantStats:
                 **{f"{k}_calls": n for k, n in self.calls.items()},
                 "rows_by_kernel": {k: n for k, n in self.rows.items() if k in self.formats or k == "dense"},
                 "head": self.head,
-                "head_us": dict(self.head_us)}
+                "head_us": dict(self.head_us),
+                "head_rescored": self.head_rescored}
 
 
 def _timed_head(weight: torch.Tensor, forms: dict, repeats: int = 3) -> tuple[str, dict[str, float]]:
@@ -213,4 +216,13 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
     else:
         model.lm_head = forms[head]()
         dense += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
-    return QuantStats(formats, packed, dense, crossover, calls, served_rows, head, head_us)
+        model.exact_head = _exact_rows(model, weight)
+    rescored = 0 if getattr(model, "exact_head", None) is None else SHORTLIST
+    return QuantStats(formats, packed, dense, crossover, calls, served_rows, head, head_us, rescored)
+
+
+def _exact_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """The float32 weight a coarse head's shortlist is rescored by (nanoserve/model/rescore.py): the embedding
+    a tied head shares, already in memory; None for an untied head, whose float32 copy would cost its size again."""
+    tied = weight is model.embed_tokens.weight
+    return weight if tied and weight.dtype == torch.float32 else None
