@@ -129,10 +129,19 @@ class Engine:
             return "--no-batch-invariant"
         from nanoserve.invariance import report
 
-        reason = report(self.model, self.device)
+        reason = report(self.model, self.device) or self._group_not_invariant()
         if reason is not None:
             log.warning("batch invariance does not hold here: %s; outputs may depend on the batch", reason)
         return reason
+
+    def _group_not_invariant(self) -> str | None:
+        """Two ranks sum their partial outputs exactly alike whatever the order (a + b = b + a); three or more
+        through the backend's ring, whose order for an element depends on the tensor's size."""
+        world = self.config.tensor_parallel_size
+        if world <= 2:
+            return None
+        return (f"{world} ranks sum partial outputs in an order that depends on the tensor's size (the "
+                "backend's ring); 1 or 2 ranks hold it")
 
     def _determinism(self) -> str:
         if self.not_invariant is None:

@@ -52,10 +52,10 @@ def check_arms(rows: list[dict], result: dict, arms: list[str]) -> None:
 
 def test_bench_throughput_puts_nanoserve_its_dense_self_and_transformers_in_one_table(tiny_gguf, tmp_path, capsys):
     rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-llama-cpp"], tmp_path)
-    check_arms(rows, result, ["nanoserve", "nanoserve dense", "transformers"])
+    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", "nanoserve dense", "transformers"])
     assert result["linear"]["format"] == "int4"
     assert set(result["ratios"]) == {f"{kind}_vs_{arm}" for kind in ("mixed", "single")
-                                     for arm in ("nanoserve_dense", "transformers")}
+                                     for arm in ("nanoserve_no_batch_invariant", "nanoserve_dense", "transformers")}
     printed = capsys.readouterr().out.splitlines()
     header = next(line for line in printed if line.split()[:1] == ["arm"])
     assert header.split() == COLUMNS
@@ -66,7 +66,7 @@ def test_bench_throughput_runs_llama_cpp_on_the_same_file(tiny_gguf, tmp_path):
         "llama_cpp", reason="llama-cpp-python is not installed (pip install 'nanoserve[peers]'), so llama.cpp's "
                             "arm is not checked here")
     rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf"], tmp_path)
-    check_arms(rows, result, ["nanoserve", "nanoserve dense", "llama.cpp"])
+    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", "nanoserve dense", "llama.cpp"])
     assert result["llama_cpp_python"] == llama_cpp.__version__
     assert {"mixed_vs_llamacpp", "single_vs_llamacpp"} <= set(result["ratios"])
 
@@ -79,4 +79,17 @@ def test_bench_throughput_from_the_quick_start_install_leaves_the_peers_out_and_
     assert "transformers arm left out: transformers is not installed (pip install 'nanoserve[hf]'" in run.stdout
     assert "llama.cpp arm left out: llama-cpp-python is not installed (pip install 'nanoserve[peers]'" in run.stdout
     rows, result = read_results(tmp_path)
-    check_arms(rows, result, ["nanoserve", "nanoserve dense"])
+    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", "nanoserve dense"])
+
+
+def test_bench_throughput_measures_determinism_from_either_side(tiny_gguf, tmp_path):
+    """Run without batch invariance, the arm beside it is the batch-invariant engine, and the other way round;
+    --skip-invariance-arm leaves it out."""
+    rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf", "--skip-llama-cpp",
+                              "--no-batch-invariant"], tmp_path)
+    check_arms(rows, result, ["nanoserve", "nanoserve --batch-invariant", "nanoserve dense"])
+    assert result["flags"]["batch_invariant"] is False
+    assert {"mixed_vs_nanoserve_batch_invariant", "single_vs_nanoserve_batch_invariant"} <= set(result["ratios"])
+    rows, _ = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf", "--skip-llama-cpp",
+                         "--skip-invariance-arm"], tmp_path)
+    assert [row["arm"] for row in rows] == ["nanoserve", "nanoserve dense"]

@@ -159,3 +159,76 @@ def test_a_conversation_reads_its_previous_answer_from_the_cache(invariant_llm, 
         assert _answer(warm) == _answer(fresh) == _answer(chunked), turn
         messages.append({"role": "assistant", "content": warm.outputs[0].text})
     assert invariant_llm.engine.stats().prefix_cache.hits > 0
+
+
+def _completion(url: str, body: dict) -> tuple[str, list[float]]:
+    """(text, each token's logprob) of one completion, streamed or not: the stream's chunks joined."""
+    import json
+
+    import httpx
+
+    if not body.get("stream"):
+        choice = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+        return choice["text"], choice["logprobs"]["token_logprobs"]
+    text, logprobs = "", []
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["text"]
+                    logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    return text, logprobs
+
+
+def test_stream_and_non_stream_agree_in_a_crowd(tiny_checkpoint):
+    """The same greedy and seeded requests streamed and not, sent at once among others on a 4-bit server: the same
+    text and the same logprobs, byte for byte."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import tiny_server_running
+
+    bodies = [{"model": "tiny", "prompt": f"Story {i}: once", "max_tokens": 12, "ignore_eos": True, "logprobs": 1,
+               "temperature": 0.8 if i % 2 else 0, "seed": i} for i in range(4)]
+    flags = {"quantization": "int4", "max_num_batched_tokens": 16, "max_num_seqs": 8}
+    with tiny_server_running(tiny_checkpoint("llama"), flags) as server:
+        url = server.url + "/v1/completions"
+        jobs = [{**b, "stream": stream} for b in bodies for stream in (False, True)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(lambda body: _completion(url, body), jobs))
+        assert server.host.stats().scheduler.peak_running >= 2
+    for i in range(len(bodies)):
+        plain, streamed = answers[2 * i], answers[2 * i + 1]
+        assert len(plain[1]) == 12 and plain == streamed, i
+
+
+TWO_PROCESS_RUN = """
+import json, sys
+from nanoserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], quantization="int4", max_model_len=256, kv_cache_gib=0.01, max_num_seqs=int(sys.argv[2]))
+prompts = [[5 + 7 * i + j for j in range(3 + 11 * i)] for i in range(6)]
+params = [SamplingParams(max_tokens=10, temperature=0.9 if i % 2 else 0, seed=i, logprobs=1, ignore_eos=True)
+          for i in range(6)]
+outs = llm.generate(prompts, params, use_tqdm=False)
+print(json.dumps([[list(o.outputs[0].token_ids), [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
+                  o.outputs[0].token_ids)]] for o in outs]))
+print(llm.engine.numerics.determinism, file=sys.stderr)
+"""
+
+
+def test_two_processes_give_the_same_bytes(tiny_checkpoint, tmp_path):
+    """Two fresh processes on a 4-bit checkpoint, one running the requests one at a time and one all together:
+    the first times the head's form and writes it to the kernel table, the second reads it, and both answer
+    alike (no choice depends on timing at load)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", TWO_PROCESS_RUN, str(tiny_checkpoint("llama")), rows],
+                           capture_output=True, text=True, env=env, timeout=300) for rows in ("1", "8")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stderr.strip().endswith("batch-invariant") and "not batch-invariant" not in run.stderr
+    assert (tmp_path / "kernels.json").is_file()
+    assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)

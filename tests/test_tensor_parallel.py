@@ -55,6 +55,20 @@ def test_logits_at_prefill_and_every_decode_step_equal_one_rank(pair):
             assert max(abs(row_a[t] - row_b[t]) for t in row_a) < 2e-4, (kind, row_a, row_b)
 
 
+def test_two_ranks_are_batch_invariant(pair):
+    """Each rank's kernels are row-invariant and two partial sums add alike in either order: a row's logprobs in
+    a crowd and chunked are the same bytes as alone, and the snapshot says so."""
+    kind, _, two = pair
+    assert two.engine.numerics.determinism == "batch-invariant"
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    crowd = two.generate(prompts, params, use_tqdm=False)
+    for prompt, in_crowd in list(zip(prompts, crowd))[::3]:
+        alone = two.generate(prompt, params, use_tqdm=False)[0]
+        assert in_crowd.outputs[0].token_ids == alone.outputs[0].token_ids, kind
+        assert logprob_rows(in_crowd) == logprob_rows(alone), kind
+
+
 def test_a_crowd_with_preemption_generates_the_same_tokens(tiny_checkpoint):
     """A pool of 12 blocks for a crowd that needs 36: requests are preempted and recomputed on both sides alike.
     The KV budget is per rank, and a rank holds half the kv heads: half the budget is the same 12 blocks."""
@@ -89,6 +103,7 @@ def test_four_ranks(tiny_checkpoint):
             assert max(abs(row_a[t] - row_b[t]) for t in row_a) < 2e-4
         parallel = four.engine.stats().sections["parallel"]
         assert parallel["world_size"] == 4 and len(parallel["ranks"]) == 4
+        assert four.engine.numerics.determinism.startswith("not batch-invariant here: 4 ranks sum")  # said, not hidden
     finally:
         close_llm(four)
 

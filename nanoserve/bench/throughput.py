@@ -1,7 +1,8 @@
 """`nanoserve bench throughput`: a fixed mixed workload and a single stream, nanoserve vs its peers.
 
-Every arm runs in one process on the same weights, device and threads: nanoserve as configured, its dense float32
-self when the linears are packed, transformers when installed (`nanoserve[hf]`; batched generate with left padding;
+Every arm runs in one process on the same weights, device and threads: nanoserve as configured, the same engine
+with batch invariance switched the other way (what determinism costs), its dense float32 self when the linears
+are packed, transformers when installed (`nanoserve[hf]`; batched generate with left padding;
 only the tokens each request asked for count as useful output), and llama.cpp on the same GGUF file when
 llama-cpp-python is installed (`nanoserve[peers]`). Single-stream runs are interleaved across arms; the table
 gives medians. Each arm's bound is the device's read bandwidth over the bytes of weights a token reads.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-batch", type=int, default=16, help="transformers' generate batch size")
     p.add_argument("--skip-hf", action="store_true", help="leave out transformers' arm")
     p.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp's arm")
+    p.add_argument("--skip-invariance-arm", action="store_true",
+                   help="leave out the arm with batch invariance switched the other way (the cost of determinism)")
     p.add_argument("--out", default="bench-results")
     add_engine_flags(p)
 
@@ -138,7 +142,8 @@ LLAMA_CPP = "llama.cpp"
 
 
 def _slug(arm: str) -> str:
-    return arm.replace(" ", "_").replace(".", "")
+    """'llama.cpp' -> 'llamacpp', 'nanoserve --no-batch-invariant' -> 'nanoserve_no_batch_invariant'."""
+    return re.sub(r"[^a-z0-9]+", "_", arm.lower().replace(".", "")).strip("_")
 
 
 def llama_cpp_for(args, engine, work) -> LlamaCppArm | None:
@@ -158,6 +163,11 @@ def transformers_for(args, engine):
     return load_hf(engine)
 
 
+def invariance_arm(flags: dict) -> str:
+    """The name of the arm that runs `flags` with batch invariance the other way."""
+    return "nanoserve --no-batch-invariant" if flags["batch_invariant"] else "nanoserve --batch-invariant"
+
+
 def main(args) -> int:
     from nanoserve import LLM
 
@@ -169,8 +179,11 @@ def main(args) -> int:
         if engine.parallel.group.shared is not None:  # exchanging through shared memory: and over gloo
             arms[BACKEND_REDUCE] = LLM(**{**flags, "tp_all_reduce": "backend"})
         arms[ONE_RANK] = LLM(**{**flags, "tensor_parallel_size": 1, "distributed_init": None})
-    elif "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
-        arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
+    else:
+        if not args.skip_invariance_arm:  # the same engine with batch invariance switched: what determinism costs
+            arms[invariance_arm(flags)] = LLM(**{**flags, "batch_invariant": not flags["batch_invariant"]})
+        if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
+            arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
     cfg = engine.model_config
     work = workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size)
     single_prompt = work[0][0][:64]
@@ -225,7 +238,7 @@ def main(args) -> int:
     )
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
-    for other in ("nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers", LLAMA_CPP):
+    for other in (invariance_arm(flags), "nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers", LLAMA_CPP):
         if other in by_arm:
             ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
             ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \
