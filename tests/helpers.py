@@ -38,10 +38,13 @@ def counters(result) -> dict:
     return {name: (a, b) for name, a, b in result.counter_rows()}
 
 
-def cells_changed(now, before) -> set[tuple[int, int, int]]:
-    """(layer, block, offset) of every KV-cache cell where `now` differs from `before`
-    (both [layers, blocks, block_size, kv_heads, head_dim])."""
-    return {tuple(cell) for cell in (now != before).flatten(3).any(-1).nonzero().tolist()}
+def cells_changed(now, before, layout: str = "slots") -> set[tuple[int, int, int]]:
+    """(layer, block, offset) of every KV-cache cell where `now` differs from `before`: both
+    [layers, blocks, block_size, kv_heads, head_dim] (KVCache layout "slots") or
+    [layers, kv_heads, blocks, block_size, head_dim] ("heads", the batch-invariant engine's)."""
+    changed = now != before
+    changed = changed.flatten(3).any(-1) if layout == "slots" else changed.any(-1).any(1)
+    return {tuple(cell) for cell in changed.nonzero().tolist()}
 
 
 def decode_step_cells(requests, block_size: int, padded: bool, layers: int) -> set[tuple[int, int, int]]:

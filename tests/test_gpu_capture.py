@@ -88,8 +88,8 @@ def test_padded_rows_leave_real_sequences_untouched(ckpt):
     plan, running = engine.decode_path.last_plan, list(engine.scheduler.running)
     assert (plan.rows, plan.shape[0]) == (3, 4) and engine.captured.stats.replays == 1 and len(running) == 3
     want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.cache.k.shape[0])
-    assert cells_changed(engine.cache.k, k) == want
-    assert cells_changed(engine.cache.v, v) == want
+    assert cells_changed(engine.cache.k, k, engine.cache.layout) == want
+    assert cells_changed(engine.cache.v, v, engine.cache.layout) == want
 
 
 def test_replay_share_near_one_in_steady_decode(ckpt):

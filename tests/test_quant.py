@@ -107,12 +107,13 @@ def dense_and_int4(default_llm_dense, default_llm):
 def test_the_snapshot_says_what_runs_as_built(dense_and_int4):
     """The flags say dtype auto for both; what the engines built differs, and the snapshot says which."""
     dense, int4 = dense_and_int4
-    plain = "not batch-invariant (--no-batch-invariant)"  # the default flags
+    plain = "batch-invariant"  # the default flags
     assert dense.engine.stats().numerics == Numerics("float32", "float32", "float32", plain)
     packed = int4.engine.stats().numerics
-    head = int4.engine.stats().sections["linear"]["head"]
-    assert packed == Numerics(f"int4 (head {head}, rest float32)" if head != "int4" else "int4 (rest float32)",
-                              "bfloat16 in linears, float32", "float32", plain)
+    linear = int4.engine.stats().sections["linear"]
+    head = f"{linear['head']} + float32 top 16"  # a coarse head tied to the float32 embedding: its shortlist rescored
+    assert linear["head_rescored"] == 16
+    assert packed == Numerics(f"int4 (head {head}, rest float32)", "bfloat16 in linears, float32", "float32", plain)
 
 
 def test_default_model_int4_is_logprobs_close_to_dense_float32(dense_and_int4):

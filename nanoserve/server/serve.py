@@ -123,4 +123,5 @@ def bind_listener(host: str, port: int) -> socket.socket:
                               "choose another port with --port N (--port 0 picks a free one)") from None
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; check --host and --port") from None
     sock.set_inheritable(True)
+    sock.listen(2048)  # connecting from the moment "serving" is printed: queued until uvicorn accepts, not refused
     return sock
