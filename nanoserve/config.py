@@ -97,7 +97,7 @@ class EngineConfig:
                                        "through the group's backend; backend always uses gloo / NCCL",
                                choices=("auto", "backend"))
     distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
-                                             "before the engine stops with an error")
+                                             "before the engine stops with an error (start-up: at least 120)")
 
     def __post_init__(self) -> None:
         checks = (

@@ -104,6 +104,18 @@ TEXT = ("The harbour was quiet before dawn. Fishing boats rocked against the pie
 
 
 @pytest.mark.default_model
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.lists(st.tuples(st.integers(1, 120), st.booleans(), st.integers(0, 2**31), st.integers(1, 4)),
+                      min_size=2, max_size=5))
+def test_a_row_of_the_default_model_is_the_same_whatever_shares_its_step(invariant_llm, chunked_llm, batch):
+    """The property test on the default model's 4-bit path: random prefixes of one text (the prefix cache holds
+    the earlier ones' blocks), greedy and seeded, batched with 32-token chunks, each against itself alone."""
+    ids = invariant_llm.get_tokenizer().encode(TEXT)
+    requests = [(ids[:n], params(greedy, seed, tokens)) for n, greedy, seed, tokens in batch]
+    assert run(chunked_llm, requests) == alone(invariant_llm, requests)
+
+
+@pytest.mark.default_model
 def test_the_same_prompt_in_batches_of_every_size(invariant_llm):
     """SGLang's first kind: one prompt, alone and among 1, 3, 7 and 15 others (greedy and seeded)."""
     ids = invariant_llm.get_tokenizer().encode(TEXT)

@@ -33,6 +33,8 @@ from nanoserve.parallel.shm import SharedReduce
 
 FAILED_KEY = "failed/{rank}"  # where a rank that fails writes why, in the group's store
 POLL_S = 0.05
+STARTUP_S = 120.0  # the least a start-up phase waits for the other ranks, whatever --distributed-timeout says
+STARTUP_PHASES = ("load", "KV pool")  # phases in which a rank imports, loads and probes: slow, not hung
 MESSAGE_BYTES = 64 * 1024  # one broadcast carries a step's message up to this size
 
 
@@ -77,7 +79,7 @@ class TensorGroup:
         self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=self.timeout,
                                    wait_for_workers=False)
         self.store.set(f"joined/{rank}", "1")
-        self.wait([f"joined/{r}" for r in range(world)], "every rank to join")
+        self.wait([f"joined/{r}" for r in range(world)], "every rank to join", floor_s=STARTUP_S)
         self.pg = self._process_group()
         self.shared: SharedReduce | None = None  # same-machine CPU ranks: all-reduces through shared memory
         self.collective_s = 0.0  # seconds spent in collectives, since the start
@@ -102,23 +104,25 @@ class TensorGroup:
         return dist.ProcessGroupGloo(self.store, self.rank, self.world, self.timeout)
 
     # ---- start-up words through the store -----------------------------------------------------------
-    def wait(self, keys: list[str], what: str) -> None:
-        """Until every key is set; GroupFailed at once when a rank has failed, or after the timeout."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+    def wait(self, keys: list[str], what: str, floor_s: float = 0.0) -> None:
+        """Until every key is set; GroupFailed at once when a rank has failed, or after the timeout (at least
+        `floor_s`: start-up phases wait for a process to import torch and load, which is not a hang)."""
+        waited = max(self.timeout.total_seconds(), floor_s)
+        deadline = time.monotonic() + waited
         while not self.store.check(keys):
             failed = self.alive() or self.reported_failure()
             if failed:
                 raise GroupFailed(failed)
             if time.monotonic() > deadline:
-                raise GroupFailed(f"waited {self.timeout.total_seconds():g} s for {what}; is every rank started "
-                                  "with the same --distributed-init?")
+                raise GroupFailed(f"waited {waited:g} s for {what}; is every rank started with the same "
+                                  "--distributed-init?")
             time.sleep(POLL_S)
 
     def put(self, key: str, value) -> None:
         self.store.set(key, pickle.dumps(value))
 
-    def take(self, key: str, what: str):
-        self.wait([key], what)
+    def take(self, key: str, what: str, floor_s: float = 0.0):
+        self.wait([key], what, floor_s)
         return pickle.loads(self.store.get(key))
 
     def gather_status(self, phase: str, status) -> list:
@@ -127,7 +131,8 @@ class TensorGroup:
         self.put(f"{phase}/{self.rank}", status)
         if self.rank:
             return []
-        return [self.take(f"{phase}/{r}", f"rank {r} to finish {phase}") for r in range(self.world)]
+        floor = STARTUP_S if phase in STARTUP_PHASES else 0.0
+        return [self.take(f"{phase}/{r}", f"rank {r} to finish {phase}", floor) for r in range(self.world)]
 
     # ---- the sharded model's collectives ------------------------------------------------------------
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
