@@ -13,29 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM
+from tests.determinism_helpers import alone, answer, params, run
 
 VOCAB = 49152
-
-
-def run(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
-    """(token ids, chosen-token logprobs) of each request, run together in one generate call."""
-    outs = llm.generate([ids for ids, _ in requests], [p for _, p in requests], use_tqdm=False)
-    return [_answer(o) for o in outs]
-
-
-def _answer(output) -> tuple:
-    c = output.outputs[0]
-    return tuple(c.token_ids), tuple(entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids))
-
-
-def alone(llm: LLM, requests) -> list[tuple]:
-    return [run(llm, [r])[0] for r in requests]
-
-
-def params(greedy: bool, seed: int, max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 0.9, seed=None if greedy else seed,
-                          logprobs=1, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["int4", "none"])
@@ -168,7 +149,7 @@ def test_a_conversation_reads_its_previous_answer_from_the_cache(invariant_llm, 
         warm = invariant_llm.chat([messages], sampling, use_tqdm=False)[0]
         chunked = chunked_llm.chat([messages], sampling, use_tqdm=False)[0]
         fresh = cold.chat([messages], sampling, use_tqdm=False)[0]
-        assert _answer(warm) == _answer(fresh) == _answer(chunked), turn
+        assert answer(warm) == answer(fresh) == answer(chunked), turn
         messages.append({"role": "assistant", "content": warm.outputs[0].text})
     assert invariant_llm.engine.stats().prefix_cache.hits > 0
 
@@ -239,8 +220,8 @@ def test_two_processes_give_the_same_bytes(tiny_checkpoint, tmp_path):
     env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path)}
     runs = [subprocess.run([sys.executable, "-c", TWO_PROCESS_RUN, str(tiny_checkpoint("llama")), rows],
                            capture_output=True, text=True, env=env, timeout=300) for rows in ("1", "8")]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert run.stderr.strip().endswith("batch-invariant") and "not batch-invariant" not in run.stderr
+    for process in runs:
+        assert process.returncode == 0, process.stderr[-2000:]
+        assert process.stderr.strip().endswith("batch-invariant") and "not batch-invariant" not in process.stderr
     assert (tmp_path / "kernels.json").is_file()
     assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM
-from tests.test_determinism import alone, params, run
+from tests.determinism_helpers import alone, params, run
 
 pytestmark = pytest.mark.gpu
 
