@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.attention.dispatch import STREAMED_NOT_INVARIANT, check_read_block
 from nanoserve.errors import ConfigError
-from nanoserve.reads.dispatch import STREAMED_NOT_INVARIANT, check_read_block
 from nanoserve.sampling_params import MAX_LOGPROBS
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8")

@@ -12,13 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from nanoserve.attention.dispatch import PagedRead, paged_read_for
 from nanoserve.config import EngineConfig
-from nanoserve.decode.capture import CapturedDecode
-from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, RequestError
 from nanoserve.kv.cache import KVCache, blocks_from_budget, kv_layout
 from nanoserve.kv.pool import BlockPool
-from nanoserve.model.batch import PrefillSegment, StepBatch, general_batch
+from nanoserve.model.batch import PrefillSegment, StepBatch
 from nanoserve.model.loader import LoadedModel, load_model, peek_config
 from nanoserve.numerics import numerics_of
 from nanoserve.outputs import (
@@ -31,8 +30,10 @@ from nanoserve.outputs import (
 )
 from nanoserve.parallel.driver import ParallelGroup, ParallelModel
 from nanoserve.parallel.shard import check_divisible
-from nanoserve.reads.dispatch import PagedRead, paged_read_for
 from nanoserve.request import Request
+from nanoserve.runner.batch import general_batch
+from nanoserve.runner.decode.capture import CapturedDecode
+from nanoserve.runner.decode.path import DecodePath
 from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import Sampler, SamplingParams, SamplingRow
 from nanoserve.scheduler import Scheduler

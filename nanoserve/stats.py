@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from nanoserve.reads.dispatch import ReadStats
+from nanoserve.attention.dispatch import ReadStats
 
 
 @dataclass(frozen=True)

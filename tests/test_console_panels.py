@@ -15,7 +15,7 @@ from console.panels.features import OFF, FeaturePanel  # noqa: E402
 from console.panels.header import header_text  # noqa: E402
 from console.panels.rows import RowsTable  # noqa: E402
 from console.panels.throughput import TokenRates  # noqa: E402
-from nanoserve.reads.dispatch import ReadStats  # noqa: E402
+from nanoserve.attention.dispatch import ReadStats  # noqa: E402
 from nanoserve.stats import EngineStats, KVStats, Numerics, RowStats, SchedulerStats  # noqa: E402
 
 

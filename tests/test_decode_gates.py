@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from nanoserve import SamplingParams
-from nanoserve.decode.buckets import DecodeBuckets, check_capture_budget
-from nanoserve.decode.inputs import (
+from nanoserve.errors import GateError
+from nanoserve.runner.decode.buckets import DecodeBuckets, check_capture_budget
+from nanoserve.runner.decode.inputs import (
     DecodeInputs,
     check_addresses_stable,
     check_inputs_fit,
@@ -17,8 +18,7 @@ from nanoserve.decode.inputs import (
     check_plan_inputs_persistent,
     check_step_inputs_persistent,
 )
-from nanoserve.decode.plan import check_plan_current, check_snapshots_present, check_window_intact
-from nanoserve.errors import GateError
+from nanoserve.runner.decode.plan import check_plan_current, check_snapshots_present, check_window_intact
 from tests.test_engine_crowd import make
 
 CPU = torch.device("cpu")
@@ -142,8 +142,8 @@ def test_capture_is_refused_without_cuda_with_the_way_out():
 
 def test_captured_decode_refuses_a_cpu_cache(tiny_checkpoint):
     """Every switch capture needs is on, but the cache is on the CPU (the CUDA-only gate is in test_gpu_capture)."""
-    from nanoserve.decode.capture import CapturedDecode
     from nanoserve.errors import ConfigError
+    from nanoserve.runner.decode.capture import CapturedDecode
 
     engine = make(tiny_checkpoint("llama"), device="cpu", persistent_inputs=True, row_compaction=True,
                   decode_buckets=True).engine

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.decode.inputs import check_addresses_stable, check_step_inputs_persistent
+from nanoserve.runner.decode.inputs import check_addresses_stable, check_step_inputs_persistent
 from tests.helpers import cells_changed, counters, decode_step_cells
 from tests.test_engine_crowd import BLOCK_BYTES, MIXED, assert_same, make
 
@@ -111,9 +111,9 @@ def test_a_buffer_that_moves_shows_as_fresh_allocations(ckpt):
 
 
 def test_the_plan_gates_run_in_production_and_a_failure_is_contained(ckpt, monkeypatch):
-    import nanoserve.decode.path as path_module
-    from nanoserve.decode.path import WINDOW_GATE_EVERY
+    import nanoserve.runner.decode.path as path_module
     from nanoserve.engine import StepFailed
+    from nanoserve.runner.decode.path import WINDOW_GATE_EVERY
 
     llm = make(ckpt, persistent_inputs=True, row_compaction=True)  # verify stays off, as in production
     engine = llm.engine

@@ -110,8 +110,8 @@ def test_bundle_switches_everything_on(ckpt):
 
 def test_capture_refuses_a_path_it_cannot_replay():
     """On CUDA the device is no excuse: a path without fixed addresses in fixed shapes is refused by the gate."""
-    from nanoserve.decode.capture import check_capture_possible
-    from nanoserve.decode.path import DecodePath
+    from nanoserve.runner.decode.capture import check_capture_possible
+    from nanoserve.runner.decode.path import DecodePath
 
     cuda = torch.device("cuda")
     switches = {"buckets": True, "persistent": True, "compaction": True}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.reads import streamed
-from nanoserve.reads.streamed import choose_splits, streamed_decode
+from nanoserve.attention import streamed
+from nanoserve.attention.streamed import choose_splits, streamed_decode
 from tests.test_streamed_read import CASES, TOLERANCE, dense_oracle, random_case
 
 pytestmark = pytest.mark.gpu

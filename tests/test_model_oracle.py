@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.attention.dispatch import PagedRead
 from nanoserve.kv.cache import KVCache
 from nanoserve.model.batch import PrefillSegment, StepBatch
-from nanoserve.reads.dispatch import PagedRead
 
 ARCHS = {
     "llama": {},

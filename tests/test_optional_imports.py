@@ -16,7 +16,7 @@ from tests.without_optional import OWN, hidden_run
 ROOT = Path(__file__).resolve().parent.parent
 
 # Modules whose one job is an optional package: imported only where that package is known to be there.
-FEATURE_MODULES = {"nanoserve.reads.streamed": "triton"}
+FEATURE_MODULES = {"nanoserve.attention.streamed": "triton"}
 
 
 def one_line_error(run) -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.model import prefill
+from nanoserve.attention import prefill
+from nanoserve.attention.prefill import prefill_attention, share_pasts
 from nanoserve.model.batch import PrefillSegment
-from nanoserve.model.prefill import prefill_attention, share_pasts
 
 BS, DIM = 4, 16
 

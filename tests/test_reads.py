@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.reads.dispatch import PagedRead, ReadStats
+from nanoserve.attention.dispatch import PagedRead, ReadStats
 
 
 def dense_oracle(q, k_cache, v_cache, tables, lens, scale):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.attention.dispatch import PagedRead
+from nanoserve.attention.streamed import streamed_decode
 from nanoserve.config import EngineConfig
 from nanoserve.errors import ConfigError
-from nanoserve.reads.dispatch import PagedRead
-from nanoserve.reads.streamed import streamed_decode
 from tests.helpers import counters
 from tests.test_engine_crowd import MIXED, assert_same
 from tests.test_engine_crowd import make as crowd_make

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.reads.dispatch import PagedRead
-from nanoserve.reads.streamed import streamed_decode
-from nanoserve.reads.tiled import tiled_decode
+from nanoserve.attention.dispatch import PagedRead
+from nanoserve.attention.streamed import streamed_decode
+from nanoserve.attention.tiled import tiled_decode
 from tests.test_streamed_read import CASES, TOLERANCE, dense_oracle, random_case
 
 
@@ -35,7 +35,7 @@ def test_a_row_whose_tiles_all_lie_past_its_context_is_unaffected():
 
 
 def test_without_cuda_the_streamed_read_runs_the_torch_tiles(monkeypatch):
-    import nanoserve.reads.streamed as triton_read
+    import nanoserve.attention.streamed as triton_read
 
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton kernel ran on a CPU tensor")

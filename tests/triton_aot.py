@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanoserve.reads import streamed  # noqa: E402
+from nanoserve.attention import streamed  # noqa: E402
 
 POINTERS = {"Table": "*i64", "Lens": "*i64", "Acc": "*fp32", "Max": "*fp32", "Sum": "*fp32"}
 SCALARS = {"scale": "fp32"}

@@ -14,10 +14,10 @@ import time
 import torch
 
 from nanoserve.bench.common import print_table, write_results
-from nanoserve.decode.buckets import DecodeBuckets
-from nanoserve.decode.inputs import INPUT_NAMES
-from nanoserve.decode.path import DecodePath
 from nanoserve.request import Request
+from nanoserve.runner.decode.buckets import DecodeBuckets
+from nanoserve.runner.decode.inputs import INPUT_NAMES
+from nanoserve.runner.decode.path import DecodePath
 from nanoserve.sampling import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """`nanoserve bench prefill`: a prefill chunk that continues a sequence, read the split way or in one masked call.
 
 A chunk whose past is already in the cache (a later chunk of a long prompt, or a prompt whose head the prefix
-cache served) attends to that past and to itself. `nanoserve.model.prefill` splits the two and merges them by
+cache served) attends to that past and to itself. `nanoserve.attention.prefill` splits the two and merges them by
 log-sum-exp; the other arm is one attention call over [past, chunk] with a causal mask. Both arms run in one
 process on one engine, interleaved repeat by repeat (their order alternating); their first tokens are
 compared by vLLM's logprobs-close rule (the command fails if any is not close).
@@ -19,12 +19,12 @@ import time
 
 import torch
 
+from nanoserve.attention import prefill
+from nanoserve.attention.prefill import forced_split, prefill_attention, share_pasts
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.prefix import TOP, verdicts
 from nanoserve.flags import add_engine_flags, engine_flags
-from nanoserve.model import prefill
 from nanoserve.model.batch import PrefillSegment
-from nanoserve.model.prefill import forced_split, prefill_attention, share_pasts
 from nanoserve.timing import best_seconds
 
 ARMS = {"split": True, "masked": False}

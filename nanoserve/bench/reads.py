@@ -12,11 +12,11 @@ import statistics
 
 import torch
 
+from nanoserve.attention.gathered import gathered_decode
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.graphs import copy_bandwidth
 from nanoserve.errors import ConfigError
 from nanoserve.optional import available, install_hint
-from nanoserve.reads.gathered import gathered_decode
 
 
 def add_parser(sub) -> None:
@@ -43,7 +43,9 @@ def timed(fn, repeats: int) -> float:
 
 
 def one(batch: int, context: int, args, dtype, heads=32, kv_heads=8, dim=128, bs=16) -> dict:
-    from nanoserve.reads.streamed import streamed_decode  # Triton: imported only once it is known to be there
+    from nanoserve.attention.streamed import (
+        streamed_decode,  # Triton: imported only once it is known to be there
+    )
 
     per_row = context // bs
     blocks = batch * per_row + 1

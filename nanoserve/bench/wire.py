@@ -13,9 +13,9 @@ import time
 
 import torch
 
+from nanoserve.attention.dispatch import PagedRead
 from nanoserve.bench.common import print_table, write_results
-from nanoserve.decode.buckets import DecodeBuckets
-from nanoserve.reads.dispatch import PagedRead
+from nanoserve.runner.decode.buckets import DecodeBuckets
 
 
 def add_parser(sub) -> None:

@@ -1,7 +1,8 @@
-"""StepBatch: everything a forward needs to know about where this step's tokens live, and the general builder.
+"""StepBatch: everything a forward needs to know about where this step's tokens live.
 
-Built by the engine before the forward and handed to every attention layer, so addressing is planned
-once per step instead of being threaded through (or recomputed in) each layer.
+The model's input contract. The model runner builds it (nanoserve/runner/batch.py, runner/decode/) before the
+forward and it is handed to every attention layer, so addressing is planned once per step instead of being
+threaded through (or recomputed in) each layer.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.prefill import SharedPast, share_pasts
+from nanoserve.attention.prefill import SharedPast
 
 
 @dataclass(frozen=True)
@@ -38,76 +39,3 @@ class StepBatch:
     logits_indices: torch.Tensor  # [sampled rows] which tokens' hidden states become logits
     shared_pasts: tuple[SharedPast, ...] = ()  # continuing segments grouped by the cache blocks of their pasts
     prefill_blocks: tuple[torch.Tensor, ...] = ()  # each segment's sequence's blocks (the batch-invariant path)
-
-
-def decode_rows(requests: list, positions: list[int], block_size: int) -> tuple[list[int], list[int], list[int]]:
-    """One decode token per request at `positions`: its input token, the KV slot it writes, and the context
-    length it attends over (everything up to and including itself). Shared by the general and fast builders."""
-    ids = [r.tokens(p, p + 1)[0] for r, p in zip(requests, positions)]
-    slots = [r.blocks[p // block_size] * block_size + p % block_size for r, p in zip(requests, positions)]
-    return ids, slots, [p + 1 for p in positions]
-
-
-def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list[tuple]]:
-    """The StepBatch for any mix of decodes and prefill chunks (a SchedulerOutput), the requests it samples (in
-    logits order), and the (request, position) pairs whose logits score the next prompt token (prompt_logprobs).
-
-    Logits come back for the sampled rows first, then for those prompt positions, in the returned order.
-    """
-    bs = block_size
-    logits_at: list[int] = []
-    sampled: list = []
-    prompt_at: list[int] = []
-    prompt_rows: list[tuple] = []
-    decodes = sched.decodes + [c for c in sched.prefills if c.length == 1]
-    prefills = [c for c in sched.prefills if c.length > 1]
-    positions = [c.start for c in decodes]
-    ids, slots, lens = decode_rows([c.request for c in decodes], positions, bs)
-    for row, c in enumerate(decodes):
-        _mark(c, row, logits_at, sampled)
-        _mark_prompt(c, row, prompt_at, prompt_rows)
-    width = max((-(-n // bs) for n in lens), default=0)
-    table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
-    segments, tables, blocks = [], [], []
-    for c in prefills:
-        req = c.request
-        start = len(ids)
-        ids.extend(req.tokens(c.start, c.start + c.length))
-        span = range(c.start, c.start + c.length)
-        positions.extend(span)
-        slots.extend(req.blocks[p // bs] * bs + p % bs for p in span)
-        tables.append(req.blocks)
-        blocks.append(torch.tensor(req.blocks[: -(-(c.start + c.length) // bs)], dtype=torch.long, device=device))
-        segments.append(PrefillSegment(start, c.length, c.start))
-        _mark(c, len(ids) - 1, logits_at, sampled)
-        _mark_prompt(c, start, prompt_at, prompt_rows)
-    batch = StepBatch(
-        input_ids=torch.tensor(ids, device=device),
-        positions=torch.tensor(positions, device=device),
-        slots=torch.tensor(slots, device=device),
-        num_decode=len(decodes),
-        decode_block_table=torch.tensor(table, dtype=torch.long, device=device).view(len(decodes), width),
-        decode_context_lens=torch.tensor(lens, dtype=torch.long, device=device),
-        prefills=tuple(segments),
-        logits_indices=torch.tensor(logits_at + prompt_at, dtype=torch.long, device=device),
-        shared_pasts=share_pasts(segments, tables, bs, device),
-        prefill_blocks=tuple(blocks),
-    )
-    return batch, sampled, prompt_rows
-
-
-def _mark(chunk, index: int, logits_at: list[int], sampled: list) -> None:
-    """A chunk that computes its request's last token has that token's logits sampled."""
-    if chunk.completes:
-        logits_at.append(index)
-        sampled.append(chunk.request)
-
-
-def _mark_prompt(chunk, first: int, prompt_at: list[int], prompt_rows: list) -> None:
-    """Positions of this chunk (its first at flat index `first`) whose logits score the next prompt token."""
-    req = chunk.request
-    if req.prompt_logprobs is None:
-        return
-    for p in range(chunk.start, min(chunk.start + chunk.length, len(req.prompt_ids) - 1)):
-        prompt_at.append(first + p - chunk.start)
-        prompt_rows.append((req, p))

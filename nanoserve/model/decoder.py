@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.attention.dispatch import PagedRead, StepRead
+from nanoserve.attention.prefill import prefill_attention
 from nanoserve.kv.cache import KVCache
 from nanoserve.model.attrs import Embedding, FastAttributes, Linear
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
-from nanoserve.model.prefill import prefill_attention
 from nanoserve.model.rescore import rescore_shortlist
-from nanoserve.reads.dispatch import PagedRead, StepRead
 
 
 class Attention(FastAttributes, nn.Module):

@@ -119,8 +119,8 @@ def load_shard(group: TensorGroup, config, device: torch.device):
 
 def run_steps(group: TensorGroup, config, loaded, device: torch.device) -> int:
     """Every message rank 0 sends, until STOP: build the KV pool, then run each step's forward."""
+    from nanoserve.attention.dispatch import paged_read_for
     from nanoserve.kv.cache import KVCache, kv_layout
-    from nanoserve.reads.dispatch import paged_read_for
 
     model, vocab = loaded.model, loaded.config.vocab_size
     dtype = next(model.parameters()).dtype

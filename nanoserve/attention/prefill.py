@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.attention import sdpa
+from nanoserve.attention.sdpa import sdpa
 
 
 @dataclass(frozen=True)

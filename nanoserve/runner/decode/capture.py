@@ -16,10 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.decode.buckets import DEFAULT_CAPTURE_BUDGET, check_capture_budget
-from nanoserve.decode.inputs import check_addresses_stable, check_one_set_covers, check_step_inputs_persistent
-from nanoserve.decode.path import DecodePath
 from nanoserve.errors import ConfigError, GateError
+from nanoserve.runner.decode.buckets import DEFAULT_CAPTURE_BUDGET, check_capture_budget
+from nanoserve.runner.decode.inputs import (
+    check_addresses_stable,
+    check_one_set_covers,
+    check_step_inputs_persistent,
+)
+from nanoserve.runner.decode.path import DecodePath
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.model.attention import sdpa
+from nanoserve.attention.sdpa import sdpa
 
 
 def gathered_mask(block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:

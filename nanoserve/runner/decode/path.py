@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.decode.buckets import DecodeBuckets
-from nanoserve.decode.inputs import DecodeInputs, InputStats
-from nanoserve.decode.plan import DecodePlan, check_plan_current, check_window_intact
-from nanoserve.decode.slots import SlotTable
 from nanoserve.errors import GateError
-from nanoserve.model.batch import StepBatch, decode_rows
+from nanoserve.model.batch import StepBatch
+from nanoserve.runner.batch import decode_rows
+from nanoserve.runner.decode.buckets import DecodeBuckets
+from nanoserve.runner.decode.inputs import DecodeInputs, InputStats
+from nanoserve.runner.decode.plan import DecodePlan, check_plan_current, check_window_intact
+from nanoserve.runner.decode.slots import SlotTable
 
 WINDOW_GATE_EVERY = 32  # check_window_intact reads the block table back (a device sync on CUDA): sampled
 

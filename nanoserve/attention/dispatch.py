@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.attention.gathered import gathered_decode, gathered_mask
 from nanoserve.attention.invariant import InvariantStep
+from nanoserve.attention.tiled import tiled_decode
 from nanoserve.errors import ConfigError
 from nanoserve.optional import require
-from nanoserve.reads.gathered import gathered_decode, gathered_mask
-from nanoserve.reads.tiled import tiled_decode
 
 READ_MODES = ("gathered", "streamed")
 STREAMED_NOT_INVARIANT = (
@@ -73,7 +73,7 @@ class ReadStats:
 def _streamed(q, k_cache, v_cache, block_table, context_lens, scale: float, block: int) -> torch.Tensor:
     """The streamed read for q's device: the Triton kernel with CUDA, its torch twin without (tiled.py)."""
     if q.is_cuda:
-        from nanoserve.reads.streamed import streamed_decode  # Triton, imported only where it compiles
+        from nanoserve.attention.streamed import streamed_decode  # Triton, imported only where it compiles
 
         return streamed_decode(q, k_cache, v_cache, block_table, context_lens, scale, block=block)
     return tiled_decode(q, k_cache, v_cache, block_table, context_lens, scale, block)
