@@ -8,7 +8,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from nanoserve.kv.prefix import BlockNames
 from nanoserve.sampling import SamplingParams
 
 
@@ -32,7 +31,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # its block table: written by the KV manager alone
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -46,12 +45,11 @@ class Request:
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (when logprobs are computed)
     index: int = 0  # which of the request's n completions this sequence is
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+    eos_token_ids: frozenset[int] = frozenset()  # the tokenizer's, as they were when the request arrived
     user: str | None = None  # who sent it, when the client said (OpenAI's `user`)
     session_id: str | None = None  # the conversation or agent session it belongs to, when said (vLLM's)
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt (vLLM's)
     matcher: object | None = None  # its structured output's grammar state (nanoserve.structured.Matcher)
-    names: BlockNames = field(default_factory=BlockNames)  # content names of its full blocks (prefix caching)
-    committed: int = 0  # of its blocks, how many leading ones have been named in the pool
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (usage)
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.

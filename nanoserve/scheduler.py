@@ -1,4 +1,4 @@
-"""Scheduler: which requests run this step, and how many of their tokens.
+"""Scheduler: which requests run this step and how many of their tokens, and applying what the step produced.
 
 Policy (decode first, then chunked prefill):
 1. Every running request with one token left to compute (a decode row) gets it, before anything else.
@@ -9,10 +9,13 @@ Policy (decode first, then chunked prefill):
    preempts, and nothing is admitted in a step that had to preempt.
 So a burst of new prompts can slow decodes (they share the step) but never stop them.
 
-With prefix caching, an admitted request (new, or back from preemption) first takes the longest run of
-cached full blocks of its tokens and computes only the rest, always at least its last token, so it gets
-logits. Each chunk names the blocks it fills as it is scheduled (BlockPool.commit), so a request admitted
-after it, in the same step too, shares them.
+Where the K/V lives is the KV manager's (kv/manager.py): the scheduler asks it to admit, reserve and free, and
+with prefix caching an admitted request (new, or back from preemption) computes only what the cache does not
+hold, always at least its last token, so it gets logits.
+
+After the step, `update_from_output` advances each chunk's computed count, appends the sampled tokens, and
+retires a sequence that ended on a token (EOS, a stop token id: both once min_tokens exist) or at max_tokens.
+A stop string is found in the text, by the output processor, which asks for that sequence to be finished.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoserve.kv.pool import BlockPool
-from nanoserve.kv.prefix import HashFn, root_hash, sha256_block
+from nanoserve.kv.manager import KVManager
 from nanoserve.request import Request, Status
+from nanoserve.stats import SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,6 @@ class SchedulerOutput:
     decodes: list[Chunk] = field(default_factory=list)
     prefills: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    committed: list[int] = field(default_factory=list)  # blocks named this step (forgotten if it fails)
 
     @property
     def empty(self) -> bool:
@@ -54,22 +56,36 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(c.length for c in self.prefills)
 
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.length for c in self.prefills)
+
+    @property
+    def request_ids(self) -> set[str]:
+        return {c.request.request_id for c in (*self.decodes, *self.prefills)}
+
+
+def stop_token(req: Request, token: int) -> tuple[bool, int | None]:
+    """Whether `token` ends the sequence (a stop token id, or EOS unless ignore_eos), once min_tokens exist; and
+    the stop reason (the id for a stop token id, None for EOS)."""
+    params = req.params
+    if len(req.output_ids) < params.min_tokens:
+        return False, None
+    if token in params.stop_token_ids:
+        return True, token
+    return (not params.ignore_eos and token in req.eos_token_ids), None
+
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = False, cache_identity: tuple = (), hash_fn: HashFn = sha256_block):
-        """`cache_identity`: what besides the tokens decides the K/V (model, quantization, dtype), so two
-        engines' names never meet; `hash_fn` names a block (tests pass a colliding one)."""
-        self.pool = pool
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first to be preempted
         self.peak_running = 0
         self.num_preemptions = 0
-        self.prefix_caching, self.hash_fn = prefix_caching, hash_fn
-        self.root = root_hash(*cache_identity)
-        self.prefix_queries = self.prefix_hits = 0  # tokens looked up / found cached (vLLM's counters)
+        self.prompt_tokens = self.generation_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,95 +93,43 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- scheduling -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()  # id() of the requests given a chunk so far this step (never preempted)
         for req in [r for r in self.running if r.num_uncomputed == 1]:
-            if req.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
-            if not self._reserve(req, 1, out, scheduled):
-                continue
-            out.decodes.append(Chunk(req, req.num_computed, 1))
-            self._commit(req, req.num_computed + 1, out)
-            scheduled.add(id(req))
-            budget -= 1
+            if req.status is Status.RUNNING and self._reserve(req, 1, out, scheduled):
+                out.decodes.append(Chunk(req, req.num_computed, 1))
+                scheduled.add(id(req))
+                budget -= 1
         for req in [r for r in self.running if r.num_uncomputed > 1]:
             if budget <= 0:
                 break
-            if req.status is not Status.RUNNING:
-                continue
             n = min(req.num_uncomputed, budget)
-            if self._reserve(req, n, out, scheduled):
+            if req.status is Status.RUNNING and self._reserve(req, n, out, scheduled):
                 out.prefills.append(Chunk(req, req.num_computed, n))
-                self._commit(req, req.num_computed + n, out)
                 scheduled.add(id(req))
                 budget -= n
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            hits = self._cached_prefix(req)
-            cached = len(hits) * self.pool.block_size
-            n = min(req.num_tokens - cached, budget)
-            need = self.pool.blocks_for(cached + n) - len(hits)
-            if not self.pool.can_allocate(need + self.pool.reviving(hits)):
-                break
-            self.waiting.popleft()
-            self._count_lookup(req, cached)
-            self.pool.take(hits)
-            req.blocks = hits + self.pool.allocate(need)
-            req.num_computed, req.committed = cached, len(hits)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            out.prefills.append(Chunk(req, cached, n))
-            self._commit(req, cached + n, out)
-            budget -= n
+        self._admit(out, budget)
         self.peak_running = max(self.peak_running, len(self.running))
         return out
 
-    # ---- prefix caching -------------------------------------------------------------------------------
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """The cached blocks a request being admitted can take: full blocks of its tokens, short of its last
-        token (which is always computed). None for a request that wants its prompt's logprobs: those need
-        every prompt position computed."""
-        if not self.prefix_caching or req.prompt_logprobs is not None:
-            return []
-        bs = self.pool.block_size
-        root = self._root(req)
-        names = req.names.extend(req.tokens, (req.num_tokens - 1) // bs, bs, root, self.hash_fn)
-        return self.pool.match(names, lambda i: req.tokens(i * bs, (i + 1) * bs), root)
-
-    def _root(self, req: Request) -> bytes:
-        """The root of a request's chain of names: the engine's, or one of its own under a cache salt (vLLM's
-        cache_salt: requests share cached blocks only with requests that carry the same salt)."""
-        return self.root if req.cache_salt is None else root_hash(self.root, req.cache_salt)
-
-    def _count_lookup(self, req: Request, cached: int) -> None:
-        if not self.prefix_caching:
-            return
-        if req.prompt_logprobs is not None:  # it did not look: none of its prompt came from the cache
-            req.num_cached_tokens = 0
-            return
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += cached
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = cached
-
-    def _commit(self, req: Request, end: int, out: SchedulerOutput) -> None:
-        """Name the blocks this chunk fills (tokens [.., end) computed once the step runs)."""
-        if not self.prefix_caching:
-            return
-        bs = self.pool.block_size
-        full = end // bs
-        if full <= req.committed:
-            return
-        root = self._root(req)
-        names = req.names.extend(req.tokens, full, bs, root, self.hash_fn)
-        for i in range(req.committed, full):
-            block = req.blocks[i]
-            if self.pool.commit(block, names[i], req.tokens(i * bs, (i + 1) * bs), req.blocks[i - 1] if i else None,
-                                root):
-                out.committed.append(block)
-        req.committed = full
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting requests in arrival order, each with what the prefix cache holds of it, while rows, budget and
+        blocks allow; none in a step that had to preempt."""
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.cached_prefix(req)
+            n = min(req.num_tokens - cached.num_tokens, budget)
+            if not self.kv.admit(req, cached, n):
+                break
+            self.waiting.popleft()
+            req.num_computed = cached.num_tokens
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.prefills.append(Chunk(req, cached.num_tokens, n))
+            budget -= n
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
         """Make sure `req` holds blocks for n more tokens, preempting the newest rows not yet scheduled.
@@ -173,26 +137,53 @@ class Scheduler:
         `scheduled` is kept by the caller as chunks are handed out: rebuilding it here for every row made a
         step's scheduling cost grow with rows squared. Returns False when `req` itself had to be preempted.
         """
-        need = self.pool.blocks_for(req.num_computed + n) - len(req.blocks)
-        while not self.pool.can_allocate(need):
+        while not self.kv.reserve(req, n):
             victim = next((r for r in reversed(self.running) if id(r) not in scheduled), req)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
                 return False
-        if need > 0:
-            req.blocks.extend(self.pool.allocate(need))
         return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.pool.free(req.blocks)
-        req.blocks = []
-        req.num_computed = req.committed = 0
+        self.kv.free(req, finished=False)
+        req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    # ---- applying a step ------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result) -> None:
+        """The step ran: its chunks' K/V are in the cache, and each sampled row gets its token (a StepResult)."""
+        self.kv.confirm()
+        for chunk in (*out.decodes, *out.prefills):
+            req = chunk.request
+            req.num_computed += chunk.length
+            if not req.output_ids and chunk.completes:  # a prompt's first completion
+                self.prompt_tokens += len(req.prompt_ids)
+        for req, token in zip(result.sampled, result.token_ids):
+            self._append(req, token)
+
+    def _append(self, req: Request, token: int) -> None:
+        if req.matcher is not None:
+            req.matcher.consume(token)
+        req.output_ids.append(token)
+        self.generation_tokens += 1
+        stopped, req.stop_reason = stop_token(req, token)
+        if stopped:
+            self.finish(req, "stop")
+        elif len(req.output_ids) >= req.max_tokens:
+            self.finish(req, "length")
+
+    def fail(self, requests: list[Request]) -> None:
+        """The scheduled step failed: the names its chunks gave blocks are forgotten (that content was never
+        written) and `requests` (every sequence of the requests it carried) end with finish reason "error"."""
+        self.kv.rollback()
+        for req in requests:
+            if not req.finished:
+                self.finish(req, "error")
 
     def finish(self, req: Request, reason: str) -> None:
         """Retire a request wherever it is, returning its blocks to the pool at once."""
@@ -200,12 +191,22 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        if req.blocks:
-            self.pool.free(req.blocks)
-            req.blocks = []
+        self.kv.free(req, finished=True)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
+    # ---- observation ----------------------------------------------------------------------------------
+    def stats(self, finished: dict, steps: int) -> SchedulerStats:
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), peak_running=self.peak_running,
+            preemptions=self.num_preemptions, finished=finished, prompt_tokens_total=self.prompt_tokens,
+            generation_tokens_total=self.generation_tokens, steps=steps,
+        )
+
+    def live(self) -> tuple[Request, ...]:
+        """Every unfinished sequence, running first."""
+        return (*self.running, *self.waiting)
+
     def owners(self) -> dict[str, list[int]]:
-        """Live sequence name -> blocks held, for BlockPool.audit()."""
-        return {r.name: r.blocks for r in (*self.running, *self.waiting) if r.blocks}
+        """Live sequence name -> blocks held, for the KV manager's audit."""
+        return {r.name: r.blocks for r in self.live() if r.blocks}

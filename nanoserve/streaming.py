@@ -1,8 +1,8 @@
 """Generated ids -> text that is safe to emit: whole characters only, stop strings never shown.
 
 `IncrementalDetokenizer` and `StopStringMatcher` are the two halves; `TextStream` joins them for one request and
-owns the three ways a reply ends on its content: an EOS token (unless ignore_eos), a stop token id, and a stop
-string (which may span tokens). Length limits are the engine's.
+finds the way a reply ends in its text: a stop string (which may span tokens). The ways it ends on a token (EOS,
+a stop token id) and length limits are the scheduler's (scheduler.stop_token).
 """
 
 from __future__ import annotations
@@ -25,32 +25,20 @@ class TextStream:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens) \
             if params.detokenize else None
         self.stops = StopStringMatcher(params.stop) if params.stop else None
-        self.eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
-        self.stop_ids = frozenset(params.stop_token_ids)
 
-    def push(self, token: int, generated: int) -> tuple[str, str | None, str | int | None]:
-        """Add the `generated`-th token; returns (text to emit, finish reason or None, stop reason).
-
-        Like EOS and stop token ids, a stop string ends the text only once min_tokens tokens exist (vLLM's rule);
-        it may have begun in earlier text that was held back as a possible prefix.
-        """
-        armed = generated >= self.params.min_tokens
-        if armed:
-            if token in self.stop_ids:
-                return "", "stop", token
-            if token in self.eos:
-                return "", "stop", None
+    def push(self, token: int, armed: bool) -> tuple[str, str | None]:
+        """Add a token that did not end the sequence by itself; returns (text to emit, the stop string it
+        completed or None). `armed`: min_tokens tokens exist, so a stop string may end the text (vLLM's rule); it
+        may have begun in earlier text that was held back as a possible prefix."""
         if self.detok is None:
-            return "", None, None
+            return "", None
         delta = self.detok.feed(token)
         if self.stops is None:
-            return delta, None, None
+            return delta, None
         emit, matched = self.stops.feed(delta, armed=armed)
-        if matched is not None:
-            if self.params.include_stop_str_in_output:
-                emit += matched
-            return emit, "stop", matched
-        return emit, None, None
+        if matched is not None and self.params.include_stop_str_in_output:
+            emit += matched
+        return emit, matched
 
     def flush(self) -> str:
         """Whatever was held back (an incomplete character, a possible stop-string prefix) at the very end."""

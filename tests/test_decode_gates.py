@@ -36,8 +36,8 @@ def decoding(tiny_checkpoint):
 
 
 def plan_for(engine, requests):
-    batch, ordered = engine.decode_path.build(requests)
-    return engine.decode_path.last_plan, batch, ordered
+    batch, ordered = engine.runner.decode_path.build(requests)
+    return engine.runner.decode_path.last_plan, batch, ordered
 
 
 def test_plan_current_passes_then_catches_a_stale_plan(decoding):
@@ -77,7 +77,7 @@ def test_window_intact_passes_then_catches_a_table_changed_under_the_plan(decodi
     engine, requests = decoding
     plan, _, _ = plan_for(engine, requests)
     check_window_intact(plan, engine.config.block_size)
-    engine.decode_path.table.table[0, 0] += 1  # the block-table window changes under the plan
+    engine.runner.decode_path.table.table[0, 0] += 1  # the block-table window changes under the plan
     with pytest.raises(GateError, match="changed under the plan"):
         check_window_intact(plan, engine.config.block_size)
 
@@ -95,14 +95,14 @@ def test_addresses_stable_passes_then_catches_a_reallocated_buffer():
 def test_step_and_plan_inputs_persistent(decoding):
     engine, requests = decoding
     plan, batch, _ = plan_for(engine, requests)
-    check_step_inputs_persistent(batch, engine.decode_path.inputs)
-    check_plan_inputs_persistent(plan, engine.decode_path.inputs)
+    check_step_inputs_persistent(batch, engine.runner.decode_path.inputs)
+    check_plan_inputs_persistent(plan, engine.runner.decode_path.inputs)
     fresh = dataclasses.replace(batch, positions=batch.positions.clone())
     with pytest.raises(GateError, match=r"\['positions'\] are fresh tensors"):
-        check_step_inputs_persistent(fresh, engine.decode_path.inputs)
+        check_step_inputs_persistent(fresh, engine.runner.decode_path.inputs)
     with pytest.raises(GateError, match=r"\['context_lens'\] are not windows"):
         check_plan_inputs_persistent(dataclasses.replace(plan, context_lens=plan.context_lens + 0),
-                                     engine.decode_path.inputs)
+                                     engine.runner.decode_path.inputs)
 
 
 def test_inputs_fit_and_one_set_covers():
@@ -148,4 +148,4 @@ def test_captured_decode_refuses_a_cpu_cache(tiny_checkpoint):
     engine = make(tiny_checkpoint("llama"), device="cpu", persistent_inputs=True, row_compaction=True,
                   decode_buckets=True).engine
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        CapturedDecode(engine.model, engine.cache, engine.read, engine.decode_path, heads=4, layers=2)
+        CapturedDecode(engine.runner.model, engine.runner.cache, engine.runner.read, engine.runner.decode_path, heads=4, layers=2)

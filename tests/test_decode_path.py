@@ -28,7 +28,7 @@ def plain(ckpt):
 
 
 def verified(llm: LLM) -> LLM:
-    llm.engine.decode_path.verify = True  # run check_plan_current and check_window_intact on every plan
+    llm.engine.runner.decode_path.verify = True  # run check_plan_current and check_window_intact on every plan
     return llm
 
 
@@ -64,7 +64,7 @@ def test_preemption_and_arrivals_with_every_switch(ckpt, plain):
 def test_long_decode_allocates_no_input_and_never_moves_a_buffer(ckpt):
     llm = verified(make(ckpt, decode_buckets=True, persistent_inputs=True, row_compaction=True))
     engine = llm.engine
-    path = engine.decode_path
+    path = engine.runner.decode_path
     addresses, table_address = path.inputs.addresses(), path.table.table.data_ptr()
     for i, n in enumerate((150, 120, 90, 60)):
         engine.add_request(f"row {i} says", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -97,7 +97,7 @@ def test_a_buffer_that_moves_shows_as_fresh_allocations(ckpt):
     """The counter is read off the tensors the forward received: a reallocated buffer is caught, though the
     switch is still on (a counter computed from the switch would still say 0)."""
     llm = make(ckpt, persistent_inputs=True)
-    path = llm.engine.decode_path
+    path = llm.engine.runner.decode_path
     llm.generate(["warm"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     before = llm.engine.stats().as_dict()["inputs"]
     assert before["fresh_allocations"] == 0
@@ -144,9 +144,9 @@ def test_step_inputs_are_windows_of_the_buffers(ckpt):
     engine = llm.engine
     engine.add_request("hello there", SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # prefill: the general builder
-    batch, _ = engine.decode_path.build([r for r in engine.scheduler.running])
-    check_step_inputs_persistent(batch, engine.decode_path.inputs)
-    assert batch.decode_block_table.data_ptr() == engine.decode_path.table.table.data_ptr()
+    batch, _ = engine.runner.decode_path.build([r for r in engine.scheduler.running])
+    check_step_inputs_persistent(batch, engine.runner.decode_path.inputs)
+    assert batch.decode_block_table.data_ptr() == engine.runner.decode_path.table.table.data_ptr()
 
 
 def test_stats_sections_absent_while_off(ckpt):
@@ -169,14 +169,14 @@ def test_padded_rows_touch_only_the_null_block(ckpt):
     for i in range(3):
         engine.add_request(f"prompt {i}", SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()  # the three prefills
-    k, v = engine.cache.k.clone(), engine.cache.v.clone()
+    k, v = engine.runner.cache.k.clone(), engine.runner.cache.v.clone()
     engine.step()  # one decode-only step: 3 rows padded to 4
-    plan, running = engine.decode_path.last_plan, list(engine.scheduler.running)
+    plan, running = engine.runner.decode_path.last_plan, list(engine.scheduler.running)
     assert (plan.rows, plan.shape[0]) == (3, 4) and len(running) == 3
     # exactly each row's new token in its own block, and the padded row's slot 0 of the null block, in every layer
-    want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.cache.k.shape[0])
-    assert cells_changed(engine.cache.k, k, engine.cache.layout) == want
-    assert cells_changed(engine.cache.v, v, engine.cache.layout) == want
+    want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.runner.cache.k.shape[0])
+    assert cells_changed(engine.runner.cache.k, k, engine.runner.cache.layout) == want
+    assert cells_changed(engine.runner.cache.v, v, engine.runner.cache.layout) == want
 
 
 def test_sections_reach_metrics(ckpt):

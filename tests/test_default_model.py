@@ -39,11 +39,11 @@ def test_logits_and_greedy_match_transformers_gguf_loader(default_llm_dense, hf_
     torch.testing.assert_close(full_prefill_logits(llm, ids), theirs, rtol=1e-3, atol=1e-3)
 
     recorder = RecordingSampler(llm.engine)
-    llm.engine.sampler = recorder
+    llm.engine.runner.sampler = recorder
     try:
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     finally:
-        llm.engine.sampler = recorder.inner
+        llm.engine.runner.sampler = recorder.inner
     tokens = list(out.outputs[0].token_ids)
     with torch.inference_mode():
         steps = hf_default(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]

@@ -52,14 +52,14 @@ def test_crowd_equals_solo(ckpt, solo):
     assert llm.engine.stats().scheduler.peak_running == len(MIXED)
     assert_same(crowd, solo)
     llm.engine.audit()
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.kv.num_free == llm.engine.kv.num_usable
 
 
 def test_crowd_with_preemption_equals_solo(ckpt, solo):
     # 17 blocks of 16 tokens (one is the null block): just one max_model_len sequence, far less than the
     # crowd needs at once, so rows are preempted and recomputed.
     llm = make(ckpt, kv_cache_gib=17 * BLOCK_BYTES / 2**30, max_num_seqs=10)
-    assert llm.engine.pool.num_usable == 16
+    assert llm.engine.kv.num_usable == 16
     crowd = llm.generate([p for p, _ in MIXED], [s for _, s in MIXED])
     stats = llm.engine.stats()
     assert stats.scheduler.preemptions > 0

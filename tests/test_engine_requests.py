@@ -16,7 +16,7 @@ def llm(tiny_checkpoint):
 def assert_pool_clean(llm):
     engine = llm.engine
     engine.audit()
-    assert engine.pool.num_free == engine.pool.num_usable
+    assert engine.kv.num_free == engine.kv.num_usable
     assert not engine.scheduler.waiting and not engine.scheduler.running
 
 
@@ -211,8 +211,9 @@ def test_the_warm_up_step_stays_inside_a_short_rope_table(tiny_checkpoint):
     budget the rope table is shorter than the step, and the warm-up must not index past it (on the CPU here,
     where the same code would raise IndexError)."""
     from nanoserve.engine import Engine
+    from nanoserve.runner.sizing import warm_up
 
     engine = Engine(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, kv_cache_gib=0.01,
                                  max_num_batched_tokens=300))
-    assert engine.model.rope.cos.shape[0] == 64
-    engine._warm_up()
+    assert engine.runner.model.rope.cos.shape[0] == 64
+    warm_up(engine.runner)

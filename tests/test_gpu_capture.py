@@ -49,11 +49,11 @@ def test_replay_equals_eager_with_the_streamed_read(ckpt, crowd):
                 max_num_seqs=16)
     eager_llm = cuda_llm(ckpt, **path)
     eager = eager_llm.generate(prompts, params)
-    assert eager_llm.engine.captured is None
+    assert eager_llm.engine.runner.captured is None
     llm = cuda_llm(ckpt, cuda_graphs=True, **path)
     replayed = llm.generate(prompts, params)
     assert tokens(replayed) == tokens(eager)
-    assert llm.engine.read.mode == "streamed" and len(llm.engine.decode_path.buckets.widths) == 1
+    assert llm.engine.runner.read.mode == "streamed" and len(llm.engine.runner.decode_path.buckets.widths) == 1
     capture = llm.engine.stats().as_dict()["capture"]
     assert capture["captures"] == capture["shapes"] > 0 and capture["replays"] > 0
     assert capture["eager_steps"] == 0 and capture["pool_bytes"] > 0
@@ -81,15 +81,15 @@ def test_padded_rows_leave_real_sequences_untouched(ckpt):
         engine.add_request(f"prompt {i}", SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
     # capturing wrote the null block's slot 0 (placeholder rows); clear it so the padded row's write shows
-    engine.cache.k[:, 0].zero_()
-    engine.cache.v[:, 0].zero_()
-    k, v = engine.cache.k.clone(), engine.cache.v.clone()
+    engine.runner.cache.k[:, 0].zero_()
+    engine.runner.cache.v[:, 0].zero_()
+    k, v = engine.runner.cache.k.clone(), engine.runner.cache.v.clone()
     engine.step()  # 3 rows replayed in the 4-row graph
-    plan, running = engine.decode_path.last_plan, list(engine.scheduler.running)
-    assert (plan.rows, plan.shape[0]) == (3, 4) and engine.captured.stats.replays == 1 and len(running) == 3
-    want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.cache.k.shape[0])
-    assert cells_changed(engine.cache.k, k, engine.cache.layout) == want
-    assert cells_changed(engine.cache.v, v, engine.cache.layout) == want
+    plan, running = engine.runner.decode_path.last_plan, list(engine.scheduler.running)
+    assert (plan.rows, plan.shape[0]) == (3, 4) and engine.runner.captured.stats.replays == 1 and len(running) == 3
+    want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.runner.cache.k.shape[0])
+    assert cells_changed(engine.runner.cache.k, k, engine.runner.cache.layout) == want
+    assert cells_changed(engine.runner.cache.v, v, engine.runner.cache.layout) == want
 
 
 def test_replay_share_near_one_in_steady_decode(ckpt):
@@ -105,7 +105,7 @@ def test_bundle_switches_everything_on(ckpt):
     engine = cuda_llm(ckpt, cuda_graphs=True).engine
     stats = engine.stats().as_dict()
     assert {"inputs", "buckets", "capture"} <= set(stats) and stats["inputs"]["persistent"]
-    assert engine.decode_path.table.compaction
+    assert engine.runner.decode_path.table.compaction
 
 
 def test_capture_refuses_a_path_it_cannot_replay():
@@ -125,7 +125,7 @@ def test_capture_refuses_a_path_it_cannot_replay():
 
 def test_every_graph_writes_one_shared_logits_buffer_and_the_pool_counts_it(ckpt):
     llm = cuda_llm(ckpt, cuda_graphs=True, max_num_seqs=16)
-    captured = llm.engine.captured
+    captured = llm.engine.runner.captured
     rows = max(shape[0] for shape in captured.graphs)
     assert captured.logits.shape == (rows, llm.engine.model_config.vocab_size)
     capture = llm.engine.stats().as_dict()["capture"]
@@ -143,6 +143,6 @@ def test_capture_and_the_streamed_read_run_on_a_second_device(ckpt, streamed):
     torch.cuda.set_device(0)
     llm = make(ckpt, device="cuda:1", dtype="float32", kv_cache_gib=0.05, cuda_graphs=True, max_num_seqs=16,
                streamed_read=streamed, batch_invariant=not streamed)
-    assert llm.engine.captured.logits.device == torch.device("cuda:1")
+    assert llm.engine.runner.captured.logits.device == torch.device("cuda:1")
     assert tokens(llm.generate(prompts, params)) == want
     assert llm.engine.stats().as_dict()["capture"]["replays"] > 0

@@ -40,7 +40,7 @@ def test_a_killed_gpu_rank_is_named(tiny_checkpoint):
     two = LLM(model=str(tiny_checkpoint("llama")), tensor_parallel_size=2, distributed_timeout=20, **CUDA)
     try:
         two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), use_tqdm=False)
-        os.kill(two.engine.parallel.processes[0].pid, signal.SIGKILL)
+        os.kill(two.engine.runner.parallel.processes[0].pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(StepFailed, match="rank 1"):
             two.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=4), use_tqdm=False)

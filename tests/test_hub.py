@@ -54,7 +54,7 @@ def test_a_cached_hub_id_loads_and_generates_as_the_directory_does(hub_cache, ti
     params = SamplingParams(temperature=0, max_tokens=8)
     by_id = LLM(model=REPO, max_model_len=128, kv_cache_gib=0.01)
     by_path = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
-    assert by_id.engine.loaded.name == REPO  # what the server lists in /v1/models, as vLLM does
+    assert by_id.engine.runner.loaded.name == REPO  # what the server lists in /v1/models, as vLLM does
     assert (by_id.generate(["Once upon a time"], params)[0].outputs[0].text
             == by_path.generate(["Once upon a time"], params)[0].outputs[0].text)
 
@@ -109,7 +109,7 @@ def test_a_path_on_disk_wins_over_the_same_hub_id(hub_cache, tiny_checkpoint, tm
     shutil.copytree(tiny_checkpoint("qwen2"), work / REPO)  # same name, another model
     monkeypatch.chdir(work)
     llm = LLM(model=REPO, max_model_len=64, kv_cache_gib=0.01)
-    assert llm.engine.loaded.config.attention_bias  # the qwen2 directory, not the cached llama
+    assert llm.engine.runner.loaded.config.attention_bias  # the qwen2 directory, not the cached llama
 
 
 @pytest.mark.parametrize("text, expected", [

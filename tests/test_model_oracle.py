@@ -48,7 +48,7 @@ def full_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     bs = engine.config.block_size
     blocks = list(range(1, -(-n // bs) + 1))
-    cache = KVCache(engine.model_config, len(blocks) + 1, bs, engine.dtype, engine.device)
+    cache = KVCache(engine.model_config, len(blocks) + 1, bs, engine.runner.dtype, engine.runner.device)
     batch = StepBatch(
         input_ids=torch.tensor(ids), positions=torch.arange(n),
         slots=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)]),
@@ -57,7 +57,7 @@ def full_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         prefills=(PrefillSegment(0, n, 0),), logits_indices=torch.arange(n),
     )
     with torch.inference_mode():
-        return engine.model(batch, cache, PagedRead())
+        return engine.runner.model(batch, cache, PagedRead())
 
 
 def test_prefill_logits_match_transformers(pair):
@@ -74,7 +74,7 @@ class RecordingSampler:
     """Wraps the engine's real sampler and keeps the logits it was handed, per request, in order."""
 
     def __init__(self, engine):
-        self.inner = engine.sampler
+        self.inner = engine.runner.sampler
         self.seen: list[torch.Tensor] = []
 
     def __call__(self, logits, rows):
@@ -86,7 +86,7 @@ def test_decode_logits_and_greedy_tokens_match_transformers(pair):
     llm, hf = pair
     engine = llm.engine
     recorder = RecordingSampler(engine)
-    engine.sampler = recorder
+    engine.runner.sampler = recorder
     try:
         for prompt in PROMPTS:
             recorder.seen.clear()
@@ -106,7 +106,7 @@ def test_decode_logits_and_greedy_tokens_match_transformers(pair):
                 )[0, len(ids):].tolist()
             assert tokens == generated
     finally:
-        engine.sampler = recorder.inner
+        engine.runner.sampler = recorder.inner
     engine.audit()
 
 
@@ -118,7 +118,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tiny_checkpoint):
     single = tiny_checkpoint("llama")
     a = LLM(model=str(sharded), max_model_len=128, kv_cache_gib=0.01)
     b = LLM(model=str(single), max_model_len=128, kv_cache_gib=0.01)
-    for (na, pa), (nb, pb) in zip(a.engine.model.state_dict().items(), b.engine.model.state_dict().items()):
+    for (na, pa), (nb, pb) in zip(a.engine.runner.model.state_dict().items(), b.engine.runner.model.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
 
 
@@ -129,7 +129,7 @@ def test_half_precision_greedy_stays_close_to_transformers(tiny_checkpoint, dtyp
 
     path = tiny_checkpoint("qwen2")
     llm = LLM(model=str(path), dtype=dtype, max_model_len=128, kv_cache_gib=0.01)
-    assert llm.engine.dtype == getattr(torch, dtype)
+    assert llm.engine.runner.dtype == getattr(torch, dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     ids = llm.tokenizer.encode(PROMPTS[0])
     ours = full_prefill_logits(llm, ids)

@@ -92,13 +92,13 @@ def test_n_abort_ends_every_completion_and_frees_their_blocks(llm):
     engine = llm.engine
     rid = engine.add_request("a b c", SamplingParams(n=4, max_tokens=50, ignore_eos=True))
     engine.step()
-    assert len(engine.sequences(rid)) == 4 and engine.pool.num_used > 0
+    assert len(engine.sequences(rid)) == 4 and engine.kv.num_used > 0
     engine.abort(rid)
     outs = engine.step()
     assert sorted(o.outputs[0].index for o in outs) == [0, 1, 2, 3]
     assert [o.finished for o in outs] == [False, False, False, True]
     assert all(o.outputs[0].finish_reason == "abort" for o in outs)
-    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+    assert engine.kv.num_used == 0 and not engine.has_unfinished()
     engine.audit()
 
 

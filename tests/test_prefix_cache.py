@@ -104,8 +104,7 @@ def test_the_whole_prompt_cached_still_computes_its_last_token(ckpt):
     (req,) = engine.sequences("again")
     sched = engine.scheduler.schedule()
     assert req.num_cached_tokens == 16 and sched.prefills[0].length == 16  # one block reused, one computed
-    engine.pool.free(req.blocks)  # undo the hand-scheduled step: this test only reads the plan
-    req.blocks = []
+    engine.kv.free(req, finished=True)  # undo the hand-scheduled step: this test only reads the plan
 
 
 def test_same_step_arrivals_share_blocks_instead_of_allocating_twice(ckpt):
@@ -117,7 +116,7 @@ def test_same_step_arrivals_share_blocks_instead_of_allocating_twice(ckpt):
     engine.step()  # both admitted in this one step
     (a,), (b,) = engine.sequences("a"), engine.sequences("b")
     assert a.blocks[:2] == b.blocks[:2] and a.blocks[2] != b.blocks[2]
-    assert engine.pool.num_used == 4  # two shared full blocks, and each one's partial third
+    assert engine.kv.num_used == 4  # two shared full blocks, and each one's partial third
     engine.audit()
     while engine.has_unfinished():
         engine.step()
@@ -138,7 +137,7 @@ def test_n_completions_share_their_prompt_blocks(ckpt):
 
 def test_a_colliding_hash_never_reuses_a_block_whose_content_differs(ckpt, cold):
     llm = make(ckpt, caching=True)
-    llm.engine.scheduler.hash_fn = lambda parent, tokens: b"every block has this name"
+    llm.engine.kv.hash_fn = lambda parent, tokens: b"every block has this name"
     warm = run_audited(llm, crowd(llm.engine.tokenizer))
     assert warm == cold
     assert llm.engine.stats().prefix_cache.hits > 0  # the one name still serves the prefix it really holds
@@ -147,17 +146,17 @@ def test_a_colliding_hash_never_reuses_a_block_whose_content_differs(ckpt, cold)
 def test_a_failed_step_leaves_no_names_for_content_it_never_wrote(ckpt):
     llm = make(ckpt, caching=True)
     engine = llm.engine
-    real = engine.model.forward
+    real = engine.runner.model.forward
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
 
-    engine.model.forward = broken
+    engine.runner.model.forward = broken
     engine.add_request(SYSTEM, GREEDY, request_id="doomed")
     with pytest.raises(StepFailed):
         engine.step()
-    engine.model.forward = real
-    assert engine.pool.num_cached == 0
+    engine.runner.model.forward = real
+    assert engine.stats().prefix_cache.cached_blocks == 0
     out = llm.generate([SYSTEM], GREEDY)[0]
     assert engine.stats().prefix_cache.hits == 0
     assert out.outputs[0].token_ids == make(ckpt, caching=False).generate([SYSTEM], GREEDY)[0].outputs[0].token_ids
@@ -244,7 +243,7 @@ def test_a_cache_salt_shares_blocks_only_within_the_salt(ckpt, colliding):
     requests), even under a hash that names every block alike."""
     llm = make(ckpt, caching=True)
     if colliding:
-        llm.engine.scheduler.hash_fn = lambda parent, tokens: b"every block has this name"
+        llm.engine.kv.hash_fn = lambda parent, tokens: b"every block has this name"
     hits = lambda: llm.engine.stats().prefix_cache.hits  # noqa: E731
     llm.generate([{"prompt": SYSTEM, "cache_salt": "tenant-a"}], GREEDY)
     for other in ({"prompt": SYSTEM}, {"prompt": SYSTEM, "cache_salt": "tenant-b"}):

@@ -17,7 +17,7 @@ def test_random_traffic_keeps_the_pool_consistent(tiny_checkpoint, seed):
     llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=12 * BLOCK_BYTES / 2**30,
               max_num_seqs=6, max_num_batched_tokens=48)
     engine = llm.engine
-    assert engine.pool.num_usable == 11
+    assert engine.kv.num_usable == 11
     live, finished, wanted = set(), {}, {}
     for _ in range(150):
         if rng.random() < 0.35:
@@ -44,7 +44,7 @@ def test_random_traffic_keeps_the_pool_consistent(tiny_checkpoint, seed):
                 live.discard(out.request_id)
         engine.audit()
     assert not live
-    assert engine.pool.num_free == engine.pool.num_usable
+    assert engine.kv.num_free == engine.kv.num_usable
     assert set(finished) == set(wanted)
     for rid, out in finished.items():
         c = out.outputs[0]

@@ -184,7 +184,7 @@ def test_content_the_model_cannot_see_is_refused(server, messages, needle):
     r = post(server, "/v1/chat/completions", {**GREEDY, "messages": messages})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
-    assert server.engine.pool.num_used == 0
+    assert server.engine.kv.num_used == 0
 
 
 # ---- streams: logprobs of held-back tokens, usage on every chunk --------------------------------------
@@ -227,7 +227,7 @@ def test_a_batch_stream_closed_early_frees_every_request(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200  # the batch really started streaming before it was closed
         next(r.iter_lines())
-    assert wait_until(lambda: server.engine.pool.num_used == 0 and not server.engine.has_unfinished())
+    assert wait_until(lambda: server.engine.kv.num_used == 0 and not server.engine.has_unfinished())
 
 
 # ---- the other routes and the document ----------------------------------------------------------------

@@ -36,7 +36,7 @@ class Poison:
 def served(tiny_checkpoint):
     s = Server(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01), port=0,
                served_model_name="tiny").start()
-    poison = Poison(s.host.engine.model)
+    poison = Poison(s.host.engine.runner.model)
     yield s, poison
     s.stop()
 
@@ -190,14 +190,14 @@ def test_a_failure_outside_the_step_ends_every_request_and_the_host_serves_on(ti
 
 def test_offline_a_failed_step_raises_and_leaves_the_engine_sound(tiny_checkpoint):
     llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
-    engine, poison = llm.engine, Poison(llm.engine.model)
+    engine, poison = llm.engine, Poison(llm.engine.runner.model)
     poison.token = engine.tokenizer.encode("Hello")[-1]
     engine.add_request("Hello", SamplingParams(max_tokens=4, **GREEDY), request_id="bad")
     with pytest.raises(StepFailed) as failed:
         engine.step()
     assert failed.value.request_ids == ["bad"] and not engine.has_unfinished()
     engine.audit()
-    assert engine.pool.num_free == engine.pool.num_usable
+    assert engine.kv.num_free == engine.kv.num_usable
     assert engine.stats().scheduler.finished == {"error": 1}
     poison.token = None
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, **GREEDY))[0]

@@ -326,4 +326,4 @@ def test_every_unsupported_field_is_refused_unless_it_asks_for_nothing(server, s
         assert r.json()["error"]["param"] == name
         for value in idle:
             assert httpx.post(server.url + path, json={**base, name: value}, timeout=60).status_code == 200, name
-    assert server.engine.pool.num_used == 0
+    assert server.engine.kv.num_used == 0

@@ -33,7 +33,7 @@ def test_the_engine_catches_a_slow_step(tiny_checkpoint):
     llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.01)
     engine = llm.engine
     engine.add_request("a b c", SamplingParams(max_tokens=WARMUP + 20, ignore_eos=True), request_id="r")
-    real, calls = engine.model.forward, [0]
+    real, calls = engine.runner.model.forward, [0]
 
     def slow_once(*args, **kwargs):
         calls[0] += 1
@@ -41,7 +41,7 @@ def test_the_engine_catches_a_slow_step(tiny_checkpoint):
             time.sleep(0.3)  # the machine stalls once
         return real(*args, **kwargs)
 
-    engine.model.forward = slow_once
+    engine.runner.model.forward = slow_once
     while engine.has_unfinished():
         engine.step()
     stalls = engine.stats().as_dict()["stalls"]

@@ -120,8 +120,8 @@ def test_engine_flag_reaches_the_read_and_changes_no_token(tiny_checkpoint):
 
 def test_buckets_lose_the_width_axis(tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    gathered = make(ckpt, decode_buckets=True).engine.decode_path.buckets
-    streamed = make(ckpt, decode_buckets=True, streamed_read=True, read_block=16).engine.decode_path.buckets
+    gathered = make(ckpt, decode_buckets=True).engine.runner.decode_path.buckets
+    streamed = make(ckpt, decode_buckets=True, streamed_read=True, read_block=16).engine.runner.decode_path.buckets
     assert len(gathered.shapes) == 7 * 5 and len(streamed.shapes) == 7  # 64 rows; 256 tokens = 16 blocks
     llm = make(ckpt, decode_buckets=True, persistent_inputs=True, streamed_read=True, read_block=16)
     out = llm.generate(["a b c", "d e"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
@@ -150,4 +150,4 @@ def test_two_live_servers_one_flag_apart_send_identical_bytes(tiny_checkpoint):
 def test_llm_api_accepts_the_flags(tiny_checkpoint):
     llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01, streamed_read=True,
               batch_invariant=False, read_block=32)
-    assert llm.engine.read.mode == "streamed" and llm.engine.read.block == 32
+    assert llm.engine.runner.read.mode == "streamed" and llm.engine.runner.read.block == 32

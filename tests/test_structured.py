@@ -152,7 +152,7 @@ def test_an_aborted_constrained_request_holds_nothing(ckpt):
     while engine.has_unfinished():
         engine.step()
     engine.audit()
-    assert engine.pool.num_free == engine.pool.num_usable
+    assert engine.kv.num_free == engine.kv.num_usable
 
 
 @pytest.mark.parametrize("spec,message", [

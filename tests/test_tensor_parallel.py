@@ -77,7 +77,7 @@ def test_a_crowd_with_preemption_generates_the_same_tokens(tiny_checkpoint):
     tight = dict(max_model_len=128, max_num_seqs=8)
     one = LLM(model=path, kv_cache_gib=12.5 * block / 2**30, **tight)
     two = LLM(model=path, tensor_parallel_size=2, kv_cache_gib=12.5 * block / 2 / 2**30, **tight)
-    assert one.engine.pool.num_blocks == two.engine.pool.num_blocks == 12
+    assert one.engine.kv.num_blocks == two.engine.kv.num_blocks == 12
     try:
         params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) if i % 2 else
                   SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(12)]
@@ -118,7 +118,7 @@ def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
     assert section["gathers_by_path"]["shared memory"] > 0
     assert section["collectives"] > 0 and section["collective_ms_per_step"] > 0
     assert set(section["ms_per_step_by_kind"]) == {"all_reduce", "gather", "broadcast"}
-    whole = sum(p.nbytes for p in one.engine.model.parameters())
+    whole = sum(p.nbytes for p in one.engine.runner.model.parameters())
     ranks = section["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:  # each rank holds its half of every split weight (norms are whole on each)
@@ -227,7 +227,7 @@ def test_a_killed_rank_ends_the_engine_and_the_server_answers_503(tiny_checkpoin
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))  # generating
-            victim = server.host.engine.parallel.processes[0]
+            victim = server.host.engine.runner.parallel.processes[0]
             killed = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
             rest = [line for line in lines if line]
@@ -276,7 +276,7 @@ def test_a_rank_that_raises_is_named_with_its_error(tiny_checkpoint):
         poison = StepBatch(input_ids=one, positions=one, slots=one, num_decode=1,
                            decode_block_table=one.view(1, 1), decode_context_lens=one + 1, prefills=(),
                            logits_indices=one)
-        two.engine.parallel.group.send(worker.Step(poison, cache_blocks=2**40))  # rank 1 cannot build it
+        two.engine.runner.parallel.group.send(worker.Step(poison, cache_blocks=2**40))  # rank 1 cannot build it
         with pytest.raises(StepFailed, match=r"tensor-parallel rank 1 .*RuntimeError"):
             two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), use_tqdm=False)
         assert "rank 1" in two.engine.failed
@@ -311,7 +311,7 @@ def test_a_restart_into_and_out_of_a_group_leaves_no_rank_behind(tiny_checkpoint
     server = Server(config, port=0).start()
     try:
         server.host.restart(EngineConfig(model=config.model, tensor_parallel_size=2, **SMALL))
-        ranks = server.host.engine.parallel.processes
+        ranks = server.host.engine.runner.parallel.processes
         body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         grouped = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
         server.host.restart(config)
@@ -358,7 +358,7 @@ def test_a_rank_that_hangs_ends_in_an_error_at_the_timeout(tiny_checkpoint):
     from nanoserve.engine import StepFailed
 
     two = LLM(model=str(tiny_checkpoint("llama")), tensor_parallel_size=2, distributed_timeout=3, **SMALL)
-    victim = two.engine.parallel.processes[0]
+    victim = two.engine.runner.parallel.processes[0]
     try:
         two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
         os.kill(victim.pid, signal.SIGSTOP)

@@ -75,13 +75,13 @@ def one_batch(engine, b: int, args) -> dict:
     rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)) for p in ids]
     while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
         engine.step()
-    captured = engine.captured
+    captured = engine.runner.captured
     arms = {"captured": [], "eager": []}
     for _ in range(args.rounds):
         arms["captured"].append(time_steps(engine, args.steps))
-        engine.captured = None  # the same buffers and shapes, run eager
+        engine.runner.captured = None  # the same buffers and shapes, run eager
         arms["eager"].append(time_steps(engine, args.steps))
-        engine.captured = captured
+        engine.runner.captured = captured
     for rid in rids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -105,14 +105,14 @@ def main(args) -> int:
     rows = [one_batch(engine, b, args) for b in args.batches]
     capture = engine.stats().as_dict()["capture"]
     bw = copy_bandwidth()
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    mc, itemsize = engine.model_config, engine.cache.k.element_size()
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    mc, itemsize = engine.model_config, engine.runner.cache.k.element_size()
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
     for row in rows:
         step_bytes = weights + row["batch"] * (args.prompt_len + args.rounds * args.steps) * kv_per_token
         row["hbm_bound_ms"] = step_bytes / bw * 1000
         row["captured_over_bound"] = row["captured_ms"] / row["hbm_bound_ms"]
-    summary = {"model": engine.loaded.name, "dtype": str(engine.dtype), "shapes": capture["shapes"],
+    summary = {"model": engine.runner.loaded.name, "dtype": str(engine.runner.dtype), "shapes": capture["shapes"],
                "capture_seconds": capture["capture_seconds"], "pool_mib": capture["pool_bytes"] / 2**20,
                "replay_share": capture["replay_share"], "copy_bandwidth_gbs": bw / 1e9, "weight_mib": weights / 2**20}
     print_table(f"decode step, eager vs replay: {summary['model']} ({summary['dtype']}), prompt {args.prompt_len}",

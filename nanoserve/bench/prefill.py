@@ -151,8 +151,8 @@ def main(args) -> int:
     if not args.no_llama_8b:
         shapes["Llama-8B (32/8/128)"] = (32, 8, 128)
     grid = [tuple(int(n) for n in cell.split("x")) for cell in args.layer_grid]
-    layers = layer_rows(shapes, grid, engine.dtype, args.repeats, engine.config.block_size)
-    print_table(f"(a) one layer's prefill attention of a continuing chunk, {str(engine.dtype)[6:]}, "
+    layers = layer_rows(shapes, grid, engine.runner.dtype, args.repeats, engine.config.block_size)
+    print_table(f"(a) one layer's prefill attention of a continuing chunk, {str(engine.runner.dtype)[6:]}, "
                 f"best of {args.repeats}", layers, list(layers[0]))
     rows, verdict = engine_rows(llm, args)
     print_table(f"(b) the engine: time until every prompt has its first token, {cfg.num_layers} layers "

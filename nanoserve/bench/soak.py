@@ -68,7 +68,7 @@ class FaultInjector:
     def install(self, engine) -> None:
         if not self.every:
             return
-        real = engine.model.forward
+        real = engine.runner.model.forward
 
         def forward(*args, **kwargs):
             self.calls += 1
@@ -77,7 +77,7 @@ class FaultInjector:
                 raise RuntimeError("injected fault (bench soak --fault-every)")
             return real(*args, **kwargs)
 
-        engine.model.forward = forward
+        engine.runner.model.forward = forward
 
 
 def _error_kind(status: int, raw: bytes) -> str | None:
@@ -322,8 +322,8 @@ def soak(config, args) -> dict:
         kv = server.host.stats().kv
         account = server.host.accounting()
         engine = server.host.engine
-        leftovers = {"groups": len(engine._groups), "streams": len(engine._streams),
-                     "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}
+        queue = engine.scheduler_stats()
+        leftovers = {**engine.output_processor.leftovers(), "running": queue.running, "waiting": queue.waiting}
         rss_end = resident_mib()
         rss_trimmed = trimmed_resident_mib()
     finally:

@@ -118,13 +118,13 @@ def load_hf(engine):
     from transformers import AutoModelForCausalLM
 
     path = model_path(engine)
-    kwargs = {"dtype": engine.dtype}
+    kwargs = {"dtype": engine.runner.dtype}
     if path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.generation_config.eos_token_id = None
-    return model.to(engine.device).eval()  # beside nanoserve on its device: on a GPU machine, the GPU
+    return model.to(engine.runner.device).eval()  # beside nanoserve on its device: on a GPU machine, the GPU
 
 
 def decode_weight_bytes(model) -> int:
@@ -176,7 +176,7 @@ def main(args) -> int:
     engine = arms["nanoserve"].engine
     parallel = flags["tensor_parallel_size"] > 1
     if parallel:  # the same engine on one rank with every thread, beside the group
-        if engine.parallel.group.shared is not None:  # exchanging through shared memory: and over gloo
+        if engine.runner.parallel.group.shared is not None:  # exchanging through shared memory: and over gloo
             arms[BACKEND_REDUCE] = LLM(**{**flags, "tp_all_reduce": "backend"})
         arms[ONE_RANK] = LLM(**{**flags, "tensor_parallel_size": 1, "distributed_init": None})
     else:
@@ -187,8 +187,8 @@ def main(args) -> int:
     cfg = engine.model_config
     work = workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size)
     single_prompt = work[0][0][:64]
-    bandwidth = memory_bandwidth_gbs(mib=4096 if engine.device.type == "cuda" else 512, device=engine.device)
-    bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.model) for arm, llm in arms.items()}
+    bandwidth = memory_bandwidth_gbs(mib=4096 if engine.runner.device.type == "cuda" else 512, device=engine.runner.device)
+    bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.runner.model) for arm, llm in arms.items()}
     if parallel:  # the ranks share this machine's memory: the whole model is read per token all the same
         for arm in ("nanoserve", BACKEND_REDUCE):
             if arm in bounds:
@@ -231,7 +231,7 @@ def main(args) -> int:
         })
     linear = engine.stats().sections.get("linear")
     print_table(
-        f"throughput: {engine.loaded.name}, {engine.dtype}, linears {linear['format'] if linear else 'dense'}, "
+        f"throughput: {engine.runner.loaded.name}, {engine.runner.dtype}, linears {linear['format'] if linear else 'dense'}, "
         f"{torch.get_num_threads()} threads, {args.num_requests} requests, prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}",
         rows, list(rows[0]),
@@ -261,9 +261,9 @@ def main(args) -> int:
               + ", ".join(f"{kind} {ms:.2f}" for kind, ms in section["ms_per_step_by_kind"].items())
               + "); weights per rank "
               + ", ".join(f"{r['weights_bytes'] / 2**20:.0f} MiB" for r in section["ranks"])
-              + f" (one rank: {memory_of(arms[ONE_RANK].engine.model, arms[ONE_RANK].engine.cache)['weights_bytes'] / 2**20:.0f} MiB)")
+              + f" (one rank: {memory_of(arms[ONE_RANK].engine.runner.model, arms[ONE_RANK].engine.runner.cache)['weights_bytes'] / 2**20:.0f} MiB)")
     print(f"peak RSS after nanoserve arms {rss_after_nanoserve:.0f} MiB; after all arms {peak_rss_mib():.0f} MiB; "
-          f"KV pool {engine.cache.nbytes / 2**20:.0f} MiB")
+          f"KV pool {engine.runner.cache.nbytes / 2**20:.0f} MiB")
     path = write_results(args.out, "throughput", {
         "flags": flags, "bandwidth_gbs": bandwidth, "bound_tok_s": bounds, "single_runs": single, "mixed": mixed,
         "ratios": ratios, "linear": linear, "parallel": section, "peak_rss_mib": peak_rss_mib(),

@@ -392,7 +392,7 @@ class EngineHost:
             if self._stop.is_set():
                 cmd.accepted.set_exception(HostStopped("the engine is shutting down"))
                 continue
-            waiting = len(self.engine.scheduler.waiting)
+            waiting = self.engine.scheduler_stats().waiting
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 cmd.accepted.set_exception(QueueFull(f"the waiting queue is full ({waiting} requests, the limit "
                                                      f"is {self.max_waiting}); retry shortly"))

@@ -49,7 +49,7 @@ class Server:
             self.socket.close()
             raise
         self.host = EngineHost(engine, max_waiting=max_waiting).start()
-        self.model_name = served_model_name or engine.loaded.name
+        self.model_name = served_model_name or engine.runner.loaded.name
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # what a client here sends
         self.app = build_app(self.host, self.model_name, api_key=api_key,
                              trust_request_chat_template=trust_request_chat_template,

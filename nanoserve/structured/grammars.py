@@ -74,13 +74,14 @@ class CompiledGrammar:
 class Grammars:
     """The engine's grammar compiler: the llguidance tokenizer (built on first use) and the compiled cache."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, stats: GrammarStats | None = None):
+        """`stats`: the counters to add compiles to (the sampler's masker adds its mask time to the same)."""
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltok = None
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self.stats = GrammarStats()
+        self.stats = stats if stats is not None else GrammarStats()
 
     @property
     def lltokenizer(self):

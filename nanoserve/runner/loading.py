@@ -1,0 +1,60 @@
+"""Loading the model for a runner: whole on one device, or under tensor parallelism this rank's shard with the
+other ranks started and loading theirs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nanoserve.config import EngineConfig
+from nanoserve.model.loader import LoadedModel, load_model, peek_config
+from nanoserve.parallel.driver import ParallelGroup
+from nanoserve.parallel.shard import check_divisible
+
+
+def load(config: EngineConfig, device, progress: Callable[[str], None]) -> tuple[LoadedModel, ParallelGroup | None]:
+    """The loaded model and, with --tensor-parallel-size above 1, the group of ranks it is spread over. A size
+    that does not divide the model is refused before any process starts."""
+    if config.tensor_parallel_size == 1:
+        progress("loading weights")
+        return load_model(config.model, config.torch_dtype, device, config.max_model_len,
+                          config.quantization, invariant=config.batch_invariant), None
+    shapes = peek_config(config.model)
+    check_divisible(shapes, config.tensor_parallel_size)
+    progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
+    group = ParallelGroup(config, device, shapes.hidden_size, shapes.vocab_size)
+    progress("loading weights (every rank its shard)")
+    try:
+        with group.own_threads():
+            loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len,
+                                config.quantization, shard=group.shard, invariant=config.batch_invariant)
+    except Exception as e:
+        group.confirm(f"{type(e).__name__}: {e}", "load")  # stops the other ranks, then raises
+        raise
+    group.confirm(None, "load")
+    loaded.model.parallelize(group.group, vocab_start=0)
+    return loaded, group
+
+
+def not_invariant_reason(config: EngineConfig, model, device) -> str | None:
+    """Why this runner is not batch-invariant (the flag off, a kernel of this machine, 3+ ranks), or None.
+
+    Two ranks sum their partial outputs exactly alike whatever the order (a + b = b + a); three or more go
+    through the backend's ring, whose order for an element depends on the tensor's size."""
+    if not config.batch_invariant:
+        return "--no-batch-invariant"
+    from nanoserve.invariance import report
+
+    reason = report(model, device)
+    if reason is None and config.tensor_parallel_size > 2:
+        reason = (f"{config.tensor_parallel_size} ranks sum partial outputs in an order that depends on the "
+                  "tensor's size (the backend's ring); 1 or 2 ranks hold it")
+    return reason
+
+
+def determinism_text(config: EngineConfig, reason: str | None) -> str:
+    """What the header and /health say of determinism."""
+    if reason is None:
+        return "batch-invariant"
+    if not config.batch_invariant:
+        return "not batch-invariant (--no-batch-invariant)"
+    return f"not batch-invariant here: {reason}"
