@@ -17,7 +17,7 @@ import statistics
 import time
 
 from console.app import NanoserveConsole
-from nanoserve.bench import serve as bench_serve
+from nanoserve import client, workload
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.config import EngineConfig
 from nanoserve.server.serve import Server
@@ -25,13 +25,13 @@ from nanoserve.server.serve import Server
 
 async def fire(server: Server, args) -> float:
     """Output tokens/s of one load run against `server`."""
-    bodies = bench_serve.make_bodies(args.num_prompts, "builtin", 0, args.output_len, 0,
+    bodies = workload.make_bodies(args.num_prompts, "builtin", 0, args.output_len, 0,
                                      server.engine.model_config.vocab_size)
-    results, duration, _ = await bench_serve.run(server.url, bodies, args.concurrency, None, {}, 0)
+    results, duration, _ = await client.fire(server.url, bodies, args.concurrency, None, {}, 0)
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
-    return bench_serve.summarise(results, duration)["output_tok_per_s"]
+    return client.summarise(results, duration)["output_tok_per_s"]
 
 
 async def headless_arm(server: Server, args) -> dict:

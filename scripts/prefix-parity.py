@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.bench.common import pick_prompts
+from nanoserve.workload import pick_prompts
 
 
 def main(quantization: str) -> None:

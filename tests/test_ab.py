@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from nanoserve.bench import ab
-from nanoserve.bench.ab import (
+from nanoserve.ab import (
     SCHEDULING_B,
     Reply,
     ab_requests,
@@ -16,12 +15,13 @@ from nanoserve.bench.ab import (
     judge,
     parse_overrides,
     parse_value,
-    pick_prompts,
     run_ab,
     variant,
 )
+from nanoserve.bench import ab
 from nanoserve.config import EngineConfig, FlagSpec
 from nanoserve.errors import ConfigError
+from nanoserve.workload import pick_prompts
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Input  # noqa: E402
 from console import keys  # noqa: E402
 from console.app import NanoserveConsole  # noqa: E402
 from console.screens.ab import ABScreen  # noqa: E402
-from nanoserve.bench.ab import DEFAULT_B, NOT_EVIDENCE, variant  # noqa: E402
+from nanoserve.ab import DEFAULT_B, NOT_EVIDENCE, variant  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
 from tests.console_helpers import started, text, wait_until  # noqa: E402
 

@@ -207,7 +207,7 @@ def test_an_ab_arms_log_lines_name_the_arm():
     import logging
     import threading
 
-    from nanoserve.bench.ab import labelled_logs
+    from nanoserve.ab import labelled_logs
 
     records = []
     handler = logging.Handler()

@@ -195,8 +195,9 @@ def test_sections_reach_metrics(ckpt):
 
 def test_two_live_servers_switches_off_and_on_send_identical_bytes(ckpt):
     """Through the OpenAI API: six clients, greedy and seeded, one server plain and one with every switch."""
-    from nanoserve.bench.ab import ab_requests, pick_prompts, run_ab, variant
+    from nanoserve.ab import ab_requests, run_ab, variant
     from nanoserve.config import EngineConfig
+    from nanoserve.workload import pick_prompts
 
     base = EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01, device="cpu", max_num_seqs=4)
     switched = variant(base, "decode_buckets=on persistent_inputs=on row_compaction=on")

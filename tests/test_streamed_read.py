@@ -136,7 +136,8 @@ def test_read_block_is_checked():
 
 def test_two_live_servers_one_flag_apart_send_identical_bytes(tiny_checkpoint):
     """Acceptance downstream of the sampler: six clients over four row slots, greedy and seeded sampled."""
-    from nanoserve.bench.ab import ab_requests, pick_prompts, run_ab, variant
+    from nanoserve.ab import ab_requests, run_ab, variant
+    from nanoserve.workload import pick_prompts
 
     base = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.01, device="cpu",
                         max_num_seqs=4, batch_invariant=False)  # the two reads of the engine without invariance

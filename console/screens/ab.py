@@ -3,7 +3,7 @@
 A/A (its own key) runs the A flags on both arms: any difference there is the engine's noise, and the A/B verdict
 line after it says so, since a difference the engine makes by itself is no evidence against a flag.
 
-The run itself is `nanoserve.bench.ab.ABRun` in a thread worker (it loads engines, which blocks); this screen
+The run itself is `nanoserve.ab.ABRun` in a thread worker (it loads engines, which blocks); this screen
 only reads its phase and counts on a timer, so nothing crosses threads but plain attribute reads, and Stop
 is `ABRun.cancel()`, which hangs up the clients and stops whichever server is up.
 """
@@ -20,17 +20,17 @@ from textual.worker import Worker, WorkerState
 
 from console import keys
 from console.screens.base import ConsoleScreen, positive_int
-from nanoserve.bench.ab import (
+from nanoserve.ab import (
     DEFAULT_B,
     ABCancelled,
     ABResult,
     ABRun,
     ab_requests,
-    pick_prompts,
     show,
     snippet,
     variant,
 )
+from nanoserve.workload import pick_prompts
 
 # input id -> (border title, default value, placeholder)
 FIELDS = {

@@ -21,7 +21,7 @@ from textual.worker import WorkerState
 
 from console import keys
 from console.screens.base import ConsoleScreen
-from nanoserve.bench.common import error_message, sse_events
+from nanoserve.client import error_message, sse_events
 
 CONTROLS = {  # control id -> (label, default, validator, empty allowed)
     "chat-temperature": ("temperature", "0.7", Number(minimum=0), False),

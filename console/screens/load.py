@@ -16,7 +16,7 @@ from textual.widgets import Button, Input, Label, ProgressBar, Select, Static
 
 from console import keys
 from console.screens.base import ConsoleScreen, positive_int
-from nanoserve.bench import serve as bench_serve
+from nanoserve import client, workload
 
 FIELDS = (  # id, label, default
     ("load-n", "requests", "32"),
@@ -83,7 +83,7 @@ class LoadScreen(ConsoleScreen):
         except ValueError as e:
             self.notify(str(e), severity="error")
             return
-        bodies = bench_serve.make_bodies(
+        bodies = workload.make_bodies(
             form["load-n"], self.query_one("#load-dataset", Select).value, form["load-input"], form["load-output"],
             prompt_seed=int(time.time()), vocab=server.host.stats().vocab_size,
             sampled=self.query_one("#load-sampling", Select).value == "sampled")
@@ -107,13 +107,13 @@ class LoadScreen(ConsoleScreen):
             bar.advance(1)
 
         try:
-            results, duration, peak = await bench_serve.run(url, bodies, concurrency, None, headers, 0, on_result)
+            results, duration, peak = await client.fire(url, bodies, concurrency, None, headers, 0, on_result)
         except asyncio.CancelledError:
             phase.update(f"stopped after {self.done} of {len(bodies)} requests; the rest were aborted")
             raise
         finally:
             self._set_running(False)
-        self.summary = {**bench_serve.summarise(results, duration), "peak_running_seen": peak}
+        self.summary = {**client.summarise(results, duration), "peak_running_seen": peak}
         phase.update(f"done: {len(bodies)} requests in {duration:.1f} s")
         self.query_one("#load-summary", Static).update(format_summary(self.summary, concurrency))
 

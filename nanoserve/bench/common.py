@@ -1,5 +1,5 @@
-"""Helpers every benchmark shares: printing a table, writing its rows as JSON and CSV, the prompts and sampling
-of its requests, reading a streamed response, and timing a buffer read."""
+"""Helpers every benchmark shares: printing a table, writing its rows as JSON and CSV, the machine it ran on, and
+timing a buffer read. (Requests and their prompts: nanoserve/workload.py; the HTTP client: nanoserve/client.py.)"""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ import json
 import os
 import platform
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
 
-from nanoserve.bench.prompts import REAL_PROMPTS
 from nanoserve.timing import best_seconds
-
-SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # a sampled request's settings (plus its own seed)
 
 
 def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
@@ -99,31 +95,3 @@ def memory_bandwidth_gbs(mib: int = 512, repeats: int = 5, device: str | torch.d
         torch.cuda.synchronize(device)
 
     return x.nbytes / best_seconds(summed, repeats) / 1e9
-
-
-def pick_prompts(n: int) -> list[str]:
-    """`n` chat prompts, the builtin ones in turn."""
-    return [REAL_PROMPTS[i % len(REAL_PROMPTS)] for i in range(n)]
-
-
-async def sse_events(response) -> AsyncIterator[dict]:
-    """Each `data: {...}` event of a streamed (server-sent events) response, parsed, until `data: [DONE]`.
-
-    What follows [DONE] is read and dropped, so the connection ends cleanly and can serve the next request.
-    """
-    lines = response.aiter_lines()
-    async for line in lines:
-        if line == "data: [DONE]":
-            async for _ in lines:
-                pass
-            return
-        if line.startswith("data: {"):
-            yield json.loads(line[6:])
-
-
-def error_message(status: int, raw: bytes) -> str:
-    """A refused request as text: the status and the OpenAI error's message (or the start of the body)."""
-    try:
-        return f"HTTP {status}: {json.loads(raw)['error']['message']}"
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {status}: {raw.decode(errors='replace')[:200]}"

@@ -16,11 +16,12 @@ import time
 
 import torch
 
-from nanoserve.bench.common import pick_prompts, print_table, write_results
+from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.peers import LlamaCppArm, llama_cpp_arm
 from nanoserve.bench.throughput import model_path
 from nanoserve.flags import add_engine_flags, engine_flags
 from nanoserve.stats import percentiles
+from nanoserve.workload import pick_prompts
 
 ON, OFF, CPP, CPP_RESET = "nanoserve cache on", "nanoserve cache off", "llama.cpp (prefix reuse)", "llama.cpp reset"
 

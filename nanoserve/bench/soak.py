@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from nanoserve.bench.common import SAMPLED, pick_prompts, print_table, write_results
+from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.hostile import chunked_oversize, hostile_bodies
 from nanoserve.flags import add_engine_flags, engine_flags
 from nanoserve.stats import percentiles
+from nanoserve.workload import SAMPLED, pick_prompts
 
 
 def add_parser(sub) -> None:
@@ -295,7 +296,7 @@ def trimmed_resident_mib() -> float:
 
 def soak(config, args) -> dict:
     """Serve `config` in this process, run the traffic, and return the account (see the module docstring)."""
-    from nanoserve.bench.ab import variant
+    from nanoserve.ab import variant
     from nanoserve.server.serve import Server
 
     server = Server(config, port=0, served_model_name=None).start()
