@@ -8,6 +8,7 @@ import time
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.message import Message
 
 from console.logs import EngineLog
 from console.screens.ab import ABScreen
@@ -30,11 +31,37 @@ SCREENS = {
 }
 
 
+class PhaseChanged(Message):
+    """A worker thread says what the engine is doing now (loading, serving, restarting...)."""
+
+    def __init__(self, phase: str, at: float):
+        super().__init__()
+        self.phase, self.at = phase, at
+
+
+class LoadFailed(Message):
+    """The load thread could not start the engine."""
+
+    def __init__(self, error: BaseException):
+        super().__init__()
+        self.error = error
+
+
+class RestartEnded(Message):
+    """The restart thread is done: `config` is in force now, or `error` says why the previous flags still are."""
+
+    def __init__(self, config: EngineConfig | None, error: BaseException | None):
+        super().__init__()
+        self.config, self.error = config, error
+
+
 class NanoserveConsole(App):
     """Starts a `Server` (engine host + OpenAI API on loopback) in a thread worker; screens watch and steer it.
 
     State the screens read: `server` (None until loaded), `config` (the flags in force), `phase` (what the
-    engine is doing: loading, serving, restarting...), `load_error`, `restart_error`.
+    engine is doing: loading, serving, restarting...), `load_error`, `restart_error`. Worker threads never write
+    it: they post messages (PhaseChanged, LoadFailed, RestartEnded) that the app applies on its own thread. The
+    one exception is `server`, handed over under a lock so that a load finishing as the app closes is stopped.
     """
 
     TITLE = "nanoserve console"
@@ -78,6 +105,7 @@ class NanoserveConsole(App):
         return any(getattr(server, "attached", False) for server in self.watched)
 
     def on_mount(self) -> None:
+        self._app_thread = threading.get_ident()
         self.engine_log.attach()
         self.run_worker(self._start_server, thread=True, name="server", exit_on_error=False)
         if self.attached:
@@ -85,10 +113,28 @@ class NanoserveConsole(App):
 
     # ---- engine lifecycle (worker threads) ----------------------------------------------------------
     def set_phase(self, phase: str) -> None:
-        """Called from any thread; screens read it on their next tick."""
-        self.phase, self.phase_since = phase, time.monotonic()
-        self.phases.append((self.phase_since, phase))
+        """Called from any thread: on the app's own it applies now, from another it is posted."""
+        if threading.get_ident() == getattr(self, "_app_thread", None):
+            self._apply_phase(phase, time.monotonic())
+        else:
+            self.post_message(PhaseChanged(phase, time.monotonic()))
+
+    def on_phase_changed(self, message: PhaseChanged) -> None:
+        self._apply_phase(message.phase, message.at)
+
+    def _apply_phase(self, phase: str, at: float) -> None:
+        self.phase, self.phase_since = phase, at
+        self.phases.append((at, phase))
         self.engine_log.note(f"engine: {phase}")
+
+    def on_load_failed(self, message: LoadFailed) -> None:
+        self.load_error = message.error
+
+    def on_restart_ended(self, message: RestartEnded) -> None:
+        if message.config is not None:
+            self.config = message.config
+        self.restart_error = message.error
+        self.restarts += 1
 
     def _start_server(self) -> None:
         try:
@@ -107,7 +153,7 @@ class NanoserveConsole(App):
             server = self.watched[0] if self.watched else Server(self.config, port=self.port,
                                                                  progress=self.set_phase).start()
         except Exception as e:  # shown on every screen's status line
-            self.load_error = e
+            self.post_message(LoadFailed(e))
             self.set_phase(f"failed to load: {e}")
             return
         with self._lock:
@@ -135,13 +181,12 @@ class NanoserveConsole(App):
     def _restart(self, config: EngineConfig, drain: bool) -> None:
         try:
             self.server.host.restart(config, drain=drain, progress=self.set_phase)
-            self.config = config
-            self.set_phase("serving")
         except Exception as e:
-            self.restart_error = e
             self.set_phase(f"serving the previous flags: the restart failed ({e})")
-        finally:
-            self.restarts += 1
+            self.post_message(RestartEnded(None, e))
+            return
+        self.set_phase("serving")
+        self.post_message(RestartEnded(config, None))
 
     # ---- watching servers that run elsewhere --------------------------------------------------------
     def follow_attached(self) -> None:

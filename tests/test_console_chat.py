@@ -134,3 +134,25 @@ async def test_an_engine_not_serving_keeps_the_prompt():
         await wait_until(pilot, lambda: "the engine did not load" in notes(app), 5, "the message")
         assert chat.history == [] and not chat.generating and not chat.query(".exchange")
         assert chat.query_one("#chat-input", Input).value == "hello"
+
+
+async def test_the_answer_is_followed_only_while_the_reader_is_at_the_bottom(tiny_config):
+    """A streaming answer keeps the transcript at its end; a reader who scrolls up keeps their place while it
+    streams on, and scrolling back to the end follows it again."""
+    app = NanoserveConsole(tiny_config, refresh_s=0.05)
+    async with app.run_test(size=(100, 20)) as pilot:
+        await started(app, pilot)
+        chat = await open_chat(app, pilot, max_tokens="400")
+        log = chat.query_one("#chat-log")
+        await send(pilot, chat, "Tell me a very long story")
+        await wait_until(pilot, lambda: log.max_scroll_y > 4, 30, "the answer to overflow the transcript")
+        await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y > 4, 5, "the transcript following it")
+        log.scroll_home(animate=False)  # the reader goes back up to read
+        read_at = log.max_scroll_y
+        await wait_until(pilot, lambda: log.max_scroll_y > read_at + 4, 30, "the answer to grow")
+        assert log.scroll_y == 0  # kept their place
+        log.scroll_end(animate=False)  # back at the end: followed again
+        end_at = log.max_scroll_y
+        await wait_until(pilot, lambda: not chat.generating, 60, "the answer")
+        await pilot.pause()
+        assert log.max_scroll_y > end_at and log.scroll_y == log.max_scroll_y

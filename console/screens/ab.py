@@ -15,6 +15,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.widgets import Button, DataTable, Input, ProgressBar, Static
 from textual.worker import Worker, WorkerState
 
@@ -104,7 +105,6 @@ class ABScreen(ConsoleScreen):
         self.query_one("#counters").border_title = "Counters"
         self.query_one("#verdicts", DataTable).add_columns("#", "kind", "verdict", "A text", "B text")
         self.query_one("#counters", DataTable).add_columns("counter", "A", "B")
-        self.every_while_shown(0.1, self.show_progress)
 
     def on_unmount(self) -> None:
         if self.ab is not None:  # the app is closing: take down whatever the run has up
@@ -141,7 +141,8 @@ class ABScreen(ConsoleScreen):
         self.query_one("#verdicts", DataTable).clear()
         self.query_one("#counters", DataTable).clear()
         self.query_one("#ab-summary", Static).update("")
-        self.ab = ABRun(config_a, config_b, ab_requests(pick_prompts(num_prompts), max_tokens), concurrency)
+        self.ab = ABRun(config_a, config_b, ab_requests(pick_prompts(num_prompts), max_tokens), concurrency,
+                        progress=self.post_progress)
         self.set_running(True)
         self.run_worker(self.ab.run, thread=True, name="ab", group="ab", exit_on_error=False)
 
@@ -171,12 +172,23 @@ class ABScreen(ConsoleScreen):
         self.refresh_bindings()
 
     # ---- the run ------------------------------------------------------------------------------------
-    def show_progress(self) -> None:
-        ab = self.ab
-        if ab is None or not self.running:
+    class Progress(Message):
+        """The run's worker thread says where it is: its phase, and requests answered of all."""
+
+        def __init__(self, phase: str, done: int, total: int):
+            super().__init__()
+            self.phase, self.done, self.total = phase, done, total
+
+    def post_progress(self, phase: str, done: int, total: int) -> None:
+        """The run's progress callback, called on its worker thread: posted, not written into the screen."""
+        self.post_message(self.Progress(phase, done, total))
+
+    def on_abscreen_progress(self, message: Progress) -> None:
+        if not self.running:  # a late message from a run that has ended
             return
-        self.query_one("#ab-progress", ProgressBar).update(total=ab.total, progress=ab.done)
-        self.query_one("#ab-phase", Static).update(f"{ab.phase}… {ab.done}/{ab.total} requests answered")
+        self.query_one("#ab-progress", ProgressBar).update(total=message.total, progress=message.done)
+        self.query_one("#ab-phase", Static).update(f"{message.phase}… {message.done}/{message.total} requests "
+                                                   "answered")
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.name != "ab" or not event.worker.is_finished:

@@ -122,7 +122,7 @@ class ChatScreen(ConsoleScreen):
         self._prompt, event.input.value = prompt, ""
         log = self.query_one("#chat-log", VerticalScroll)
         await log.mount(exchange)
-        log.scroll_end(animate=False)
+        log.anchor()  # a new turn: to the bottom, following the answer until the reader scrolls up
         self.show_stats(None, 0, None, "waiting for the first token…")
         url = f"{server.url}/v1/chat/completions"
         self._worker = self.run_worker(self.answer(url, server.headers, body, exchange, answer), exclusive=True,
@@ -168,8 +168,7 @@ class ChatScreen(ConsoleScreen):
                             first = first or time.monotonic()
                             tokens += 1  # a chunk per token, near enough until usage arrives at the end
                             text += delta
-                            await stream.write(delta)
-                            self.query_one("#chat-log").scroll_end(animate=False)  # follow the answer
+                            await stream.write(delta)  # the anchored log follows it while the reader is at the bottom
                     if first is not None:
                         self.show_stats(first - started, tokens, decode_rate(tokens, first), finish or "streaming…")
         self.show_stats(first - started if first else None, tokens, decode_rate(tokens, first), finish)
