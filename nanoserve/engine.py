@@ -147,9 +147,11 @@ class Engine:
         """Assert every KV block is free or held by a live request (see BlockPool.audit)."""
         self.kv.audit(self.scheduler.owners())
 
-    def decided(self) -> dict:
+    def resolved_at_load(self) -> dict:
         """What the flags left unset came to at load: the context length and the KV pool's size as built."""
         return {"max_model_len": self.max_model_len, "kv_cache_gib": round(self.runner.cache.nbytes / 2**30, 3)}
+
+    decided = resolved_at_load  # its earlier name
 
     def scheduler_stats(self) -> SchedulerStats:
         """The queue's counts alone: cheap enough to read for every admission."""
@@ -163,7 +165,7 @@ class Engine:
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size, numerics=self.numerics,
             flags=self.config.public(), scheduler=self.scheduler_stats(), kv=kv, paged_read=runner.read.stats(),
             rows=tuple(_row(r, now) for r in self.scheduler.live()),
-            sections={**runner.sections(),
+            features={**runner.published(),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
                       "windows": self.output_processor.recent.snapshot(now, self._started),
                       "stalls": self.stalls.as_dict()},

@@ -113,9 +113,14 @@ class EngineStats:
     rows: tuple[RowStats, ...]
     latency: LatencyStats = LatencyStats(window=0)
     prefix_cache: PrefixCacheStats = PrefixCacheStats(enabled=False)
-    sections: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
+    features: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
     vocab_size: int = 0  # the tokenizer's ids (what a load generator draws random prompts from)
     numerics: Numerics | None = None  # what runs: weights, activations, KV cache (None from an older server)
+
+    @property
+    def sections(self) -> dict:
+        """The name `features` had before (kept for scripts that read it)."""
+        return self.features
 
     def as_dict(self) -> dict:
         """JSON-ready: the shape /health publishes."""
@@ -133,13 +138,13 @@ class EngineStats:
             "latency": asdict(self.latency),
             "prefix_cache": {**asdict(self.prefix_cache), "hit_rate": self.prefix_cache.hit_rate},
             "rows": [asdict(r) for r in self.rows],
-            **self.sections,
+            **self.features,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineStats:
         """The snapshot back from its published shape (a /health body): what `--attach` watches. Keys that
-        are not the snapshot's own (health's status and reason) are dropped; every other key is a section.
+        are not the snapshot's own (health's status and reason) are dropped; every other key is a feature's.
         Derived figures (usage, saving, hit_rate) are recomputed, so the JSON's copies are not trusted twice."""
         try:
             return cls(
@@ -151,15 +156,15 @@ class EngineStats:
                 rows=tuple(_build(RowStats, row) for row in data["rows"]),
                 latency=_build(LatencyStats, data["latency"]),
                 prefix_cache=_build(PrefixCacheStats, data["prefix_cache"]),
-                sections={k: v for k, v in data.items() if k not in _OWN_KEYS and k not in NOT_SECTIONS},
+                features={k: v for k, v in data.items() if k not in _OWN_KEYS and k not in NOT_FEATURES},
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a nanoserve stats snapshot (missing or malformed {e}); is this a nanoserve "
                              "server's /health?") from None
 
 
-NOT_SECTIONS = ("status", "reason", "failed_steps_total")  # what /health adds around the snapshot
-_OWN_KEYS = frozenset(f.name for f in fields(EngineStats)) - {"sections"}  # every other key is a section
+NOT_FEATURES = ("status", "reason", "failed_steps_total")  # what /health adds around the snapshot
+_OWN_KEYS = frozenset(f.name for f in fields(EngineStats)) - {"features"}  # every other key is a feature's
 
 
 def _build(cls, values: dict):

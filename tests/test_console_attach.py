@@ -55,7 +55,7 @@ def test_the_snapshot_survives_its_json(tiny_server):
     assert json.loads(json.dumps(stats.as_dict())) == {k: v for k, v in body.items()
                                                        if k not in ("status", "reason", "failed_steps_total")}
     assert stats.scheduler.generation_tokens_total >= 16 and stats.vocab_size > 0
-    assert "windows" in stats.sections and "stalls" in stats.sections
+    assert "windows" in stats.features and "stalls" in stats.features
     with pytest.raises(ValueError, match="not a nanoserve stats snapshot"):
         EngineStats.from_dict({"model": "x"})
 

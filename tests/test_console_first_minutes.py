@@ -243,15 +243,15 @@ def test_a_stall_is_shown_with_what_the_step_carried():
     from console.panels.recent import stall_line
 
     class Stats:  # only what the panel reads; the engine's own snapshot is tests/test_stalls.py
-        sections = {"stalls": {"stalls": 2, "throughput_drops": 0, "latest": [
+        features = {"stalls": {"stalls": 2, "throughput_drops": 0, "latest": [
             {"kind": "step", "at": "16:20:01", "step_ms": 840.0, "p99_ms": 60.2, "decode_rows": 12,
              "prefill_tokens": 2048, "preemptions": 1}]}}
 
     line = stall_line(Stats())
     assert line == ("STALLS 2 slow steps, 0 throughput drops; last at 16:20:01: step 840.0 ms (p99 60.2 ms), "
                     "12 decode rows, 2,048 prefill tokens, 1 preemptions")
-    Stats.sections["stalls"]["throughput_drops"] = 1
-    Stats.sections["stalls"]["latest"].append(
+    Stats.features["stalls"]["throughput_drops"] = 1
+    Stats.features["stalls"]["latest"].append(
         {"kind": "throughput", "at": "16:21:00", "decode_tok_s": 11.5, "median_tok_s": 48.0, "decode_rows": 8.0,
          "prefill_tokens": 0, "preemptions": 0, "seconds": 1.02})
     assert stall_line(Stats()) == (

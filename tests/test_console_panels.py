@@ -19,14 +19,14 @@ from nanoserve.attention.dispatch import ReadStats  # noqa: E402
 from nanoserve.stats import EngineStats, KVStats, Numerics, RowStats, SchedulerStats  # noqa: E402
 
 
-def snapshot(rows=(), prompt_total=0, generation_total=0, sections=None) -> EngineStats:
+def snapshot(rows=(), prompt_total=0, generation_total=0, features=None) -> EngineStats:
     return EngineStats(
         model="m", device="cpu", dtype="float32", max_model_len=128, flags={"block_size": 16},
         scheduler=SchedulerStats(running=len(rows), waiting=0, peak_running=len(rows), preemptions=0,
                                  finished={}, prompt_tokens_total=prompt_total,
                                  generation_tokens_total=generation_total, steps=0),
         kv=KVStats(block_size=16, blocks_total=10, blocks_free=10, blocks_used=0, bytes=0),
-        paged_read=ReadStats("gathered", None), rows=tuple(rows), sections=dict(sections or {}),
+        paged_read=ReadStats("gathered", None), rows=tuple(rows), features=dict(features or {}),
     )
 
 
@@ -84,7 +84,7 @@ async def test_feature_panels_show_published_sections_only():
         for panel in (capture, inputs):
             panel.show(snapshot())
             assert panel.content == OFF
-        published = snapshot(sections={"capture": {"layers": 4, "captured": 12}})  # a future engine's capture section
+        published = snapshot(features={"capture": {"layers": 4, "captured": 12}})  # a future engine's capture section
         capture.show(published)
         inputs.show(published)
         assert "layers" in capture.content and "12" in capture.content

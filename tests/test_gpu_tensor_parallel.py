@@ -31,7 +31,7 @@ def test_two_gpus_answer_as_one(tiny_checkpoint, kind):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             for row_a, row_b in zip(logprob_rows(a), logprob_rows(b), strict=True):
                 assert max(abs(row_a[t] - row_b[t]) for t in row_a) < 1e-3
-        assert two.engine.stats().sections["parallel"]["backend"] == "nccl"
+        assert two.engine.stats().features["parallel"]["backend"] == "nccl"
     finally:
         close_llm(two)
 

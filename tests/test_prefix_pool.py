@@ -15,7 +15,7 @@ def named(pool: BlockPool, tokens: list[int], stub=None) -> tuple[list[int], lis
     names = BlockNames().extend(lambda a, b: tokens[a:b], len(tokens) // BS, BS, root_hash("m"), stub or sha256_block)
     blocks = pool.allocate(len(names))
     for i, (b, n) in enumerate(zip(blocks, names)):
-        assert pool.commit(b, n, tokens[i * BS:(i + 1) * BS], blocks[i - 1] if i else None)
+        assert pool.cache_full_block(b, n, tokens[i * BS:(i + 1) * BS], blocks[i - 1] if i else None)
     return blocks, names
 
 
@@ -35,10 +35,10 @@ def test_a_hit_is_taken_off_the_free_queue_and_shared():
     tokens = list(range(12))
     blocks, names = named(pool, tokens)
     pool.free(blocks)
-    hits = pool.match(names, lambda i: tokens[i * BS:(i + 1) * BS])
-    assert hits == blocks and pool.reviving(hits) == 3
-    pool.take(hits)
-    pool.take(hits[:2])  # a second sequence shares the first two
+    hits = pool.cached_run(names, lambda i: tokens[i * BS:(i + 1) * BS])
+    assert hits == blocks and pool.num_free_among(hits) == 3
+    pool.hold(hits)
+    pool.hold(hits[:2])  # a second sequence shares the first two
     assert [pool.refcounts[b] for b in blocks] == [2, 2, 1] and pool.num_free == 5
     pool.audit({"one": blocks, "two": blocks[:2]})
     pool.free(blocks[:2])
@@ -52,10 +52,10 @@ def test_a_colliding_name_never_serves_other_content():
     stub = lambda parent, tokens: b"same name for everything"  # noqa: E731
     first, names = named(pool, [1, 2, 3, 4], stub)
     other = [9, 9, 9, 9]
-    assert pool.match(names, lambda i: other) == []  # same name, other tokens: a miss
-    assert pool.match(names, lambda i: [1, 2, 3, 4]) == first
+    assert pool.cached_run(names, lambda i: other) == []  # same name, other tokens: a miss
+    assert pool.cached_run(names, lambda i: [1, 2, 3, 4]) == first
     # a first block whose tokens repeat in second place: same name, same tokens, another parent
-    assert pool.match([b"same name for everything"] * 2, lambda i: [1, 2, 3, 4]) == first
+    assert pool.cached_run([b"same name for everything"] * 2, lambda i: [1, 2, 3, 4]) == first
 
 
 def test_a_sequence_tail_goes_first_and_a_renamed_parent_breaks_the_chain():
@@ -64,13 +64,13 @@ def test_a_sequence_tail_goes_first_and_a_renamed_parent_breaks_the_chain():
     blocks, names = named(pool, tokens)
     pool.free(blocks)
     pool.allocate(1)  # evicts the tail: the head is still a hit
-    assert pool.match(names, lambda i: tokens[i * BS:(i + 1) * BS]) == blocks[:1]
+    assert pool.cached_run(names, lambda i: tokens[i * BS:(i + 1) * BS]) == blocks[:1]
     blind = lambda parent, tokens: bytes(tokens)  # noqa: E731  (a name that ignores the parent)
     pool = BlockPool(5, BS)
     (p, c), names = named(pool, tokens, blind)
-    pool.forget([p])  # the parent's content is gone (its step failed) ...
-    assert pool.commit(p, names[0], tokens[:BS], None)  # ... and the same block is named again: a new generation
-    assert pool.match(names, lambda i: tokens[i * BS:(i + 1) * BS]) == [p]  # the old child is not its child
+    pool.uncache([p])  # the parent's content is gone (its step failed) ...
+    assert pool.cache_full_block(p, names[0], tokens[:BS], None)  # ... and the same block is named again: a new generation
+    assert pool.cached_run(names, lambda i: tokens[i * BS:(i + 1) * BS]) == [p]  # the old child is not its child
 
 
 def test_reset_forgets_names_but_not_holders():
@@ -78,7 +78,7 @@ def test_reset_forgets_names_but_not_holders():
     blocks, names = named(pool, list(range(8)))
     assert pool.reset_cache() == 2 and pool.num_cached == 0
     pool.audit({"holder": blocks})
-    assert pool.match(names, lambda i: list(range(8))[i * BS:(i + 1) * BS]) == []
+    assert pool.cached_run(names, lambda i: list(range(8))[i * BS:(i + 1) * BS]) == []
 
 
 def test_the_audit_catches_a_leak_and_a_double_count():
@@ -86,6 +86,6 @@ def test_the_audit_catches_a_leak_and_a_double_count():
     blocks = pool.allocate(2)
     with pytest.raises(AssertionError, match="leaked"):
         pool.audit({"one": blocks[:1]})
-    pool.take(blocks[:1])
+    pool.hold(blocks[:1])
     with pytest.raises(AssertionError, match="refcount 2 but 1 holders"):
         pool.audit({"one": blocks})

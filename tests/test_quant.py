@@ -99,8 +99,8 @@ def test_quantize_at_load_round_trips_within_a_step():
 
 @pytest.fixture(scope="module")
 def dense_and_int4(default_llm_dense, default_llm):
-    assert default_llm.engine.stats().sections["linear"]["format"] == "int4"
-    assert "linear" not in default_llm_dense.engine.stats().sections
+    assert default_llm.engine.stats().features["linear"]["format"] == "int4"
+    assert "linear" not in default_llm_dense.engine.stats().features
     return default_llm_dense, default_llm
 
 
@@ -110,7 +110,7 @@ def test_the_snapshot_says_what_runs_as_built(dense_and_int4):
     plain = "batch-invariant"  # the default flags
     assert dense.engine.stats().numerics == Numerics("float32", "float32", "float32", plain)
     packed = int4.engine.stats().numerics
-    linear = int4.engine.stats().sections["linear"]
+    linear = int4.engine.stats().features["linear"]
     head = f"{linear['head']} + float32 top 16"  # a coarse head tied to the float32 embedding: its shortlist rescored
     assert linear["head_rescored"] == 16
     assert packed == Numerics(f"int4 (head {head}, rest float32)", "bfloat16 in linears, float32", "float32", plain)
@@ -142,9 +142,9 @@ def test_default_model_int4_seeded_runs_are_reproducible(dense_and_int4):
 
 
 def test_the_snapshot_counts_the_kernel_each_call_used(default_llm):
-    before = default_llm.engine.stats().sections["linear"]
+    before = default_llm.engine.stats().features["linear"]
     default_llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    after = default_llm.engine.stats().sections["linear"]
+    after = default_llm.engine.stats().features["linear"]
     # 4 steps through 120 linears; the prefill of a short prompt stays below every dense crossover here or not,
     # but every call is counted by exactly one kernel
     calls = (after["int4_calls"] + after["dense_calls"]) - (before["int4_calls"] + before["dense_calls"])
@@ -156,10 +156,10 @@ def test_the_snapshot_counts_the_kernel_each_call_used(default_llm):
 def test_the_snapshot_counts_the_rows_each_kernel_served(default_llm):
     """A 40-token prefill and three one-row decodes pass 43 rows through every linear; each row is counted by
     the one kernel that served it, and a width under every crossover is never sent to the dense copy."""
-    before = default_llm.engine.stats().sections["linear"]["rows_by_kernel"]
+    before = default_llm.engine.stats().features["linear"]["rows_by_kernel"]
     default_llm.generate({"prompt_token_ids": list(range(1000, 1040))}, SamplingParams(max_tokens=4, ignore_eos=True),
                          use_tqdm=False)
-    linear = default_llm.engine.stats().sections["linear"]
+    linear = default_llm.engine.stats().features["linear"]
     after = linear["rows_by_kernel"]
     assert set(after) == {"int4", "dense"}
     grew = {k: after[k] - before[k] for k in after}
@@ -197,9 +197,9 @@ def on_grid_checkpoint(tiny_checkpoint, tmp_path_factory):
 def test_an_hf_checkpoint_quantized_at_load_is_logprobs_close(on_grid_checkpoint):
     path = str(on_grid_checkpoint)
     dense = LLM(model=path, max_model_len=128, kv_cache_gib=0.01)
-    assert "linear" not in dense.engine.stats().sections  # auto never quantizes a dense checkpoint by itself
+    assert "linear" not in dense.engine.stats().features  # auto never quantizes a dense checkpoint by itself
     int4 = LLM(model=path, max_model_len=128, kv_cache_gib=0.01, quantization="int4")
-    assert int4.engine.stats().sections["linear"]["modules"] == 8
+    assert int4.engine.stats().features["linear"]["modules"] == 8
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     for ref, got in zip(dense.generate(PROMPTS, params, use_tqdm=False), int4.generate(PROMPTS, params,
                                                                                        use_tqdm=False)):
@@ -211,8 +211,8 @@ def test_two_engines_in_one_process_choose_the_same_kernels(default_llm):
     """An A/B run holds two engines in one process: with the crossover measured once, the same crowd gives the
     same bytes on both, so only the switch under test can make them differ."""
     other = LLM(max_model_len=2048, kv_cache_gib=0.25)
-    assert other.engine.stats().sections["linear"]["dense_from_rows"] == \
-        default_llm.engine.stats().sections["linear"]["dense_from_rows"]
+    assert other.engine.stats().features["linear"]["dense_from_rows"] == \
+        default_llm.engine.stats().features["linear"]["dense_from_rows"]
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)] * 2
     texts = [[o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -224,14 +224,14 @@ def test_int8_at_load_is_logprobs_close_and_serves_both_kernels(tiny_checkpoint)
     path = str(tiny_checkpoint("llama"))
     dense = LLM(model=path, max_model_len=128, kv_cache_gib=0.01)
     int8 = LLM(model=path, max_model_len=128, kv_cache_gib=0.01, quantization="int8")
-    linear = int8.engine.stats().sections["linear"]
+    linear = int8.engine.stats().features["linear"]
     assert linear["format"] == "int8" and linear["int8_modules"] == 8
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     for ref, got in zip(dense.generate(PROMPTS, params, use_tqdm=False), int8.generate(PROMPTS, params,
                                                                                        use_tqdm=False)):
         ok, equal = logprobs_close(got.outputs[0], ref.outputs[0])
         assert ok, (got.outputs[0].text, ref.outputs[0].text, equal)
-    after = int8.engine.stats().sections["linear"]
+    after = int8.engine.stats().features["linear"]
     assert after["int8_calls"] + after["dense_calls"] == 8 * int8.engine.stats().scheduler.steps
 
 
@@ -287,7 +287,7 @@ def test_a_q8_0_file_keeps_its_blocks_and_is_logprobs_close_to_dense(tmp_path):
     path = write_llama_gguf(tmp_path / "q8.gguf", weights, qtype="Q8_0")
     dense = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01, quantization="none")
     kept = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01)
-    linear = kept.engine.stats().sections["linear"]
+    linear = kept.engine.stats().features["linear"]
     assert linear["format"] == "int8g32" and linear["int8g32_modules"] == linear["modules"] > 0
     assert "int8" not in linear["head_us"]  # per-row int8 re-rounds the file's head: only on request
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

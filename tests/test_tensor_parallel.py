@@ -101,7 +101,7 @@ def test_four_ranks(tiny_checkpoint):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for row_a, row_b in zip(logprob_rows(a), logprob_rows(b), strict=True):
             assert max(abs(row_a[t] - row_b[t]) for t in row_a) < 2e-4
-        parallel = four.engine.stats().sections["parallel"]
+        parallel = four.engine.stats().features["parallel"]
         assert parallel["world_size"] == 4 and len(parallel["ranks"]) == 4
         assert four.engine.numerics.determinism.startswith("not batch-invariant here: 4 ranks sum")  # said, not hidden
     finally:
@@ -111,7 +111,7 @@ def test_four_ranks(tiny_checkpoint):
 def test_the_snapshot_says_what_the_group_holds_and_spends(pair):
     kind, one, two = pair
     two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    section = two.engine.stats().sections["parallel"]
+    section = two.engine.stats().features["parallel"]
     assert section["world_size"] == 2 and section["backend"] == "gloo" and section["failed"] is None
     # both ranks on this machine: every all-reduce and decode gather went through shared memory, counted as it ran
     assert set(section["all_reduces_by_path"]) == {"shared memory"} and section["all_reduces_by_path"]["shared memory"]
@@ -132,11 +132,11 @@ def test_a_gather_wider_than_the_shared_buffer_goes_over_gloo_and_agrees(pair):
     kind, one, two = pair
     prompt = [1 + (37 * i) % 40000 for i in range(100)]
     params = SamplingParams(max_tokens=2, temperature=0, logprobs=3, prompt_logprobs=3, ignore_eos=True)
-    before = dict(two.engine.stats().sections["parallel"]["gathers_by_path"])
+    before = dict(two.engine.stats().features["parallel"]["gathers_by_path"])
     a, b = (llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0] for llm in (one, two))
     for row_a, row_b in zip(logprob_rows(a), logprob_rows(b), strict=True):
         assert row_a.keys() == row_b.keys() and max(abs(row_a[t] - row_b[t]) for t in row_a) < 2e-4
-    after = two.engine.stats().sections["parallel"]["gathers_by_path"]
+    after = two.engine.stats().features["parallel"]["gathers_by_path"]
     assert after.get("gloo", 0) > before.get("gloo", 0)
 
 
@@ -239,7 +239,7 @@ def test_a_killed_rank_ends_the_engine_and_the_server_answers_503(tiny_checkpoin
         assert "tensor-parallel rank 1 was killed by SIGKILL" in health.json()["reason"]
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503 and "rank 1" in refused.text
-        assert server.host.engine.stats().sections["parallel"]["failed"].startswith("tensor-parallel rank 1")
+        assert server.host.engine.stats().features["parallel"]["failed"].startswith("tensor-parallel rank 1")
     finally:
         server.stop()
 
@@ -297,7 +297,7 @@ def test_the_decode_fast_path_works_per_rank(tiny_checkpoint):
         a = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
         b = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert a == b
-        sections = two.engine.stats().sections  # the planned path ran, from persistent buffers
+        sections = two.engine.stats().features  # the planned path ran, from persistent buffers
         assert sections["inputs"]["steps"] > 0 and sections["buckets"]["shapes_used"] > 0
     finally:
         close_llm(two)

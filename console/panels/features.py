@@ -11,23 +11,23 @@ OFF = "off (not published by this engine)"
 
 
 class FeaturePanel(TextPanel):
-    """Shows `stats.sections[section]` key by key for each of its sections, or OFF while none is published."""
+    """Shows `stats.features[section]` key by key for each of its sections, or OFF while none is published."""
 
     def __init__(self, *sections: str, **kwargs):
         super().__init__(OFF, **kwargs)
-        self.sections = sections
+        self.features = sections
         self.published = False  # whether the last snapshot carried any of its sections
 
     def show(self, stats: EngineStats) -> None:
-        self.published = any(stats.sections.get(section) is not None for section in self.sections)
-        self.set_text(feature_text(stats, self.sections) or OFF)
+        self.published = any(stats.features.get(section) is not None for section in self.features)
+        self.set_text(feature_text(stats, self.features) or OFF)
 
 
 def feature_text(stats: EngineStats, sections) -> str:
     """The published sections key by key ('' when none of them is published)."""
     lines = []
     for section in sections:
-        values = stats.sections.get(section)
+        values = stats.features.get(section)
         if isinstance(values, dict):
             lines += [f"{section}:" if len(sections) > 1 else ""] + [f"{k:<18} {shown(k, v)}" for k, v in values.items()]
         elif values is not None:

@@ -12,7 +12,7 @@ WIDTH = 15
 
 
 def recent_text(stats: EngineStats) -> str:
-    windows = stats.sections.get("windows") or {}
+    windows = stats.features.get("windows") or {}
     if not windows:
         return ""
     names = [n for n in TITLES if n in windows]
@@ -24,7 +24,7 @@ def recent_text(stats: EngineStats) -> str:
                         ("errors/s", lambda r: r.get("error", 0.0))):
         cells = [decimal(pick(windows[n]["finished_per_s"]), 2) for n in names]
         lines.append(f"{label:<10}" + "".join(f"{c:>{WIDTH}}" for c in cells))
-    refused = (stats.sections.get("refusals") or {}).get("per_s")
+    refused = (stats.features.get("refusals") or {}).get("per_s")
     if refused:  # counted by the server's HTTP layer: an engine outside a server has none
         lines.append(f"{'refused/s':<10}" + "".join(f"{decimal(refused.get(n, 0.0), 2):>{WIDTH}}" for n in names))
     lines.append("latency p50 / p99 over each window; rates per second")
@@ -35,7 +35,7 @@ def recent_text(stats: EngineStats) -> str:
 def stall_line(stats: EngineStats) -> str:
     """The latest stall with what the engine carried then, or that there was none. Two kinds: a step over 3x
     the recent p99, and decode throughput under half its running median while the load did not lighten."""
-    stalls = stats.sections.get("stalls") or {}
+    stalls = stats.features.get("stalls") or {}
     latest = (stalls.get("latest") or [None])[-1]
     if latest is None:
         return "no stall (no step over 3x the recent p99, no throughput drop)"
@@ -53,5 +53,5 @@ def stall_line(stats: EngineStats) -> str:
 class RecentPanel(TextPanel):
     def show(self, stats: EngineStats) -> None:
         self.set_text(recent_text(stats) or "no activity yet")
-        stalls = stats.sections.get("stalls") or {}
+        stalls = stats.features.get("stalls") or {}
         self.set_class(bool(stalls.get("stalls") or stalls.get("throughput_drops")), "stalled")

@@ -170,7 +170,7 @@ class FlagsScreen(ConsoleScreen):
             self.show_attached(server)
             return
         try:
-            decided = server.host.serving().decided()
+            decided = server.host.serving().resolved_at_load()
         except Exception:  # restarting: the next tick shows it
             return
         for control in self.controls:

@@ -67,7 +67,7 @@ def plan_run(buffered: bool, steps: int, args) -> dict:
         path.build(rows.requests)
         rows.advance()
     seconds = time.perf_counter() - started
-    s = path.sections()["inputs"]
+    s = path.published()["inputs"]
     return {"allocations": s["fresh_allocations"], "writes": s["writes"], "cells": s["bytes_written"] // 8,
             "table_cells": path.table.cells_written if path.table else None, "ms": seconds * 1000}
 

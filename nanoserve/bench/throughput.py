@@ -182,7 +182,7 @@ def main(args) -> int:
     else:
         if not args.skip_invariance_arm:  # the same engine with batch invariance switched: what determinism costs
             arms[invariance_arm(flags)] = LLM(**{**flags, "batch_invariant": not flags["batch_invariant"]})
-        if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
+        if "linear" in engine.stats().features:  # the 4-bit path: its dense float32 self beside it
             arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
     cfg = engine.model_config
     work = workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size)
@@ -229,7 +229,7 @@ def main(args) -> int:
             "single_tok_s": s,
             "single_share_of_bound": s / bound if s else None,
         })
-    linear = engine.stats().sections.get("linear")
+    linear = engine.stats().features.get("linear")
     print_table(
         f"throughput: {engine.runner.loaded.name}, {engine.runner.dtype}, linears {linear['format'] if linear else 'dense'}, "
         f"{torch.get_num_threads()} threads, {args.num_requests} requests, prompts "
@@ -251,7 +251,7 @@ def main(args) -> int:
               f"calls int4 {linear['int4_calls']} / dense {linear['dense_calls']}, head {linear['head']}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
-    section = engine.stats().sections.get("parallel")
+    section = engine.stats().features.get("parallel")
     if section:
         steps = engine.stats().scheduler.steps
         print(f"tensor parallel: {section['world_size']} ranks over {section['backend']}, "

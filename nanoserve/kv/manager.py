@@ -73,17 +73,17 @@ class KVManager:
             return NO_PREFIX
         bs, root = self.block_size, self._root_of(req)
         names = self._chain(req).extend(req.tokens, (req.num_tokens - 1) // bs, bs, root, self.hash_fn)
-        hits = self._pool.match(names, lambda i: req.tokens(i * bs, (i + 1) * bs), root)
+        hits = self._pool.cached_run(names, lambda i: req.tokens(i * bs, (i + 1) * bs), root)
         return CachedPrefix(tuple(hits), len(hits) * bs)
 
     def admit(self, req, prefix: CachedPrefix, num_new: int) -> bool:
         """Give a waiting request its cached prefix and blocks for `num_new` tokens after it; False, with
         nothing changed, when the free blocks do not cover it (taking a free cached block uses one too)."""
         need = self.blocks_for(prefix.num_tokens + num_new) - len(prefix.blocks)
-        if not self._pool.can_allocate(need + self._pool.reviving(prefix.blocks)):
+        if not self._pool.can_allocate(need + self._pool.num_free_among(prefix.blocks)):
             return False
         self._count_lookup(req, prefix.num_tokens)
-        self._pool.take(prefix.blocks)
+        self._pool.hold(prefix.blocks)
         req.blocks = list(prefix.blocks) + self._pool.allocate(need)
         self._named[req.serial] = len(prefix.blocks)
         self._name_blocks(req, prefix.num_tokens + num_new)
@@ -115,7 +115,7 @@ class KVManager:
 
     def rollback(self) -> None:
         """The scheduled step failed: un-name the blocks it was to fill, whose content will never be written."""
-        self._pool.forget(self._pending)
+        self._pool.uncache(self._pending)
         self._pending.clear()
 
     # ---- prefix caching -------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ class KVManager:
         for i in range(named, full):
             block = req.blocks[i]
             parent = req.blocks[i - 1] if i else None
-            if self._pool.commit(block, names[i], req.tokens(i * bs, (i + 1) * bs), parent, root):
+            if self._pool.cache_full_block(block, names[i], req.tokens(i * bs, (i + 1) * bs), parent, root):
                 self._pending.append(block)
         self._named[req.serial] = full
 

@@ -3,12 +3,12 @@
 Block 0 is the null block: it is never handed out, so a padded row can always write there without
 touching a live sequence.
 
-With prefix caching a full block is committed under its content name (kv/prefix.py) as soon as the step that
+With prefix caching a full block is cached under its content name (kv/prefix.py) as soon as the step that
 fills it is scheduled, so a request admitted later, in the same step too, shares it instead of computing it
 again (within a step every layer writes all new K/V before any attention reads). A freed block keeps its
 content and name until the pool needs it: free blocks form a least-recently-freed queue, a request's blocks
 are freed tail first, so a sequence's tail is evicted before its head. A hit is taken only when the stored
-tokens and the parent block (by id and commit generation) match, whatever the hash says.
+tokens and the parent block (by id and caching generation) match, whatever the hash says.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class PoolExhausted(RuntimeError):
 
 @dataclass(frozen=True)
 class Cached:
-    """What a committed block holds: its name, its tokens, and its parent (block id, generation)."""
+    """What a cached block holds: its name, its tokens, and its parent (block id, generation)."""
 
     name: bytes
     tokens: tuple[int, ...]
@@ -45,8 +45,8 @@ class BlockPool:
         self.refcounts = [0] * num_blocks
         self.refcounts[NULL_BLOCK] = 1
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))  # oldest first
-        self._named: dict[bytes, int] = {}  # content name -> the block committed under it
-        self._content: dict[int, Cached] = {}  # block -> what it was committed with
+        self._named: dict[bytes, int] = {}  # content name -> the block cached under it
+        self._content: dict[int, Cached] = {}  # block -> what it was cached with
         self._generations = itertools.count()
         self.evictions = 0  # cached blocks handed out for new content
 
@@ -86,7 +86,7 @@ class BlockPool:
         for b in blocks:
             self.refcounts[b] = 1
             if b in self._content:
-                self._forget(b)
+                self._uncache(b)
                 self.evictions += 1
         return blocks
 
@@ -100,8 +100,8 @@ class BlockPool:
                 self._free[b] = None
 
     # ---- prefix caching -------------------------------------------------------------------------------
-    def match(self, names: Sequence[bytes], tokens_of, root: bytes = b"") -> list[int]:
-        """The longest run of committed blocks for a sequence whose full blocks are named `names`
+    def cached_run(self, names: Sequence[bytes], tokens_of, root: bytes = b"") -> list[int]:
+        """The longest run of cached blocks for a sequence whose full blocks are named `names`
         (`tokens_of(i)` gives block i's token ids) and whose chain starts at `root` (a cache salt's); each hit
         is checked against its stored content."""
         hits, parent = [], (*ROOT, root)
@@ -116,22 +116,22 @@ class BlockPool:
             parent = (block, held.generation)
         return hits
 
-    def reviving(self, blocks: Iterable[int]) -> int:
+    def num_free_among(self, blocks: Iterable[int]) -> int:
         """How many of `blocks` are free now (taking them shrinks the free count)."""
         return sum(1 for b in blocks if self.refcounts[b] == 0)
 
-    def take(self, blocks: Iterable[int]) -> None:
+    def hold(self, blocks: Iterable[int]) -> None:
         """Hold matched blocks: one more holder each, off the free queue if they were on it."""
         for b in blocks:
             if self.refcounts[b] == 0:
                 del self._free[b]
             self.refcounts[b] += 1
 
-    def commit(self, block: int, name: bytes, tokens: Sequence[int], parent_block: int | None,
+    def cache_full_block(self, block: int, name: bytes, tokens: Sequence[int], parent_block: int | None,
                root: bytes = b"") -> bool:
         """Name a block that is full (or will be once this step runs). `parent_block` is the sequence's block
         before it (None for its first). Returns True when it was named now; False when it cannot be: its name is taken by another
-        block (the content is already cached), it is named already, or its parent is not itself committed."""
+        block (the content is already cached), it is named already, or its parent is not itself cached."""
         if block in self._content or name in self._named:
             return False
         if parent_block is None:
@@ -144,11 +144,11 @@ class BlockPool:
         self._named[name] = block
         return True
 
-    def forget(self, blocks: Iterable[int]) -> None:
+    def uncache(self, blocks: Iterable[int]) -> None:
         """Un-name blocks whose content will never be written (their step failed)."""
         for b in blocks:
             if b in self._content:
-                self._forget(b)
+                self._uncache(b)
 
     def reset_cache(self) -> int:
         """Forget every name (blocks in use keep their content for their holders); returns how many."""
@@ -157,7 +157,7 @@ class BlockPool:
         self._content.clear()
         return n
 
-    def _forget(self, block: int) -> None:
+    def _uncache(self, block: int) -> None:
         held = self._content.pop(block)
         if self._named.get(held.name) == block:
             del self._named[held.name]

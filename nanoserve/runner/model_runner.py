@@ -116,9 +116,9 @@ class ModelRunner:
         return [(req, p + 1, entry) for (req, p), entry in zip(rows, entries)]
 
     # ---- observation and lifetime ---------------------------------------------------------------------
-    def sections(self) -> dict:
+    def published(self) -> dict:
         """What the runner's optional parts publish in the stats snapshot (each absent while off)."""
-        return {**(self.decode_path.sections() if self.decode_path is not None else {}),
+        return {**(self.decode_path.published() if self.decode_path is not None else {}),
                 **({"linear": self.loaded.quant.as_dict()} if self.loaded.quant is not None else {}),
                 **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {}),
                 **({"parallel": self.parallel.stats(self.steps)} if self.parallel is not None else {})}

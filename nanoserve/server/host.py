@@ -185,7 +185,7 @@ class EngineHost:
         """The snapshot published after the latest step (cheap: no engine access from this thread), with the
         requests the server refused, which never reach the engine."""
         stats = self._stats
-        return dataclasses.replace(stats, sections={**stats.sections, "refusals": self.refusals.snapshot()})
+        return dataclasses.replace(stats, features={**stats.features, "refusals": self.refusals.snapshot()})
 
     # ---- requests -----------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, sink: Callable, request_id: str | None = None,

@@ -51,10 +51,10 @@ class _SnapshotCollector:
         yield success
         refused = CounterMetricFamily(P + "request_refused", "Generation requests refused before reaching the "
                                       "engine, by HTTP status.", labels=[*labels, "status"])
-        for status, n in (s.sections.get("refusals") or {}).get("by_status", {}).items():
+        for status, n in (s.features.get("refusals") or {}).get("by_status", {}).items():
             refused.add_metric([self.model, status], n)
         yield refused
-        for section, values in sorted(s.sections.items()):  # optional features (inputs, buckets, capture)
+        for section, values in sorted(s.features.items()):  # optional features (inputs, buckets, capture)
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield gauge(f"{section}_{key}", f"{section}.{key} from the stats snapshot.", value)

@@ -112,7 +112,7 @@ class DecodePath:
         cells += [[0] * width] * (rows - len(requests))
         return torch.tensor(cells, dtype=torch.int64, device=self.device).view(rows, width)
 
-    def sections(self) -> dict:
+    def published(self) -> dict:
         """What this path publishes in the stats snapshot: `inputs`, and `buckets` when bucketing is on."""
         persistent = self.inputs is not None
         out = {"inputs": {
