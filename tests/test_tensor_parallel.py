@@ -77,7 +77,7 @@ def test_a_crowd_with_preemption_generates_the_same_tokens(tiny_checkpoint):
     tight = dict(max_model_len=128, max_num_seqs=8)
     one = LLM(model=path, kv_cache_gib=12.5 * block / 2**30, **tight)
     two = LLM(model=path, tensor_parallel_size=2, kv_cache_gib=12.5 * block / 2 / 2**30, **tight)
-    assert one.engine.kv.num_blocks == two.engine.kv.num_blocks == 12
+    assert one.engine.runner.num_blocks == two.engine.runner.num_blocks == 12
     try:
         params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) if i % 2 else
                   SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(12)]
