@@ -149,7 +149,7 @@ class Engine:
 
     def resolved_at_load(self) -> dict:
         """What the flags left unset came to at load: the context length and the KV pool's size as built."""
-        return {"max_model_len": self.max_model_len, "kv_cache_gib": round(self.runner.cache.nbytes / 2**30, 3)}
+        return {"max_model_len": self.max_model_len, "kv_cache_gib": round(self.runner.kv_bytes / 2**30, 3)}
 
     decided = resolved_at_load  # its earlier name
 
@@ -159,11 +159,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         now, runner = time.monotonic(), self.runner
-        kv, prefix = self.kv.stats(runner.cache.nbytes)
+        kv, prefix = self.kv.stats(runner.kv_bytes)
         return EngineStats(
             model=runner.loaded.name, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size, numerics=self.numerics,
-            flags=self.config.public(), scheduler=self.scheduler_stats(), kv=kv, paged_read=runner.read.stats(),
+            flags=self.config.public(), scheduler=self.scheduler_stats(), kv=kv, paged_read=runner.read_stats(),
             rows=tuple(_row(r, now) for r in self.scheduler.live()),
             features={**runner.published(),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),

@@ -116,6 +116,15 @@ class ModelRunner:
         return [(req, p + 1, entry) for (req, p), entry in zip(rows, entries)]
 
     # ---- observation and lifetime ---------------------------------------------------------------------
+    @property
+    def kv_bytes(self) -> int:
+        """This rank's KV pool, in bytes."""
+        return self.cache.nbytes
+
+    def read_stats(self):
+        """What the paged read did (its mode and counters)."""
+        return self.read.stats()
+
     def published(self) -> dict:
         """What the runner's optional parts publish in the stats snapshot (each absent while off)."""
         return {**(self.decode_path.published() if self.decode_path is not None else {}),

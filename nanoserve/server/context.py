@@ -1,0 +1,123 @@
+"""What every route module shares: the served model, its metrics, the checks a request passes before it reaches
+the engine, and the worker threads request preparation runs on.
+
+app.py builds one RouteContext and hands it to each routes_* module's `add_routes`; those import this module and
+nothing of each other or of app.py, so a new route module (another API's shape) needs only this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from nanoserve.server.disconnect import unless_disconnected
+from nanoserve.server.fanout import Fanout
+from nanoserve.server.host import EngineHost
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.protocol import error_body
+
+PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
+log = logging.getLogger("nanoserve.server")
+_warned: set[str] = set()  # unknown field names already named in the log
+
+
+class APIError(Exception):
+    """A refusal a route raises; app.py's handler answers it with an OpenAI-shaped error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error body: every refusal, the middleware's included, answers in this one shape."""
+    return JSONResponse(error_body(message, kind, param, status), status_code=status)
+
+
+_prepare = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="nanoserve-prepare")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """Run CPU-bound request preparation (tokenizing a long prompt, rendering a chat template) on a worker
+    thread: on the event loop, one 4 MB prompt stalled every other stream for seconds."""
+    return await asyncio.get_running_loop().run_in_executor(_prepare, functools.partial(fn, *args, **kwargs))
+
+
+async def compiled(engine, params) -> None:
+    """Compile a request's structured-output grammar off the event loop and off the engine's step (a bad one is
+    a 400 here); the engine thread then finds it in the compiled cache."""
+    if params.structured_outputs is not None:
+        await off_loop(engine.grammars.compile, params.structured_outputs)
+
+
+def server_version() -> str:
+    """The installed package's version (the source tree's when it is not installed): the app's and /version's."""
+    try:
+        return metadata.version("nanoserve")
+    except metadata.PackageNotFoundError:
+        from nanoserve import __version__
+
+        return __version__
+
+
+async def respond(responder, body, request: Request):
+    """A generation's answer: server-sent events with stream: true, else one body, abandoned if the client
+    leaves before it is done (the requests are then aborted, holding no blocks)."""
+    return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    """What the routes are built over, fixed for the app's life (the engine is not: a route reads it per request
+    from `host.serving()`, as a restart may bring a new one)."""
+
+    host: EngineHost
+    model_name: str
+    metrics: Metrics
+    trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
+    prompt_tokens_details: bool = True
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                           "not_found_error", "model")
+
+    def admit(self, body) -> None:
+        """The checks every generation request passes before it reaches the engine."""
+        self.check_model(body.model)
+        refused = body.refusal()
+        if refused is not None:
+            raise APIError(400, refused[1], param=refused[0])
+        unknown = [f for f in body.unknown_fields() if f not in _warned]
+        if unknown:
+            _warned.update(unknown)
+            log.warning("ignoring request fields that are neither OpenAI's nor vLLM's: %s", ", ".join(unknown))
+
+    @staticmethod
+    def request_id(body, prefix: str) -> str:
+        return f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+
+    @staticmethod
+    def room_for(engine, ids: list[int]) -> int:
+        return max(1, engine.max_model_len - len(ids))
+
+    def check_template_trusted(self, template: str | None) -> None:
+        """A template is code the server renders, so a request's own is refused unless the operator allowed it."""
+        if template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template from a request is rendered on the server, so this server refuses "
+                                "it; start it with --trust-request-chat-template to allow it", param="chat_template")
+
+    async def fanout(self, engine, prompts: list[list[int]], params, rid: str, body) -> Fanout:
+        """The request's grammar compiled, then its prompts (n each) admitted to the engine as one Fanout."""
+        await compiled(engine, params)
+        return await Fanout(self.host, prompts, params, rid, self.prompt_tokens_details).open(
+            body.user, body.cache_salt, body.session_id)

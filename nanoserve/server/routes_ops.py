@@ -1,0 +1,46 @@
+"""The operator's routes: /health, /metrics, /reset_prefix_cache and /version (no model, no OpenAI shape)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from nanoserve.server.access import WITHHELD
+from nanoserve.server.context import RouteContext, server_version
+from nanoserve.server.openapi import ERRORS, ok
+from nanoserve.server.schemas import Version
+
+
+def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
+    """The routes probes, scrapers and operators call, over the host and the metrics."""
+    host, metrics = ctx.host, ctx.metrics
+
+    @routes.get("/health", summary="The engine's stats snapshot (flags, scheduler, KV pool, paged read, rows); "
+                                   "503 with the reason while it is stopped, failing repeatedly, or failed to load. "
+                                   "On a server with an API key, a caller without it gets the status and reason only",
+                responses={503: {"description": "The snapshot, with status stopped, unhealthy or failed and the "
+                                                "reason"}})
+    async def health(request: Request):
+        state = host.health()
+        body = {"status": state.status, "reason": state.reason}
+        if request.state.authorized:
+            body |= {"failed_steps_total": host.failures.total, **host.stats().as_dict()}
+        else:
+            body["snapshot"] = WITHHELD
+        return JSONResponse(body, status_code=200 if state.ok else 503)
+
+    @routes.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text/plain)",
+                responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @routes.post("/reset_prefix_cache", responses={401: ERRORS[401], 503: ERRORS[503]},
+                 summary="Forget every cached KV block's name (vLLM's route); requests running keep their blocks. "
+                         "Guarded by the API key.")
+    async def reset_prefix_cache():
+        forgotten = await host.call(lambda engine: engine.reset_prefix_cache())
+        return {"reset": True, "blocks_forgotten": forgotten}
+
+    @routes.get("/version", responses=ok(Version))
+    async def version():
+        return {"version": server_version()}
