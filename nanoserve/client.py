@@ -85,7 +85,7 @@ async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> Result:
 
 
 async def fire(url: str, bodies: list[dict], concurrency: int, rate: float | None, headers: dict, seed: int,
-              on_result=None, watch_health: bool = True):
+               on_result=None, watch_health: bool = True):
     """Fire `bodies` and return (results, duration, peak running rows seen on /health).
 
     The peak is the largest `running` the polls saw, raised to the scheduler's own `peak_running` when that
@@ -94,57 +94,81 @@ async def fire(url: str, bodies: list[dict], concurrency: int, rate: float | Non
     flight (their streams close, so the server aborts them and frees their blocks). With `watch_health`
     off, /health is not polled (no extra requests while step times are measured) and the peak is None.
     """
-    limit = asyncio.Semaphore(concurrency if rate is None else len(bodies))
-    peak = {"running": 0}
-    done = asyncio.Event()
-    rng = random.Random(seed)
-
     async with httpx.AsyncClient(timeout=600, headers=headers,
                                  limits=httpx.Limits(max_connections=max(concurrency, 64) + 4)) as http:
-
-        async def watch():
-            while not done.is_set():
-                try:
-                    h = (await http.get(url + "/health")).json()
-                    peak["running"] = max(peak["running"], h["scheduler"]["running"])
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
-
-        async def guarded(body):
-            async with limit:
-                result = await stream_one(http, url, body)
-            if on_result is not None:
-                on_result(result)
-            return result
-
-        async def peak_so_far() -> int | None:
-            try:
-                return (await http.get(url + "/health")).json()["scheduler"]["peak_running"]
-            except (httpx.HTTPError, KeyError, ValueError):
-                return None
-
-        peak_before = await peak_so_far() if watch_health else None
-        watchers = [asyncio.create_task(watch())] if watch_health else []
+        watch = PeakWatch(http, url) if watch_health else None
+        if watch is not None:
+            await watch.start()
         started = time.perf_counter()
-        tasks = []
         try:
-            for body in bodies:
-                tasks.append(asyncio.create_task(guarded(body)))
-                if rate is not None:
-                    await asyncio.sleep(rng.expovariate(rate))
-            results = await asyncio.gather(*tasks)
+            results = await _send_all(http, url, bodies, concurrency, rate, random.Random(seed), on_result)
         finally:
-            for task in tasks:
-                task.cancel()
-            done.set()
-            await asyncio.gather(*watchers, *tasks, return_exceptions=True)
+            if watch is not None:
+                await watch.stop()
         duration = time.perf_counter() - started
-        if watch_health:
-            peak_after = await peak_so_far()
-            if None not in (peak_before, peak_after) and peak_after > peak_before:
-                peak["running"] = max(peak["running"], peak_after)
-    return results, duration, peak["running"] if watch_health else None
+    return results, duration, watch.peak if watch is not None else None
+
+
+async def _send_all(http: httpx.AsyncClient, url: str, bodies: list[dict], concurrency: int, rate: float | None,
+                    rng: random.Random, on_result) -> list[Result]:
+    """Every body, at most `concurrency` in flight (or as Poisson arrivals at `rate`); all cancelled on exit."""
+    limit = asyncio.Semaphore(concurrency if rate is None else len(bodies))
+
+    async def guarded(body):
+        async with limit:
+            result = await stream_one(http, url, body)
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    tasks = []
+    try:
+        for body in bodies:
+            tasks.append(asyncio.create_task(guarded(body)))
+            if rate is not None:
+                await asyncio.sleep(rng.expovariate(rate))
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class PeakWatch:
+    """The most rows a server ran at once during a run: /health polled every 0.1 s, and the scheduler's own
+    `peak_running` read before and after (a short request can rise and fall between two polls)."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str):
+        self.http, self.url, self.peak = http, url, 0
+        self._done = asyncio.Event()
+        self._before: int | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._before = await self._peak_so_far()
+        self._task = asyncio.create_task(self._poll())
+
+    async def stop(self) -> None:
+        self._done.set()
+        await asyncio.gather(self._task, return_exceptions=True)
+        after = await self._peak_so_far()
+        if None not in (self._before, after) and after > self._before:
+            self.peak = max(self.peak, after)
+
+    async def _poll(self) -> None:
+        while not self._done.is_set():
+            try:
+                health = (await self.http.get(self.url + "/health")).json()
+                self.peak = max(self.peak, health["scheduler"]["running"])
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+
+    async def _peak_so_far(self) -> int | None:
+        try:
+            return (await self.http.get(self.url + "/health")).json()["scheduler"]["peak_running"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None
 
 
 def summarise(results: list[Result], duration: float) -> dict:
