@@ -11,6 +11,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from nanoserve.errors import RequestError
 from nanoserve.structured.params import StructuredOutputsError, StructuredOutputsParams
@@ -35,6 +36,10 @@ class SamplingParamsError(RequestError):
 # ---------------------------------------------------------------------------
 # Validation helpers: each returns the normalised value or raises with a fix.
 # ---------------------------------------------------------------------------
+
+
+def _fail(name: str, message: str) -> NoReturn:
+    raise SamplingParamsError(name, message)
 
 
 def _type_name(value: object) -> str:
@@ -116,26 +121,37 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        def fail(name: str, message: str) -> None:
-            raise SamplingParamsError(name, message)
+        # The order is part of the contract: a request with several bad values is told about the same one
+        # first, and later steps read fields earlier ones normalised (stop, max_tokens, ignore_eos).
+        self._check_sampling()
+        self._check_penalties()
+        self._check_seed()
+        self._check_lengths()
+        self._check_stops()
+        self._check_flags()
+        self._check_logprobs()
+        self._check_token_constraints()
+        self._check_structured_outputs()
 
+    def _check_sampling(self) -> None:
+        """n and the knobs that shape the distribution a token is drawn from."""
         self.n = _as_int("n", self.n, "1")
         if not 1 <= self.n <= MAX_N:
-            fail("n", f"n must be in [1, {MAX_N}], got {self.n}; ask for at most {MAX_N} completions per request")
+            _fail("n", f"n must be in [1, {MAX_N}], got {self.n}; ask for at most {MAX_N} completions per request")
 
         self.temperature = _as_float("temperature", self.temperature, "a float such as 0.7")
         if self.temperature < 0:
-            fail(
+            _fail(
                 "temperature", f"temperature must be >= 0, got {self.temperature}; use 0 for greedy decoding"
             )
 
         self.top_p = _as_float("top_p", self.top_p, "a float in (0, 1] such as 0.9")
         if not 0 < self.top_p <= 1:
-            fail("top_p", f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable nucleus sampling")
+            _fail("top_p", f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable nucleus sampling")
 
         self.top_k = _as_int("top_k", self.top_k, "an int such as 50, or 0 to disable")
         if self.top_k < -1:
-            fail(
+            _fail(
                 "top_k",
                 f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}; use 0 to consider all tokens",
             )
@@ -144,13 +160,15 @@ class SamplingParams:
 
         self.min_p = _as_float("min_p", self.min_p, "a float in [0, 1] such as 0.05")
         if not 0 <= self.min_p <= 1:
-            fail("min_p", f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable")
+            _fail("min_p", f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable")
 
+    def _check_penalties(self) -> None:
+        """The repetition, presence and frequency penalties, each in the range vLLM accepts."""
         self.repetition_penalty = _as_float(
             "repetition_penalty", self.repetition_penalty, "a float such as 1.1"
         )
         if self.repetition_penalty <= 0:
-            fail(
+            _fail(
                 "repetition_penalty",
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}; use 1.0 for no penalty",
             )
@@ -158,18 +176,21 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = _as_float(name, getattr(self, name), "a float in [-2, 2] such as 0.5")
             if not -2 <= value <= 2:
-                fail(name, f"{name} must be in [-2, 2], got {value}; use 0 for no penalty")
+                _fail(name, f"{name} must be in [-2, 2], got {value}; use 0 for no penalty")
             setattr(self, name, value)
 
+    def _check_seed(self) -> None:
         self.seed = _as_int(
             "seed", self.seed, "an int such as 42, or None for an unseeded draw", allow_none=True
         )
 
+    def _check_lengths(self) -> None:
+        """max_tokens and min_tokens, each alone and then against each other."""
         self.max_tokens = _as_int(
             "max_tokens", self.max_tokens, "a positive int such as 256", allow_none=True
         )
         if self.max_tokens is not None and self.max_tokens < 1:
-            fail(
+            _fail(
                 "max_tokens",
                 f"max_tokens must be >= 1 or None, got {self.max_tokens}; "
                 "use None to generate up to the model's context length",
@@ -177,48 +198,59 @@ class SamplingParams:
 
         self.min_tokens = _as_int("min_tokens", self.min_tokens, "a non-negative int such as 0")
         if self.min_tokens < 0:
-            fail("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}; use 0 for no minimum")
+            _fail("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}; use 0 for no minimum")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(
+            _fail(
                 "min_tokens",
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
                 f"max_tokens={self.max_tokens}; raise max_tokens or lower min_tokens",
             )
 
+    def _check_stops(self) -> None:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 
+    def _check_flags(self) -> None:
+        """The output switches: strict bools, since a truthy string such as "false" would read as True."""
         self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _as_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
 
+    def _check_logprobs(self) -> None:
+        """logprobs and prompt_logprobs: a count of alternatives, -1 for the whole vocabulary, or None."""
         for name in ("logprobs", "prompt_logprobs"):
             value = _as_int(name, getattr(self, name), "an int >= 0 (-1: the whole vocabulary), or None for no "
                                                        "logprobs", allow_none=True)
             if value is not None and value < -1:
-                fail(name, f"{name} must be >= 0, -1 (the whole vocabulary) or None, got {value}; 0 returns only "
-                           "the token's own logprob")
+                _fail(name, f"{name} must be >= 0, -1 (the whole vocabulary) or None, got {value}; 0 returns only "
+                            "the token's own logprob")
             setattr(self, name, value)
 
+    def _check_token_constraints(self) -> None:
+        """detokenize (which stop strings need), then what biases or limits the pick: logit_bias,
+        allowed_token_ids and bad_words."""
         self.detokenize = _as_bool("detokenize", self.detokenize)
         if not self.detokenize and self.stop:
-            fail("detokenize", "stop strings are matched in text, so they need detokenize=True; "
-                               "use stop_token_ids, or turn detokenize on")
+            _fail("detokenize", "stop strings are matched in text, so they need detokenize=True; "
+                                "use stop_token_ids, or turn detokenize on")
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.allowed_token_ids = self._normalise_ids("allowed_token_ids", self.allowed_token_ids)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            fail("allowed_token_ids", "allowed_token_ids is empty, so no token could be sampled; "
-                                      "list at least one id, or pass None to allow every token")
+            _fail("allowed_token_ids", "allowed_token_ids is empty, so no token could be sampled; "
+                                       "list at least one id, or pass None to allow every token")
         self.bad_words = self._normalise_words(self.bad_words)
+
+    def _check_structured_outputs(self) -> None:
+        """A StructuredOutputsParams (or a dict of its fields), which must be able to end on its own."""
         try:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         except StructuredOutputsError as e:
-            fail("structured_outputs", str(e))
+            _fail("structured_outputs", str(e))
         if self.structured_outputs is not None and self.ignore_eos:
-            fail("ignore_eos", "ignore_eos would run a structured output past the end its grammar allows; "
-                               "drop ignore_eos (max_tokens still bounds the output)")
+            _fail("ignore_eos", "ignore_eos would run a structured output past the end its grammar allows; "
+                                "drop ignore_eos (max_tokens still bounds the output)")
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:

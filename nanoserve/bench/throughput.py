@@ -168,44 +168,57 @@ def invariance_arm(flags: dict) -> str:
     return "nanoserve --no-batch-invariant" if flags["batch_invariant"] else "nanoserve --batch-invariant"
 
 
-def main(args) -> int:
+def build_arms(args, flags: dict) -> dict:
+    """nanoserve as configured, then the engines it is measured against in this process: under tensor
+    parallelism the same model on one rank (and over gloo when the ranks exchange through shared memory);
+    otherwise the same engine with batch invariance switched (what determinism costs) and, on the 4-bit path,
+    its dense float32 self."""
     from nanoserve import LLM
 
-    flags = engine_flags(args)
     arms = {"nanoserve": LLM(**flags)}
     engine = arms["nanoserve"].engine
-    parallel = flags["tensor_parallel_size"] > 1
-    if parallel:  # the same engine on one rank with every thread, beside the group
+    if flags["tensor_parallel_size"] > 1:  # the same engine on one rank with every thread, beside the group
         if engine.runner.parallel.group.shared is not None:  # exchanging through shared memory: and over gloo
             arms[BACKEND_REDUCE] = LLM(**{**flags, "tp_all_reduce": "backend"})
         arms[ONE_RANK] = LLM(**{**flags, "tensor_parallel_size": 1, "distributed_init": None})
     else:
         if not args.skip_invariance_arm:  # the same engine with batch invariance switched: what determinism costs
             arms[invariance_arm(flags)] = LLM(**{**flags, "batch_invariant": not flags["batch_invariant"]})
-        if "linear" in engine.stats().features:  # the 4-bit path: its dense float32 self beside it
+        if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
             arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
-    cfg = engine.model_config
-    work = workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size)
-    single_prompt = work[0][0][:64]
+    return arms
+
+
+def bandwidth_bounds(arms: dict, parallel: bool) -> tuple[float, dict[str, float]]:
+    """The device's read bandwidth (GB/s) and, per arm, the tokens a second it allows a single stream."""
+    engine = arms["nanoserve"].engine
     bandwidth = memory_bandwidth_gbs(mib=4096 if engine.runner.device.type == "cuda" else 512, device=engine.runner.device)
     bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.runner.model) for arm, llm in arms.items()}
     if parallel:  # the ranks share this machine's memory: the whole model is read per token all the same
         for arm in ("nanoserve", BACKEND_REDUCE):
             if arm in bounds:
                 bounds[arm] = bounds[ONE_RANK]
+    return bandwidth, bounds
 
-    hf = transformers_for(args, arms.get("nanoserve dense", arms["nanoserve"]).engine)
-    llama_cpp = llama_cpp_for(args, engine, work)
+
+def run_single_rounds(args, arms: dict, hf, llama_cpp, prompt: list[int]) -> dict[str, list[float]]:
+    """Single-stream tok/s of every arm, `args.repeats` times, the arms interleaved in each round so a noisy
+    neighbour hits them alike; arms left out keep an empty list."""
     for llm in arms.values():
-        run_nanoserve_single(llm, single_prompt, 8)  # warm-up
+        run_nanoserve_single(llm, prompt, 8)  # warm-up
     single = {arm: [] for arm in (*arms, "transformers", LLAMA_CPP)}
-    for _ in range(args.repeats):  # arms interleaved, so a noisy neighbour hits them alike
+    for _ in range(args.repeats):
         for arm, llm in arms.items():
-            single[arm].append(run_nanoserve_single(llm, single_prompt, args.single_tokens))
+            single[arm].append(run_nanoserve_single(llm, prompt, args.single_tokens))
         if hf is not None:
-            single["transformers"].append(run_hf_single(hf, single_prompt, args.single_tokens))
+            single["transformers"].append(run_hf_single(hf, prompt, args.single_tokens))
         if llama_cpp is not None:
-            single[LLAMA_CPP].append(llama_cpp.single(single_prompt, args.single_tokens))
+            single[LLAMA_CPP].append(llama_cpp.single(prompt, args.single_tokens))
+    return single
+
+
+def run_mixed_workload(args, arms: dict, hf, llama_cpp, work) -> tuple[dict[str, dict], float]:
+    """The mixed workload through every arm, and the peak RSS (MiB) once the nanoserve arms alone have run."""
     mixed = {arm: run_nanoserve_mixed(llm, work) for arm, llm in arms.items()}
     rss_after_nanoserve = peak_rss_mib()
     if hf is not None:
@@ -213,7 +226,11 @@ def main(args) -> int:
     if llama_cpp is not None:
         mixed[LLAMA_CPP] = llama_cpp.mixed(work)
     gc.collect()
+    return mixed, rss_after_nanoserve
 
+
+def table_rows(single: dict[str, list[float]], mixed: dict[str, dict], bounds: dict[str, float]) -> list[dict]:
+    """One row per arm that ran the mixed workload, its single-stream median set against its bandwidth bound."""
     rows = []
     for arm in mixed:
         s = statistics.median(single[arm]) if single[arm] else None
@@ -229,13 +246,20 @@ def main(args) -> int:
             "single_tok_s": s,
             "single_share_of_bound": s / bound if s else None,
         })
-    linear = engine.stats().features.get("linear")
+    return rows
+
+
+def print_throughput_table(args, engine, linear: dict | None, rows: list[dict]) -> None:
     print_table(
         f"throughput: {engine.runner.loaded.name}, {engine.runner.dtype}, linears {linear['format'] if linear else 'dense'}, "
         f"{torch.get_num_threads()} threads, {args.num_requests} requests, prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}",
         rows, list(rows[0]),
     )
+
+
+def arm_ratios(flags: dict, rows: list[dict], mixed: dict[str, dict]) -> dict[str, float]:
+    """nanoserve's mixed and single-stream tok/s over each other arm's, for the arms that ran."""
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
     for other in (invariance_arm(flags), "nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers", LLAMA_CPP):
@@ -243,6 +267,11 @@ def main(args) -> int:
             ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
             ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \
                 by_arm[other]["single_tok_s"]
+    return ratios
+
+
+def print_findings(bandwidth: float, bounds: dict[str, float], linear: dict | None, ratios: dict[str, float]) -> None:
+    """The machine, the bandwidth bounds, the packed linears' tallies and the ratios, under the table."""
     print(f"\nmachine: {machine()}")
     print(f"memory read bandwidth {bandwidth:.1f} GB/s; bandwidth bound per arm (tok/s): "
           + ", ".join(f"{arm} {b:.1f}" for arm, b in bounds.items()))
@@ -251,7 +280,10 @@ def main(args) -> int:
               f"calls int4 {linear['int4_calls']} / dense {linear['dense_calls']}, head {linear['head']}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
-    section = engine.stats().features.get("parallel")
+
+
+def print_parallel(section: dict | None, engine, arms: dict) -> None:
+    """Under tensor parallelism: the ranks, what their collectives cost a step, and the weights each holds."""
     if section:
         steps = engine.stats().scheduler.steps
         print(f"tensor parallel: {section['world_size']} ranks over {section['backend']}, "
@@ -262,6 +294,29 @@ def main(args) -> int:
               + "); weights per rank "
               + ", ".join(f"{r['weights_bytes'] / 2**20:.0f} MiB" for r in section["ranks"])
               + f" (one rank: {memory_of(arms[ONE_RANK].engine.runner.model, arms[ONE_RANK].engine.runner.cache)['weights_bytes'] / 2**20:.0f} MiB)")
+
+
+def main(args) -> int:
+    flags = engine_flags(args)
+    arms = build_arms(args, flags)
+    engine = arms["nanoserve"].engine
+    parallel = flags["tensor_parallel_size"] > 1
+    work = workload(args.num_requests, args.prompt_len, args.output_len, engine.model_config.vocab_size)
+    single_prompt = work[0][0][:64]
+    bandwidth, bounds = bandwidth_bounds(arms, parallel)
+
+    hf = transformers_for(args, arms.get("nanoserve dense", arms["nanoserve"]).engine)
+    llama_cpp = llama_cpp_for(args, engine, work)
+    single = run_single_rounds(args, arms, hf, llama_cpp, single_prompt)
+    mixed, rss_after_nanoserve = run_mixed_workload(args, arms, hf, llama_cpp, work)
+
+    rows = table_rows(single, mixed, bounds)
+    linear = engine.stats().sections.get("linear")
+    print_throughput_table(args, engine, linear, rows)
+    ratios = arm_ratios(flags, rows, mixed)
+    print_findings(bandwidth, bounds, linear, ratios)
+    section = engine.stats().sections.get("parallel")
+    print_parallel(section, engine, arms)
     print(f"peak RSS after nanoserve arms {rss_after_nanoserve:.0f} MiB; after all arms {peak_rss_mib():.0f} MiB; "
           f"KV pool {engine.runner.cache.nbytes / 2**20:.0f} MiB")
     path = write_results(args.out, "throughput", {

@@ -91,16 +91,7 @@ def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              keep_blocks: bool = False, shard=None) -> GGUFCheckpoint:
-    """Read a llama-architecture GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped
-    config dict and a tokenizer. Refuses, with a CheckpointError naming the fix, anything it cannot load
-    exactly. With `keep_blocks`, Q4_0 / Q4_1 / Q8_0 projection weights come back as their exact blocks
-    (`Int4Blocks`, `Int8Blocks`) instead of dequantized, and so does the output head (or the embedding it is
-    tied to) as `head_blocks`, beside its dense weight (the embedding's lookup needs that). With a `shard`
-    (a parallel.shard.TensorShard) each tensor is cut to that rank's slice as it is read, one tensor at a time,
-    so the whole model is never held."""
-    path = Path(path)
+def _check_is_file(path: Path) -> None:
     if not path.exists():
         raise CheckpointError(f"GGUF file {str(path)!r} does not exist; pass the path of an existing .gguf file")
     if not path.is_file():
@@ -108,6 +99,10 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             f"{str(path)!r} is a directory, not a GGUF file; pass a .gguf file here (Hugging Face checkpoint "
             "directories load through the safetensors loader)"
         )
+
+
+def _read_header(path: Path) -> tuple[dict, dict[str, TensorInfo]]:
+    """The file's metadata and its tensors by name, refused unless it is a llama model in types we dequantize."""
     meta, info_list = parse(path)
     arch = meta.get("general.architecture")
     if arch != "llama":
@@ -125,8 +120,12 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     infos = {i.name: i for i in info_list}
     if "token_embd.weight" not in infos:
         raise CheckpointError(f"{path} has no token_embd.weight tensor; the file is incomplete, download it again")
-    config = hf_config(meta, infos, path, dtype)
-    expected = _expected_tensors(config)
+    return meta, infos
+
+
+def _check_tensors(path: Path, infos: dict[str, TensorInfo], expected: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """The file holds exactly the tensors a dense llama model of its config has (rope_freqs aside), in the
+    shapes that config implies."""
     missing = sorted(set(expected) - set(infos))
     extra = sorted(set(infos) - set(expected) - {"rope_freqs.weight"})
     if missing:
@@ -144,34 +143,65 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 f"{list(shape)}; the file is inconsistent"
             )
 
-    # Everything that can refuse the file runs before the (comparatively slow) dequantization.
-    tokenizer, add_bos = build_tokenizer(meta, path)
+
+def _read_rope_scaling(f, meta: dict, infos: dict[str, TensorInfo], config: dict, path: Path) -> dict | None:
+    """The config's rope_scaling, from the metadata and the rope_freqs tensor where the file has one."""
+    rope_freqs = _to_torch(_read_tensor(f, infos["rope_freqs.weight"]), torch.float32) \
+        if "rope_freqs.weight" in infos else None
+    return rope_scaling(meta, rope_freqs, config["head_dim"], config["rope_theta"], path)
+
+
+def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str, tuple[int, ...]]], config: dict,
+                  dtype: torch.dtype, keep_blocks: bool, shard) -> tuple[dict, QuantBlocks | None]:
+    """Every expected tensor under its HF name, q/k rows back in HF's layout and each cut to `shard` as it is
+    read: dequantized to `dtype`, or with `keep_blocks` a projection's exact blocks. Also the output head's
+    blocks when kept (its dense weight is read as well: the embedding's lookup needs it)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor | QuantBlocks] = {}
     head_blocks = None
     head_name = "token_embd.weight" if config["tie_word_embeddings"] else "output.weight"
     cut = (lambda name, t: t) if shard is None else (lambda name, t: shard.take(name, t, config["vocab_size"]))
-    with open(path, "rb") as f:
-        rope_freqs = _to_torch(_read_tensor(f, infos["rope_freqs.weight"]), torch.float32) \
-            if "rope_freqs.weight" in infos else None
-        config["rope_scaling"] = rope_scaling(meta, rope_freqs, config["head_dim"], config["rope_theta"], path)
-        for name, (hf_name, _) in expected.items():
-            info = infos[name]
-            rope_heads = heads if name.endswith(".attn_q.weight") else kv_heads if name.endswith(
-                ".attn_k.weight") else None
-            keep = keep_blocks and info.type_name in KEPT_GGUF_TYPES
-            if keep and name.startswith("blk."):
-                blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)
-                if rope_heads is not None:
-                    blocks = blocks.rows(_undo_rope_permute(np.arange(info.shape[0]), rope_heads))
-                tensors[hf_name] = cut(hf_name, blocks)
-                continue
-            if keep and name == head_name:
-                head_blocks = cut("lm_head.weight", from_gguf(_read_raw(f, info), info.type_name, info.shape))
-            w = _read_tensor(f, info)
+    for name, (hf_name, _) in expected.items():
+        info = infos[name]
+        rope_heads = heads if name.endswith(".attn_q.weight") else kv_heads if name.endswith(
+            ".attn_k.weight") else None
+        keep = keep_blocks and info.type_name in KEPT_GGUF_TYPES
+        if keep and name.startswith("blk."):
+            blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)
             if rope_heads is not None:
-                w = _undo_rope_permute(w, rope_heads)
-            tensors[hf_name] = cut(hf_name, _to_torch(w, dtype))
+                blocks = blocks.rows(_undo_rope_permute(np.arange(info.shape[0]), rope_heads))
+            tensors[hf_name] = cut(hf_name, blocks)
+            continue
+        if keep and name == head_name:
+            head_blocks = cut("lm_head.weight", from_gguf(_read_raw(f, info), info.type_name, info.shape))
+        w = _read_tensor(f, info)
+        if rope_heads is not None:
+            w = _undo_rope_permute(w, rope_heads)
+        tensors[hf_name] = cut(hf_name, _to_torch(w, dtype))
+    return tensors, head_blocks
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              keep_blocks: bool = False, shard=None) -> GGUFCheckpoint:
+    """Read a llama-architecture GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped
+    config dict and a tokenizer. Refuses, with a CheckpointError naming the fix, anything it cannot load
+    exactly. With `keep_blocks`, Q4_0 / Q4_1 / Q8_0 projection weights come back as their exact blocks
+    (`Int4Blocks`, `Int8Blocks`) instead of dequantized, and so does the output head (or the embedding it is
+    tied to) as `head_blocks`, beside its dense weight (the embedding's lookup needs that). With a `shard`
+    (a parallel.shard.TensorShard) each tensor is cut to that rank's slice as it is read, one tensor at a time,
+    so the whole model is never held."""
+    path = Path(path)
+    _check_is_file(path)
+    meta, infos = _read_header(path)
+    config = hf_config(meta, infos, path, dtype)
+    expected = _expected_tensors(config)
+    _check_tensors(path, infos, expected)
+
+    # Everything that can refuse the file runs before the (comparatively slow) dequantization.
+    tokenizer, add_bos = build_tokenizer(meta, path)
+    with open(path, "rb") as f:
+        config["rope_scaling"] = _read_rope_scaling(f, meta, infos, config, path)
+        tensors, head_blocks = _read_weights(f, infos, expected, config, dtype, keep_blocks, shard)
     return GGUFCheckpoint(
         config=config,
         tensors=tensors,

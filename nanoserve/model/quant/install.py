@@ -151,6 +151,68 @@ def _packed(blocks: QuantBlocks, bias, sizes) -> PackedLinear:
     return Int4Linear(blocks, bias, sizes)
 
 
+def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """Each linear of the decoder layers, with the names of the shards its weight is made of: listed before any
+    is swapped, since swapping changes the modules a walk would see."""
+    from nanoserve.model.layers import MergedLinear
+
+    return [(p, m, list(m.offsets) if isinstance(m, MergedLinear) else ["weight"]) for p, m in model.named_modules()
+            if isinstance(m, MergedLinear | nn.Linear) and p.startswith("layers.")]
+
+
+def _stays_dense(module: nn.Module, shards: dict[str, QuantBlocks], names: list[str]) -> bool:
+    """Blocks arrived for a projection the packed kernels cannot run as one: some shards dense, 4-bit beside
+    8-bit, or a shape int4 cannot pack."""
+    mixed = set(shards) != set(names) or len({type(b) for b in shards.values()}) > 1
+    return bool(shards) and (mixed or not int4_packable(module.weight.shape[0], module.weight.shape[1]))
+
+
+def _write_dense(module: nn.Module, shards: dict[str, QuantBlocks]) -> None:
+    """Each shard's blocks, dequantized into the module's own dense weight."""
+    from nanoserve.model.layers import MergedLinear
+
+    for shard, blocks in shards.items():
+        dense_weight = blocks.dequantize().to(module.weight.dtype)
+        if isinstance(module, MergedLinear):
+            module.load_shard(shard, "weight", dense_weight)
+        else:
+            module.weight.data.copy_(dense_weight)
+
+
+def _packed_form(module: nn.Module, shards: dict[str, QuantBlocks], names: list[str],
+                 mode: str) -> tuple[PackedLinear, torch.Tensor] | None:
+    """The packed linear for one projection and the dense weight it stands for: on the file's blocks where they
+    came, else quantized at load under mode "int4" / "int8"; None when it stays as it is."""
+    bias, sizes = (module.bias.data if module.bias is not None else None), getattr(module, "sizes", None)
+    if shards:
+        parts = [shards[n] for n in names]
+        blocks = type(parts[0]).cat(parts)
+        return _packed(blocks, bias, sizes), blocks.dequantize()
+    if mode == "int4" and int4_packable(*module.weight.shape):
+        blocks = Int4Blocks.quantize(module.weight.data)
+        return Int4Linear(blocks, bias, sizes), blocks.dequantize()
+    if mode == "int8":
+        linear = Int8Linear(module.weight.data, bias, sizes)
+        return linear, linear.dequantize()
+    return None
+
+
+def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
+                  invariant: bool) -> tuple[str, dict[str, float], int]:
+    """Put the output head in its fastest form (kept for the machine under `invariant`). Returns the form's name
+    (the model's dtype when the head stays as loaded), the microseconds behind the choice, and the bytes the new
+    form holds (0 when it stays)."""
+    weight = model.lm_head.weight
+    forms = head_forms(weight, blocks, mode)
+    head, head_us = _kept_head(weight, forms) if invariant else _timed_head(weight, forms)
+    if head == "own":
+        return str(weight.dtype).removeprefix("torch."), head_us, 0
+    model.lm_head = forms[head]()
+    nbytes = sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
+    model.exact_head = _exact_rows(model, weight)
+    return head, head_us, nbytes
+
+
 def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str,
                       invariant: bool = False) -> QuantStats | None:
     """Swap the decoder's linears for packed ones. Each whose weights arrived as blocks (`kept`: module path ->
@@ -163,40 +225,20 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
     `invariant` (batch invariance): every call runs the packed kernel whatever its rows (a dense copy for wide
     calls would give a row other numbers beside many rows than alone), and the head's form is timed once per
     machine and kept (nanoserve/kernel_table.py), not timed at each load."""
-    from nanoserve.model.layers import MergedLinear
-
     calls = {"int4": 0, "int8": 0, "int8g32": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}
     packed = dense = 0
-    targets = [(p, m) for p, m in model.named_modules()
-               if isinstance(m, MergedLinear | nn.Linear) and p.startswith("layers.")]
-    for path, module in targets:
+    for path, module, names in _decoder_linears(model):
         shards = kept.get(path, {})
-        names = list(module.offsets) if isinstance(module, MergedLinear) else ["weight"]
-        mixed = set(shards) != set(names) or len({type(b) for b in shards.values()}) > 1
-        if shards and (mixed or not int4_packable(module.weight.shape[0], module.weight.shape[1])):
-            for shard, blocks in shards.items():  # a mixed or unpackable projection: dense it is
-                dense_weight = blocks.dequantize().to(module.weight.dtype)
-                if isinstance(module, MergedLinear):
-                    module.load_shard(shard, "weight", dense_weight)
-                else:
-                    module.weight.data.copy_(dense_weight)
+        if _stays_dense(module, shards, names):
+            _write_dense(module, shards)
             continue
-        bias, sizes = (module.bias.data if module.bias is not None else None), getattr(module, "sizes", None)
-        if shards:
-            parts = [shards[n] for n in names]
-            blocks = type(parts[0]).cat(parts)
-            linear, weight = _packed(blocks, bias, sizes), blocks.dequantize()
-        elif mode == "int4" and int4_packable(*module.weight.shape):
-            blocks = Int4Blocks.quantize(module.weight.data)
-            linear, weight = Int4Linear(blocks, bias, sizes), blocks.dequantize()
-        elif mode == "int8":
-            linear = Int8Linear(module.weight.data, bias, sizes)
-            weight = linear.dequantize()
-        else:
+        built = _packed_form(module, shards, names, mode)
+        if built is None:
             continue
+        linear, weight = built
         rows = None if invariant else dense_crossover(linear, weight)
         linear.use_dense_from(rows, weight)
         crossover[f"{linear.format} {linear.out_features}x{linear.in_features}"] = rows
@@ -208,17 +250,9 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
         dense += linear.dense.numel() * 2 if linear.dense is not None else 0
     if not formats:
         return None
-    weight, head_blocks = model.lm_head.weight, kept.get("lm_head", {}).get("weight")
-    forms = head_forms(weight, head_blocks, mode)
-    head, head_us = _kept_head(weight, forms) if invariant else _timed_head(weight, forms)
-    if head == "own":
-        head = str(weight.dtype).removeprefix("torch.")
-    else:
-        model.lm_head = forms[head]()
-        dense += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
-        model.exact_head = _exact_rows(model, weight)
+    head, head_us, head_bytes = _install_head(model, kept.get("lm_head", {}).get("weight"), mode, invariant)
     rescored = 0 if getattr(model, "exact_head", None) is None else SHORTLIST
-    return QuantStats(formats, packed, dense, crossover, calls, served_rows, head, head_us, rescored)
+    return QuantStats(formats, packed, dense + head_bytes, crossover, calls, served_rows, head, head_us, rescored)
 
 
 def _exact_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
