@@ -65,15 +65,6 @@ def head_major_ids(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torc
     return (blocks.reshape(1, -1) + heads).reshape(-1)
 
 
-def _decode_queries(q: torch.Tensor, kv_heads: int, padded_group: int) -> torch.Tensor:
-    """Decode queries [rows, heads, dim] -> [kv_heads * rows, padded_group, dim]: each row's query heads of one
-    kv head, padded to a multiple of ROW_MULTIPLE."""
-    rows, heads, dim = q.shape
-    group = heads // kv_heads
-    qg = F.pad(q.view(rows, kv_heads, group, dim).transpose(0, 1), (0, 0, 0, padded_group - group))
-    return qg.reshape(kv_heads * rows, padded_group, dim)
-
-
 def _prefill_queries(q: torch.Tensor, kv_heads: int, rows_to: int) -> torch.Tensor:
     """Prefill queries [tokens, heads, dim] -> [kv_heads, tokens * group (padded to rows_to), dim], rows ordered
     (token, head)."""
@@ -100,6 +91,7 @@ class DecodeRows:
         bias = torch.zeros(rows, self.span, device=block_table.device).masked_fill_(hidden, float("-inf"))
         self.bias = bias[None, :, None, :].expand(kv_heads, rows, 1, self.span).reshape(kv_heads * rows, 1, self.span)
         self._buffers: tuple | None = None
+        self._queries: torch.Tensor | None = None  # [kv_heads, rows, padded group, dim], its padding zeros
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q [rows, heads, dim]; one layer's head-major caches -> [rows, heads, dim] in q's dtype."""
@@ -109,10 +101,20 @@ class DecodeRows:
             self._buffers = _gather_buffers(self.ids, k_cache)
         k = _gather(k_cache, self.ids, self._buffers[0]).view(kv * rows, span, dim).float()
         v = _gather(v_cache, self.ids, self._buffers[1]).view(kv * rows, span, dim).float()
-        qg = _decode_queries(q.float(), kv, g4)
+        qg = self._grouped_queries(q)
         scores = torch.baddbmm(self.bias, qg, k.transpose(1, 2), alpha=scale)
         out = tiled_values(scores.softmax(-1), v)
         return out.view(kv, rows, g4, dim)[:, :, : self.group].transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
+
+    def _grouped_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [rows, heads, dim] as [kv_heads * rows, padded group, dim]: each row's query heads of one kv head,
+        padded to a multiple of ROW_MULTIPLE, in float32. Written into one buffer every layer of the step reuses:
+        one copy a layer instead of a pad and a reshape; the padding rows stay the zeros they were made."""
+        rows, heads, dim = q.shape
+        if self._queries is None:
+            self._queries = torch.zeros(self.kv_heads, rows, self.padded_group, dim, device=q.device)
+        self._queries[:, :, : self.group].copy_(q.view(rows, self.kv_heads, self.group, dim).transpose(0, 1))
+        return self._queries.view(self.kv_heads * rows, self.padded_group, dim)
 
 
 class PrefillSegmentRows:
