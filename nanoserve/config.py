@@ -77,6 +77,9 @@ class EngineConfig:
                                          "the rows beside it, the chunk boundaries, the prefix cache or timing at "
                                          "load (README: Determinism); off: kernels chosen by a call's rows and by "
                                          "timing at load")
+    fused_cpu_kernels: bool = _flag(True, "run the CPU decoder's norms, rotary + KV write and SiLU as C kernels "
+                                           "built for this machine at first start (needs a C compiler; without "
+                                           "one the eager torch ops run and stats say why)")
     decode_buckets: bool = _flag(False, "pad decode-only steps up to a closed set of shapes (rows x table width)")
     persistent_inputs: bool = _flag(False, "decode inputs and block table live in buffers written in place")
     row_compaction: bool = _flag(False, "decode rows keep their table row; a leaving row's place takes the last row")

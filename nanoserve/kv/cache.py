@@ -49,6 +49,18 @@ class KVCache:
         self._v_rows = [layer.view(*rows) for layer in self.v]
         self._head_slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, their head-major rows)
 
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V storage (contiguous) for a kernel that writes slots itself (see write_strides)."""
+        return self._k_rows[layer], self._v_rows[layer]
+
+    @property
+    def write_strides(self) -> tuple[int, int]:
+        """(per slot, per kv head): element offsets of head h of slot s in a layer's storage."""
+        dim = self.k.shape[-1]
+        if self.layout == "slots":
+            return self.kv_heads * dim, dim
+        return dim, self.num_blocks * self.block_size * dim
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

@@ -32,9 +32,23 @@ class Attention(FastAttributes, nn.Module):
         self.scale = self.dim**-0.5
         self.reduce = None  # tensor parallel: sums the row-parallel o_proj's partial outputs across ranks
 
+    fused = None  # FusedKernels when the CPU decoder runs fused (nanoserve/model/fused.py)
+
     def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x).to(x.dtype)  # a packed projection answers in bfloat16; the cache holds x's dtype
+        qkv = self.qkv_proj(x)
+        if self.fused is not None and (read.invariant or batch.num_decode == tokens):
+            q, k, v = self._rotate_and_write_fused(qkv, rope, batch, cache), None, None  # attention reads the cache
+        else:
+            q, k, v = self._rotate_and_write(qkv.to(x.dtype), rope, batch, cache)
+        out = self._attend(q, k, v, batch, cache, read)
+        out = self.o_proj(out.reshape(tokens, self.heads * self.dim))
+        return out if self.reduce is None else self.reduce(out)
+
+    def _rotate_and_write(self, qkv: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache):
+        """q and k rotated (after Qwen3's per-head norms), k and v written to the cache: eager torch ops. qkv is in
+        the cache's dtype (a packed projection answers in bfloat16)."""
+        tokens = qkv.shape[0]
         q_end = self.heads * self.dim
         k_end = q_end + self.kv_heads * self.dim
         v = qkv[:, k_end:].view(tokens, self.kv_heads, self.dim)
@@ -46,20 +60,30 @@ class Attention(FastAttributes, nn.Module):
             k = self.k_norm(qkv[:, q_end:k_end].view(tokens, self.kv_heads, self.dim))
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         cache.write(self.layer, k, v, batch.slots)
-        nd = batch.num_decode
+        return q, k, v
+
+    def _rotate_and_write_fused(self, qkv: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache):
+        """The same in one pass of fused.c: q [tokens, heads, dim] float32 back, k and v only in the cache."""
+        k_cache, v_cache = cache.layer_rows(self.layer)
+        norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        return self.fused.rope_store(qkv, self.heads, self.kv_heads, self.dim, *rope, *norms, eps, k_cache, v_cache,
+                                     batch.slots, cache.write_strides)
+
+    def _attend(self, q, k, v, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
+        """Attention of the step's queries over the cache (and, for a prefill outside the invariant read, over
+        the chunk's own k and v)."""
+        tokens, nd = q.shape[0], batch.num_decode
         if read.invariant:  # every token, decode or prefill, the one way (nanoserve/attention/invariant.py)
-            out = read.attend(q, cache.k[self.layer], cache.v[self.layer], self.scale)
-        elif nd == tokens:
-            out = read.decode(q, cache.k[self.layer], cache.v[self.layer], self.scale)
-        else:
-            parts = []
-            if nd:
-                parts.append(read.decode(q[:nd], cache.k[self.layer], cache.v[self.layer], self.scale))
-            parts.append(prefill_attention(q, k, v, batch.prefills, batch.shared_pasts, cache.k[self.layer],
-                                           cache.v[self.layer], self.scale))
-            out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out = self.o_proj(out.reshape(tokens, self.heads * self.dim))
-        return out if self.reduce is None else self.reduce(out)
+            return read.attend(q, cache.k[self.layer], cache.v[self.layer], self.scale)
+        if nd == tokens:
+            return read.decode(q, cache.k[self.layer], cache.v[self.layer], self.scale)
+        parts = []
+        if nd:
+            parts.append(read.decode(q[:nd], cache.k[self.layer], cache.v[self.layer], self.scale))
+        parts.append(prefill_attention(q, k, v, batch.prefills, batch.shared_pasts, cache.k[self.layer],
+                                       cache.v[self.layer], self.scale))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 class MLP(FastAttributes, nn.Module):
@@ -71,11 +95,17 @@ class MLP(FastAttributes, nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.reduce = None  # tensor parallel: sums the row-parallel down_proj's partial outputs across ranks
 
+    fused = None  # FusedKernels when the CPU decoder runs fused (nanoserve/model/fused.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the projections' own dtype throughout: a packed gate_up answers in bfloat16, which the packed down
         projection takes as it is (no round trip through float32 between them)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            out = self.down_proj(self.fused.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -91,6 +121,16 @@ class DecoderLayer(FastAttributes, nn.Module):
         """The residual stream stays in x's dtype: adding a bfloat16 projection's output promotes it exactly."""
         x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache, read)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x: torch.Tensor, delta: torch.Tensor | None, rope, batch, cache, read) -> torch.Tensor:
+        """The layer on the fused kernels: x (float32, owned by the forward) takes the previous layer's MLP output
+        `delta` in place as the norm reads it; returns this layer's MLP output for the next layer to add."""
+        fused = self.self_attn.fused
+        h = fused.add_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, delta, self.attn_input_dtype)
+        attn = self.self_attn(h, rope, batch, cache, read)
+        h = fused.add_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn,
+                           self.mlp_input_dtype)
+        return self.mlp(h)
 
 
 class CausalLM(FastAttributes, nn.Module):
@@ -119,6 +159,23 @@ class CausalLM(FastAttributes, nn.Module):
         self.vocab_parallel = None  # tensor parallel: (group, first id) of this rank's slice of the vocabulary
         self.exact_head: torch.Tensor | None = None  # float32 head weight to rescore a coarse head's shortlist by
 
+    fused = None  # FusedKernels when the CPU decoder runs fused (nanoserve/model/fused.py)
+
+    def use_fused(self, kernels) -> None:
+        """Run every layer on the fused CPU kernels (None: eager torch ops again)."""
+        self.fused = kernels
+        for layer in self.layers:
+            layer.self_attn.fused = layer.mlp.fused = kernels
+            layer.attn_input_dtype = layer.self_attn.qkv_proj.input_dtype
+            layer.mlp_input_dtype = layer.mlp.gate_up_proj.input_dtype
+
+    def _layers_fused(self, x, rope, batch, cache, read) -> torch.Tensor:
+        x = x.contiguous().clone() if x._base is not None or not x.is_contiguous() else x  # added to in place
+        delta = None
+        for layer in self.layers:
+            delta = layer.forward_fused(x, delta, rope, batch, cache, read)
+        return self.fused.add_(x, delta.contiguous())
+
     def parallelize(self, group, vocab_start: int) -> None:
         """Make this rank's shard a part of the group's model: the row-parallel projections' outputs and the
         vocabulary-parallel embedding are summed across ranks (the logits are gathered by the caller)."""
@@ -136,8 +193,11 @@ class CausalLM(FastAttributes, nn.Module):
             x = group.embed(self.embed_tokens, batch.input_ids, start)
         rope = self.rope.table(batch.positions, x.dtype)
         step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache)
-        for layer in self.layers:
-            x = layer(x, rope, batch, cache, step_read)
+        if self.fused is not None:
+            x = self._layers_fused(x, rope, batch, cache, step_read)
+        else:
+            for layer in self.layers:
+                x = layer(x, rope, batch, cache, step_read)
         hidden = self.norm(x[batch.logits_indices])
         logits = self.lm_head(hidden).float()
         if self.exact_head is not None:

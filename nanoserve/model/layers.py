@@ -65,6 +65,11 @@ class MergedLinear(FastAttributes, nn.Module):
     def matmul_dtype(self) -> torch.dtype:
         return self.weight.dtype
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype a caller should hand forward (the fused norm writes it directly)."""
+        return self.weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, self.weight, self.bias, self.row_multiple)
 

@@ -33,6 +33,7 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     quant: QuantStats | None = None  # what the quantized seam holds, when linears run packed
+    fused: object | None = None  # FusedStatus (nanoserve/model/fused.py): whether the CPU decoder runs fused
 
 
 def cache_dir() -> Path:

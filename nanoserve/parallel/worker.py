@@ -114,6 +114,9 @@ def load_shard(group: TensorGroup, config, device: torch.device):
         return None
     group.gather_status("load", None)
     loaded.model.parallelize(group, shard.vocab_start(loaded.config.vocab_size))
+    from nanoserve.model.fused import install_fused
+
+    loaded.fused = install_fused(loaded.model, device, config.fused_cpu_kernels)
     return loaded
 
 

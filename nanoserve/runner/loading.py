@@ -16,8 +16,9 @@ def load(config: EngineConfig, device, progress: Callable[[str], None]) -> tuple
     that does not divide the model is refused before any process starts."""
     if config.tensor_parallel_size == 1:
         progress("loading weights")
-        return load_model(config.model, config.torch_dtype, device, config.max_model_len,
-                          config.quantization, invariant=config.batch_invariant), None
+        loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len,
+                            config.quantization, invariant=config.batch_invariant)
+        return _fuse(loaded, config, device, progress), None
     shapes = peek_config(config.model)
     check_divisible(shapes, config.tensor_parallel_size)
     progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
@@ -32,7 +33,17 @@ def load(config: EngineConfig, device, progress: Callable[[str], None]) -> tuple
         raise
     group.confirm(None, "load")
     loaded.model.parallelize(group.group, vocab_start=0)
-    return loaded, group
+    return _fuse(loaded, config, device, progress), group
+
+
+def _fuse(loaded: LoadedModel, config: EngineConfig, device, progress: Callable[[str], None]) -> LoadedModel:
+    """Put the model on the fused CPU kernels where it can run them (building them on a machine's first start)."""
+    from nanoserve.model.fused import install_fused
+
+    if config.fused_cpu_kernels and device.type == "cpu":
+        progress("fused CPU kernels")
+    loaded.fused = install_fused(loaded.model, device, config.fused_cpu_kernels)
+    return loaded
 
 
 def not_invariant_reason(config: EngineConfig, model, device) -> str | None:

@@ -129,6 +129,7 @@ class ModelRunner:
         """What the runner's optional parts publish in the stats snapshot (each absent while off)."""
         return {**(self.decode_path.published() if self.decode_path is not None else {}),
                 **({"linear": self.loaded.quant.as_dict()} if self.loaded.quant is not None else {}),
+                **({"fused": self.loaded.fused.as_dict()} if self.loaded.fused is not None else {}),
                 **({"capture": self.captured.stats.as_dict()} if self.captured is not None else {}),
                 **({"parallel": self.parallel.stats(self.steps)} if self.parallel is not None else {})}
 

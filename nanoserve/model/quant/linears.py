@@ -45,6 +45,7 @@ class PackedLinear(FastAttributes, nn.Module):
     (tokens) of those calls: which rows went to which kernel."""
 
     format = ""
+    input_dtype = ACT  # what forward casts its input to: a caller (the fused norm) may hand it over already cast
 
     def __init__(self, out: int, k: int, bias: torch.Tensor | None, sizes: list[int] | None):
         super().__init__()

@@ -1,0 +1,75 @@
+"""Compile nanoserve's C kernels once per machine and keep the library in the user's cache.
+
+The library is built for this CPU (-march=native), so its name carries a hash of the source, the compiler, the
+flags and the CPU's feature list: a home directory shared between machines never hands one machine another's
+build. Nothing here is needed for correctness; without a C compiler the eager torch ops run instead, and the
+reason is published (`stats().features["fused"]`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+
+
+def cache_dir() -> Path:
+    from nanoserve.model.loader import cache_dir as nanoserve_cache
+
+    return nanoserve_cache() / "kernels"
+
+
+def find_compiler() -> str | None:
+    """$CC when set, else the first of cc, gcc, clang on PATH."""
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named) or named
+    return next((path for path in map(shutil.which, ("cc", "gcc", "clang")) if path), None)
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def library_path(source: bytes, compiler: str) -> Path:
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
+    return cache_dir() / f"fused-{key}.so"
+
+
+def build(name: str = "fused.c") -> tuple[Path | None, str]:
+    """(path of the compiled library, "") or (None, why not). Compiles only when no build for this source,
+    compiler and CPU is cached; the file appears atomically, so concurrent starts never load half a library."""
+    compiler = find_compiler()
+    if compiler is None:
+        return None, "no C compiler (install gcc or clang, or set CC)"
+    source = resources.files("nanoserve.kernels").joinpath(name).read_bytes()
+    target = library_path(source, compiler)
+    if target.exists():
+        return target, ""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            src, out = Path(work) / name, Path(work) / target.name
+            src.write_bytes(source)
+            done = subprocess.run([compiler, *FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True,
+                                  text=True, timeout=COMPILE_TIMEOUT_S)
+            if done.returncode != 0:
+                first = (done.stderr.strip().splitlines() or ["no message"])[0]
+                return None, f"{compiler} failed on {name}: {first}"
+            os.replace(out, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"building {name} with {compiler} failed: {exc}"
+    return target, ""

@@ -1,0 +1,121 @@
+"""The fused CPU decoder kernels (fused.c) behind tensor-level calls, with counters of the calls they served.
+
+One call replaces what eager torch runs as several ops each with its own dispatch (the norm alone is six on CPU):
+on a one-row decode step that dispatch, not arithmetic, is most of a layer's time. Every row is computed alone in
+a fixed order, so the kernels serve prefill and decode rows alike and the two agree bitwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from nanoserve.kernels.build import build
+
+KIND = {torch.float32: 1, torch.bfloat16: 2}
+MAX_HEAD_DIM = 1024  # fused.c's per-head scratch
+
+_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+SIGNATURES = {
+    "ns_add_rms_norm": (_ptr, _i64, _i64, _ptr, _i32, _ptr, _f32, _ptr, _i32),
+    "ns_add": (_ptr, _i64, _ptr, _i32),
+    "ns_rope_store": (_ptr, _i32, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr,
+                      _i64, _i64),
+    "ns_silu_mul": (_ptr, _i32, _i64, _i64, _ptr),
+}
+
+
+def _kind(t: torch.Tensor) -> int:
+    kind = KIND.get(t.dtype)
+    if kind is None or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"fused kernels take contiguous float32 / bfloat16 CPU tensors, not {t.dtype} "
+                         f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
+    return kind
+
+
+class FusedKernels:
+    """The compiled library and what it served: `calls` and `rows` per kernel."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.path = path
+        for name, args in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+            setattr(self, "_" + name.removeprefix("ns_"), fn)
+        self.calls = {"norm": 0, "rope_store": 0, "silu_mul": 0, "add": 0}
+        self.rows = dict.fromkeys(self.calls, 0)
+
+    def _count(self, name: str, rows: int) -> None:
+        self.calls[name] += 1
+        self.rows[name] += rows
+
+    def add_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+        """x [rows, n] float32 += delta (when given, in place), then rms_norm(x) * weight in `out_dtype`."""
+        rows, n = x.shape
+        if x.dtype != torch.float32 or weight.dtype != torch.float32:
+            raise ValueError("the fused norm takes a float32 residual stream and weight")
+        _kind(x), _kind(weight)
+        out = torch.empty(rows, n, dtype=out_dtype)
+        kind = 0
+        if delta is not None:
+            kind = _kind(delta)
+            if delta.shape != x.shape:
+                raise ValueError(f"residual {tuple(x.shape)} and delta {tuple(delta.shape)} differ")
+        self._add_rms_norm(x.data_ptr(), rows, n, None if delta is None else delta.data_ptr(), kind,
+                           weight.data_ptr(), eps, out.data_ptr(), _kind(out))
+        self._count("norm", rows)
+        return out
+
+    def add_(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x float32 += delta, in place (the last layer's MLP output into the residual stream)."""
+        if x.dtype != torch.float32 or delta.shape != x.shape:
+            raise ValueError("the fused add takes a float32 residual and a delta of its shape")
+        _kind(x)
+        self._add(x.data_ptr(), x.numel(), delta.data_ptr(), _kind(delta))
+        self._count("add", x.shape[0])
+        return x
+
+    def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, cos: torch.Tensor,
+                   sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   strides: tuple[int, int]) -> torch.Tensor:
+        """qkv [tokens, (heads + 2 kv_heads) dim] -> q [tokens, heads, dim] float32, rotated (after the per-head
+        norm when q_norm is given); k (rotated) and v written to one layer's caches at `slots`, whose elements
+        sit at slot * strides[0] + head * strides[1]."""
+        tokens = qkv.shape[0]
+        if dim > MAX_HEAD_DIM or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
+            raise ValueError(f"qkv {tuple(qkv.shape)} is not {heads} + 2 x {kv_heads} heads of {dim} (at most "
+                             f"{MAX_HEAD_DIM})")
+        for t in (cos, sin, k_cache, v_cache):
+            if t.dtype != torch.float32:
+                raise ValueError("the fused rotary write takes float32 tables and caches")
+            _kind(t)
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != tokens:
+            raise ValueError("slots must be one contiguous int64 per token")
+        q = torch.empty(tokens, heads, dim)
+        self._rope_store(qkv.data_ptr(), _kind(qkv), tokens, heads, kv_heads, dim, cos.data_ptr(), sin.data_ptr(),
+                         None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
+                         eps, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), *strides)
+        self._count("rope_store", tokens)
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 n] -> silu(gate) * up [rows, n], in gate_up's dtype."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), _kind(gate_up), rows, width // 2, out.data_ptr())
+        self._count("silu_mul", rows)
+        return out
+
+
+def load() -> tuple[FusedKernels | None, str]:
+    """(the kernels, "") or (None, why they cannot run here)."""
+    path, reason = build()
+    if path is None:
+        return None, reason
+    try:
+        return FusedKernels(ctypes.CDLL(str(path)), str(path)), ""
+    except (OSError, AttributeError) as exc:
+        return None, f"loading {path} failed: {exc}"

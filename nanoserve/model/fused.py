@@ -1,0 +1,54 @@
+"""Whether the CPU decoder runs on the fused kernels (nanoserve/kernels/fused.c), and what they served.
+
+They run where they can: the flag on, the model on the CPU with a float32 residual stream and float32 norms, and a
+C compiler to build them with. Anywhere else the eager torch ops run, and `reason` says why, so a flag that did not
+take effect is never silent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FusedStatus:
+    active: bool
+    reason: str = ""  # why not, when inactive
+    kernels: object | None = None  # FusedKernels
+
+    def as_dict(self) -> dict:
+        out = {"active": self.active, "reason": self.reason}
+        if self.kernels is not None:
+            out.update(library=self.kernels.path, calls=dict(self.kernels.calls), rows=dict(self.kernels.rows))
+        return out
+
+
+def why_not(model, device: torch.device) -> str:
+    """Why this model cannot run fused on `device` ("" when it can)."""
+    if device.type != "cpu":
+        return f"the fused kernels are CPU kernels; this model runs on {device.type}"
+    stream = model.embed_tokens.weight.dtype
+    if stream != torch.float32:
+        return f"the residual stream is {str(stream).removeprefix('torch.')}; the fused kernels take float32"
+    norms = [m.weight.dtype for name, m in model.named_modules() if name.endswith("layernorm")]
+    if any(dtype != torch.float32 for dtype in norms):
+        return "the norms are not float32"
+    return ""
+
+
+def install_fused(model, device: torch.device, enabled: bool) -> FusedStatus:
+    """Switch `model` onto the fused kernels when it can run them; the status says which, and why not."""
+    if not enabled:
+        return FusedStatus(False, "--no-fused-cpu-kernels")
+    reason = why_not(model, device)
+    if reason:
+        return FusedStatus(False, reason)
+    from nanoserve.kernels.fused import load
+
+    kernels, reason = load()
+    if kernels is None:
+        return FusedStatus(False, reason)
+    model.use_fused(kernels)
+    return FusedStatus(True, "", kernels)

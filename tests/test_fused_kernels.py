@@ -1,0 +1,139 @@
+"""The fused CPU kernels (nanoserve/kernels/fused.c) against float64 references and against themselves in a crowd.
+
+Each kernel is held to a float64 computation of the same formula, and a row computed alone must be bitwise the row
+computed among others (the property that lets prefill and decode share them). Engine-level agreement (prefill
+against decode, crowds against alone) is tests/test_determinism.py's, which runs on these kernels wherever a C
+compiler exists; the oracle tests hold the fused decoder to transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels.build import find_compiler
+from nanoserve.kernels.fused import load
+
+pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the fused kernels with")
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    kernels, reason = load()
+    assert kernels is not None, reason
+    return kernels
+
+
+def test_norm_matches_float64_and_adds_the_delta_in_place(kernels):
+    torch.manual_seed(0)
+    x, delta, w = torch.randn(5, 576), torch.randn(5, 576).to(BF16), torch.randn(576)
+    expected_x = x.double() + delta.double()
+    ref = expected_x * torch.rsqrt(expected_x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    out = kernels.add_norm(x, w, 1e-5, delta, torch.float32)
+    assert torch.equal(x, (expected_x.float()))  # float32 + bfloat16 is exact in float64, then rounded once
+    torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6)
+    assert torch.equal(kernels.add_norm(x.clone(), w, 1e-5, None, BF16), out.to(BF16))
+
+
+def test_a_row_alone_is_the_row_in_a_crowd(kernels):
+    torch.manual_seed(1)
+    x, w = torch.randn(7, 576), torch.randn(576)
+    crowd = kernels.add_norm(x.clone(), w, 1e-6, None, BF16)
+    for r in range(7):
+        assert torch.equal(kernels.add_norm(x[r: r + 1].clone(), w, 1e-6, None, BF16), crowd[r: r + 1])
+    gate_up = torch.randn(7, 2 * 96).to(BF16)
+    crowd = kernels.silu_mul(gate_up)
+    assert all(torch.equal(kernels.silu_mul(gate_up[r: r + 1].contiguous()), crowd[r: r + 1]) for r in range(7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_silu_mul_matches_float64(kernels, dtype):
+    torch.manual_seed(2)
+    gate_up = (torch.randn(3, 2 * 128) * 4).to(dtype)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # bfloat16: the activation and the product each rounded
+    torch.testing.assert_close(kernels.silu_mul(gate_up).double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layout", ["slots", "heads"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_rotates_and_writes_what_the_eager_ops_do(kernels, layout, qk_norm):
+    """q rotated, k rotated and v written at each token's slot; a slot of -1 writes nothing. The rotation is the
+    eager one's arithmetic (x cos + roll(x) sin, each product rounded), so it agrees bitwise; with Qwen3's per-head
+    norms it agrees to float32 rounding."""
+    from nanoserve.kv.cache import KVCache
+    from nanoserve.model.config import ModelConfig
+    from nanoserve.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+    torch.manual_seed(3)
+    heads, kv, dim, tokens = 4, 2, 64, 5
+    cfg = ModelConfig(hidden_size=heads * dim, intermediate_size=64, num_layers=2, num_heads=heads, num_kv_heads=kv,
+                      head_dim=dim, vocab_size=32, rms_norm_eps=1e-6, rope_theta=10000.0, architecture="llama",
+                      rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                      attention_bias=False, qk_norm=qk_norm, torch_dtype="float32")
+    cache = KVCache(cfg, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu", layout=layout)
+    rope = RotaryEmbedding(dim, 64, 10000.0, None)
+    positions = torch.tensor([0, 3, 7, 8, 20])
+    slots = torch.tensor([1, 5, -1, 9, 14])
+    cos, sin = rope.table(positions, torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv) * dim).to(BF16)
+    norms = [RMSNorm(dim, 1e-6) for _ in range(2)] if qk_norm else [None, None]
+    for n in norms:
+        if n is not None:
+            n.weight.data = torch.randn(dim)
+    weights = [None if n is None else n.weight for n in norms]
+    k_rows, v_rows = cache.layer_rows(1)
+    q = kernels.rope_store(qkv, heads, kv, dim, cos, sin, *weights, 1e-6, k_rows, v_rows, slots,
+                           cache.write_strides)
+    flat = qkv.float()
+    q_in = flat[:, : heads * dim].view(tokens, heads, dim)
+    k_in = flat[:, heads * dim: (heads + kv) * dim].view(tokens, kv, dim)
+    v_in = flat[:, (heads + kv) * dim:].view(tokens, kv, dim)
+    if qk_norm:
+        q_in, k_in = norms[0](q_in).detach(), norms[1](k_in).detach()
+    q_ref, k_ref = apply_rope(q_in, cos, sin), apply_rope(k_in, cos, sin)
+    expected = KVCache(cfg, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu", layout=layout)
+    keep = slots >= 0
+    expected.write(1, k_ref[keep], v_in[keep], slots[keep])
+    compare = torch.testing.assert_close if qk_norm else lambda a, b: torch.equal(a, b) or pytest.fail("differs")
+    compare(q, q_ref)
+    compare(cache.k, expected.k)
+    assert torch.equal(cache.v, expected.v)
+
+
+def test_refuses_what_it_cannot_compute(kernels):
+    with pytest.raises(ValueError, match="contiguous float32 / bfloat16"):
+        kernels.silu_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32 residual"):
+        kernels.add_norm(torch.randn(2, 8).to(BF16), torch.ones(8), 1e-6, None, BF16)
+
+
+def test_the_engine_publishes_what_ran_and_the_flag_turns_it_off(tiny_checkpoint):
+    """The counters are the kernels' own: a generation moves them; with the flag off they are absent and the
+    reason names the flag. Both engines answer (the numbers differ by rounding, not by meaning)."""
+    path = str(tiny_checkpoint("llama"))
+    on = LLM(model=path, max_model_len=128, kv_cache_gib=0.01)
+    before = on.engine.stats().features["fused"]
+    assert before["active"] and before["calls"]["rope_store"] == 0
+    on.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    after = on.engine.stats().features["fused"]
+    layers = on.engine.runner.model.config.num_layers
+    assert after["calls"]["rope_store"] == layers * 4  # one prefill step and three decode steps
+    assert after["rows"]["rope_store"] == layers * (4 + 3)
+    off = LLM(model=path, max_model_len=128, kv_cache_gib=0.01, fused_cpu_kernels=False)
+    status = off.engine.stats().features["fused"]
+    assert status == {"active": False, "reason": "--no-fused-cpu-kernels"}
+
+
+def test_without_a_compiler_the_eager_ops_run_and_say_why(tiny_checkpoint, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+    status = llm.engine.stats().features["fused"]
+    assert not status["active"] and "no-such-cc" in status["reason"]
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
