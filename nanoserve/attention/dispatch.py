@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.attention.fused import FusedInvariantStep
 from nanoserve.attention.gathered import gathered_decode, gathered_mask
 from nanoserve.attention.invariant import InvariantStep
 from nanoserve.attention.tiled import tiled_decode
@@ -106,10 +107,13 @@ class PagedRead:
         self._calls = self._rows = self._score = self._held = 0
 
     def step(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, batch=None,
-             cache=None) -> StepRead:
+             cache=None, fused=None) -> StepRead:
         """This read over one step's decode rows, for every layer of the step to call (see StepRead); when
-        batch-invariant, the invariant attention over the whole step (`batch` and `cache` are then needed)."""
+        batch-invariant, the invariant attention over the whole step (`batch` and `cache` are then needed), on
+        the fused CPU kernel when `fused` (its kernels, the attention's output dtype) is given."""
         if self.invariant:
+            if fused is not None:
+                return FusedInvariantStep(self, batch, cache, *fused)
             return InvariantStep(self, batch, cache)
         return StepRead(self, block_table, context_lens, block_size)
 

@@ -131,3 +131,60 @@ void ns_silu_mul(const void *gate_up, int32_t kind, int64_t rows, int64_t n, voi
         }
     }
 }
+
+/* a . b over n in LANES running fused multiply-adds, the lanes then added pairwise */
+static inline float dot(const float *a, const float *b, int32_t n) {
+    float lane[LANES] = {0};
+    int32_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] = fmaf(a[i + j], b[i + j], lane[j]);
+    for (int j = 0; i < n; i++, j++) lane[j] = fmaf(a[i], b[i], lane[j]);
+    for (int width = LANES / 2; width; width /= 2)
+        for (int j = 0; j < width; j++) lane[j] += lane[j + width];
+    return lane[0];
+}
+
+/* Causal attention of each query over exactly the keys it may see, read from the paged cache.
+ *
+ * q [tokens, heads, dim] float32; token t reads keys [0, keys_of[t]) of table row row_of[t] (tables [rows, width]
+ * block ids); key j of a row lives at slot table[j / block_size] * block_size + j % block_size, whose kv head g
+ * sits at slot * slot_stride + g * head_stride in k_cache / v_cache. Per query: scores scale * q.k, their max,
+ * weights exp(s - max) summed in float64 in key order, values summed in key order with fused multiply-adds, then
+ * divided by the sum. The same query over the same keys gives the same bits in any step. scratch holds one
+ * query's scores (at least the longest keys_of). out [tokens, heads, dim] in out_kind. */
+void ns_attention(const float *q, int64_t tokens, int32_t heads, int32_t kv_heads, int32_t dim, const float *k_cache,
+                  const float *v_cache, int64_t slot_stride, int64_t head_stride, const int64_t *tables, int64_t width,
+                  int32_t block_size, const int64_t *row_of, const int64_t *keys_of, float scale, float *scratch,
+                  void *out, int32_t out_kind) {
+    int32_t group = heads / kv_heads;
+    float acc[1024];
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t *table = tables + row_of[t] * width;
+        int64_t keys = keys_of[t];
+        for (int32_t h = 0; h < heads; h++) {
+            const float *qv = q + (t * heads + h) * dim;
+            int64_t head_at = (int64_t)(h / group) * head_stride, out_at = (t * heads + h) * dim;
+            if (keys <= 0) {
+                for (int32_t d = 0; d < dim; d++) store(out, out_kind, out_at + d, 0.0f);
+                continue;
+            }
+            float top = -INFINITY;
+            for (int64_t j = 0; j < keys; j++) {
+                int64_t slot = table[j / block_size] * block_size + j % block_size;
+                float s = dot(qv, k_cache + slot * slot_stride + head_at, dim) * scale;
+                scratch[j] = s;
+                if (s > top) top = s;
+            }
+            double total = 0.0;
+            for (int32_t d = 0; d < dim; d++) acc[d] = 0.0f;
+            for (int64_t j = 0; j < keys; j++) {
+                float e = expf(scratch[j] - top);
+                total += e;
+                const float *vv = v_cache + (table[j / block_size] * block_size + j % block_size) * slot_stride + head_at;
+                for (int32_t d = 0; d < dim; d++) acc[d] = fmaf(e, vv[d], acc[d]);
+            }
+            float inv = (float)(1.0 / total);
+            for (int32_t d = 0; d < dim; d++) store(out, out_kind, out_at + d, acc[d] * inv);
+        }
+    }
+}

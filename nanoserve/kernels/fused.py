@@ -23,6 +23,8 @@ SIGNATURES = {
     "ns_rope_store": (_ptr, _i32, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr,
                       _i64, _i64),
     "ns_silu_mul": (_ptr, _i32, _i64, _i64, _ptr),
+    "ns_attention": (_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr, _f32, _ptr,
+                     _ptr, _i32),
 }
 
 
@@ -43,7 +45,7 @@ class FusedKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
             setattr(self, "_" + name.removeprefix("ns_"), fn)
-        self.calls = {"norm": 0, "rope_store": 0, "silu_mul": 0, "add": 0}
+        self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0}
         self.rows = dict.fromkeys(self.calls, 0)
 
     def _count(self, name: str, rows: int) -> None:
@@ -100,6 +102,23 @@ class FusedKernels:
                          eps, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), *strides)
         self._count("rope_store", tokens)
         return q
+
+    def attention(self, q: torch.Tensor, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, strides: tuple[int, int],
+                  tables: torch.Tensor, block_size: int, row_of: torch.Tensor, keys_of: torch.Tensor, scale: float,
+                  scratch: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Each query of q [tokens, heads, dim] over the keys [0, keys_of[t]) of its table row row_of[t], read
+        from one layer's caches (elements at slot * strides[0] + kv head * strides[1]); -> [tokens, heads, dim]
+        in out_dtype. The index tensors are the step's (AttentionTables), checked once when built."""
+        tokens, heads, dim = q.shape
+        if q.dtype != torch.float32 or not q.is_contiguous() or dim > MAX_HEAD_DIM:
+            raise ValueError("the fused attention takes contiguous float32 queries of at most "
+                             f"{MAX_HEAD_DIM} dims")
+        out = torch.empty(tokens, heads, dim, dtype=out_dtype)
+        self._attention(q.data_ptr(), tokens, heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                        *strides, tables.data_ptr(), tables.shape[1], block_size, row_of.data_ptr(),
+                        keys_of.data_ptr(), scale, scratch.data_ptr(), out.data_ptr(), KIND[out_dtype])
+        self._count("attention", tokens)
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 n] -> silu(gate) * up [rows, n], in gate_up's dtype."""

@@ -84,6 +84,8 @@ class Linear(FastAttributes, nn.Linear):
     def matmul_dtype(self):
         return self.weight.dtype
 
+    input_dtype = matmul_dtype  # what a caller should hand forward
+
     def forward(self, x):
         return linear_rows(x, self.weight, self.bias, self.row_multiple)
 

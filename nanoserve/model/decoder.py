@@ -40,7 +40,7 @@ class Attention(FastAttributes, nn.Module):
         if self.fused is not None and (read.invariant or batch.num_decode == tokens):
             q, k, v = self._rotate_and_write_fused(qkv, rope, batch, cache), None, None  # attention reads the cache
         else:
-            q, k, v = self._rotate_and_write(qkv.to(x.dtype), rope, batch, cache)
+            q, k, v = self._rotate_and_write(qkv.to(cache.k.dtype), rope, batch, cache)
         out = self._attend(q, k, v, batch, cache, read)
         out = self.o_proj(out.reshape(tokens, self.heads * self.dim))
         return out if self.reduce is None else self.reduce(out)
@@ -160,10 +160,13 @@ class CausalLM(FastAttributes, nn.Module):
         self.exact_head: torch.Tensor | None = None  # float32 head weight to rescore a coarse head's shortlist by
 
     fused = None  # FusedKernels when the CPU decoder runs fused (nanoserve/model/fused.py)
+    fused_attention = None  # (FusedKernels, the attention's output dtype) for a batch-invariant read
 
     def use_fused(self, kernels) -> None:
         """Run every layer on the fused CPU kernels (None: eager torch ops again)."""
         self.fused = kernels
+        o_proj = self.layers[0].self_attn.o_proj
+        self.fused_attention = None if kernels is None else (kernels, o_proj.input_dtype)
         for layer in self.layers:
             layer.self_attn.fused = layer.mlp.fused = kernels
             layer.attn_input_dtype = layer.self_attn.qkv_proj.input_dtype
@@ -192,7 +195,8 @@ class CausalLM(FastAttributes, nn.Module):
             group, start = self.vocab_parallel
             x = group.embed(self.embed_tokens, batch.input_ids, start)
         rope = self.rope.table(batch.positions, x.dtype)
-        step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache)
+        step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache,
+                              self.fused_attention)
         if self.fused is not None:
             x = self._layers_fused(x, rope, batch, cache, step_read)
         else:

@@ -1,0 +1,56 @@
+"""The batch-invariant attention on the fused CPU kernel (nanoserve/kernels/fused.c, ns_attention).
+
+Each query is attended over exactly the keys its position may see, straight from the paged cache: no gather, no
+mask, no padding to a tile, one call a layer for the whole step. A query's numbers are a function of its own
+keys only, so decode rows, prefill chunks, cached prefixes and crowds agree bitwise, as with the torch
+invariant attention (invariant.py), whose numbers these are not: a model runs one or the other for every token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def step_tables(batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tables [rows, width] block ids, row_of [tokens], keys_of [tokens]) for a step: decode rows first (one
+    token each, over their context), then one table row per prefill segment, whose tokens see their sequence
+    up to and including themselves."""
+    nd = batch.num_decode
+    decode = batch.decode_block_table
+    if not batch.prefills:
+        return decode.contiguous(), torch.arange(nd), batch.decode_context_lens.contiguous()
+    blocks = batch.prefill_blocks
+    width = max([decode.shape[1] if nd else 0, *(b.numel() for b in blocks)])
+    tables = torch.zeros(nd + len(blocks), width, dtype=torch.long)
+    if nd:
+        tables[:nd, : decode.shape[1]] = decode
+    rows, keys = [torch.arange(nd)], [batch.decode_context_lens[:nd]]
+    for s, (seg, seg_blocks) in enumerate(zip(batch.prefills, blocks)):
+        tables[nd + s, : seg_blocks.numel()] = seg_blocks
+        rows.append(torch.full((seg.length,), nd + s, dtype=torch.long))
+        keys.append(torch.arange(seg.context_start + 1, seg.context_start + seg.length + 1))
+    return tables, torch.cat(rows), torch.cat(keys)
+
+
+class FusedInvariantStep:
+    """One step's attention for every layer to call with its queries and cache layer (InvariantStep's shape)."""
+
+    invariant = True
+
+    def __init__(self, read, batch, cache, kernels, out_dtype: torch.dtype):
+        if len(batch.prefills) != len(batch.prefill_blocks):
+            raise ValueError(f"the batch has {len(batch.prefills)} prefill segments but block tables for "
+                             f"{len(batch.prefill_blocks)}")
+        self.read, self.kernels, self.out_dtype = read, kernels, out_dtype
+        self.kv_heads, self.block_size, self.strides = cache.kv_heads, cache.block_size, cache.write_strides
+        self.tables, self.row_of, self.keys_of = step_tables(batch, cache.block_size)
+        self.scratch = torch.empty(max(1, self.tables.shape[1] * cache.block_size))
+        self.num_decode = batch.num_decode
+        self.width = batch.decode_block_table.shape[1] * cache.block_size if self.num_decode else 0
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [tokens, heads, dim] float32; one layer's caches -> [tokens, heads, dim] in the step's out dtype."""
+        if self.num_decode:
+            self.read.charge(self.num_decode, q.shape[1], self.width)
+        return self.kernels.attention(q, self.kv_heads, k_cache, v_cache, self.strides, self.tables, self.block_size,
+                                      self.row_of, self.keys_of, scale, self.scratch, self.out_dtype)
