@@ -137,3 +137,20 @@ def test_without_a_compiler_the_eager_ops_run_and_say_why(tiny_checkpoint, monke
     assert not status["active"] and "no-such-cc" in status["reason"]
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_rescore_recomputes_each_rows_shortlist_and_nothing_else(kernels):
+    torch.manual_seed(4)
+    hidden, weight = torch.randn(3, 64), torch.randn(1000, 64)
+    coarse = (hidden @ weight.T).to(BF16).float()
+    out = kernels.rescore(coarse.clone(), hidden, weight, 16)
+    for r in range(3):
+        top = torch.sort(-coarse[r], stable=True).indices[:16]  # bfloat16 ties: the lower ids
+        changed = (out[r] != coarse[r]).nonzero().flatten()
+        assert set(changed.tolist()) <= set(top.tolist())
+        exact = (weight[top].double() @ hidden[r].double())
+        torch.testing.assert_close(out[r, top].double(), exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernels.rescore(coarse[1:2].clone(), hidden[1:2], weight, 16), out[1:2])
+    tied = torch.zeros(1, 40)  # all tied: the lowest ids are the shortlist
+    kernels.rescore(tied, torch.ones(1, 64), torch.ones(40, 64), 16)
+    assert tied[0, :16].eq(64).all() and tied[0, 16:].eq(0).all()

@@ -40,6 +40,27 @@ static inline void store(void *base, int32_t kind, int64_t i, float v) {
         ((float *)base)[i] = v;
 }
 
+/* e^x to about 2 ulp in plain arithmetic (Cephes' polynomial after a reduction by ln 2), so loops over it
+ * vectorise without -ffast-math and every machine this builds on computes the same bits from the source. */
+static inline float exp_poly(float x) {
+    if (x != x) return x;
+    x = fminf(fmaxf(x, -87.33654f), 88.72283f);
+    float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
 /* sum of x*x in LANES running sums (element i into lane i % LANES), the lanes then added pairwise */
 static float sum_squares(const float *x, int64_t n) {
     float lane[LANES] = {0};
@@ -56,23 +77,37 @@ static float sum_squares(const float *x, int64_t n) {
 static void norm_row(const float *x, const float *w, int64_t n, float eps, void *out, int32_t out_kind,
                      int64_t out_at) {
     float inv = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) store(out, out_kind, out_at + i, (x[i] * inv) * w[i]);
+    if (out_kind == 2) {
+        uint16_t *o = (uint16_t *)out + out_at;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16((x[i] * inv) * w[i]);
+    } else {
+        float *o = (float *)out + out_at;
+        for (int64_t i = 0; i < n; i++) o[i] = (x[i] * inv) * w[i];
+    }
+}
+
+static void add_row(float *x, const void *delta, int32_t kind, int64_t at, int64_t n) {
+    if (kind == 2) {
+        const uint16_t *d = (const uint16_t *)delta + at;
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] + bf16_to_f32(d[i]);
+    } else if (kind == 1) {
+        const float *d = (const float *)delta + at;
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] + d[i];
+    }
 }
 
 /* x [rows, n] float32, in place x += delta (when delta_kind != 0), then out [rows, n] = rms_norm(x) * w */
 void ns_add_rms_norm(float *x, int64_t rows, int64_t n, const void *delta, int32_t delta_kind, const float *w,
                      float eps, void *out, int32_t out_kind) {
     for (int64_t r = 0; r < rows; r++) {
-        float *row = x + r * n;
-        if (delta_kind)
-            for (int64_t i = 0; i < n; i++) row[i] = row[i] + load(delta, delta_kind, r * n + i);
-        norm_row(row, w, n, eps, out, out_kind, r * n);
+        add_row(x + r * n, delta, delta_kind, r * n, n);
+        norm_row(x + r * n, w, n, eps, out, out_kind, r * n);
     }
 }
 
 /* x [rows, n] float32 += delta [rows, n] */
 void ns_add(float *x, int64_t count, const void *delta, int32_t delta_kind) {
-    for (int64_t i = 0; i < count; i++) x[i] = x[i] + load(delta, delta_kind, i);
+    add_row(x, delta, delta_kind, 0, count);
 }
 
 /* One head vector: norm (when w is given), then the neox rotation x cos + roll(x, dim / 2) sin with sin's first
@@ -82,10 +117,8 @@ static void rotate(float *v, int32_t dim, const float *norm_w, float eps, const 
                    float *out) {
     if (norm_w) norm_row(v, norm_w, dim, eps, v, 1, 0);
     int32_t half = dim / 2;
-    for (int32_t i = 0; i < dim; i++) {
-        float straight = v[i] * cos[i];
-        out[i] = fmaf(v[(i + half) % dim], sin[i], straight);
-    }
+    for (int32_t i = 0; i < half; i++) out[i] = fmaf(v[i + half], sin[i], v[i] * cos[i]);
+    for (int32_t i = half; i < dim; i++) out[i] = fmaf(v[i - half], sin[i], v[i] * cos[i]);
 }
 
 /* qkv [tokens, (heads + 2 kv_heads) * dim] (float32 or bfloat16) -> q [tokens, heads, dim] float32, rotated;
@@ -122,12 +155,18 @@ void ns_rope_store(const void *qkv, int32_t qkv_kind, int64_t tokens, int32_t he
 /* gate_up [rows, 2 n] -> out [rows, n] = silu(gate) * up, each op rounded to the kind as torch's ops round */
 void ns_silu_mul(const void *gate_up, int32_t kind, int64_t rows, int64_t n, void *out) {
     for (int64_t r = 0; r < rows; r++) {
-        int64_t g_at = r * 2 * n, u_at = g_at + n;
-        for (int64_t i = 0; i < n; i++) {
-            float g = load(gate_up, kind, g_at + i);
-            float act = g / (1.0f + expf(-g));
-            if (kind == 2) act = bf16_to_f32(f32_to_bf16(act));
-            store(out, kind, r * n + i, act * load(gate_up, kind, u_at + i));
+        if (kind == 2) {
+            const uint16_t *g = (const uint16_t *)gate_up + r * 2 * n, *u = g + n;
+            uint16_t *o = (uint16_t *)out + r * n;
+            for (int64_t i = 0; i < n; i++) {
+                float x = bf16_to_f32(g[i]);
+                float act = bf16_to_f32(f32_to_bf16(x / (1.0f + exp_poly(-x))));
+                o[i] = f32_to_bf16(act * bf16_to_f32(u[i]));
+            }
+        } else {
+            const float *g = (const float *)gate_up + r * 2 * n, *u = g + n;
+            float *o = (float *)out + r * n;
+            for (int64_t i = 0; i < n; i++) o[i] = (g[i] / (1.0f + exp_poly(-g[i]))) * u[i];
         }
     }
 }
@@ -164,27 +203,63 @@ void ns_attention(const float *q, int64_t tokens, int32_t heads, int32_t kv_head
         for (int32_t h = 0; h < heads; h++) {
             const float *qv = q + (t * heads + h) * dim;
             int64_t head_at = (int64_t)(h / group) * head_stride, out_at = (t * heads + h) * dim;
+            for (int32_t d = 0; d < dim; d++) acc[d] = 0.0f;
             if (keys <= 0) {
                 for (int32_t d = 0; d < dim; d++) store(out, out_kind, out_at + d, 0.0f);
                 continue;
             }
             float top = -INFINITY;
-            for (int64_t j = 0; j < keys; j++) {
-                int64_t slot = table[j / block_size] * block_size + j % block_size;
-                float s = dot(qv, k_cache + slot * slot_stride + head_at, dim) * scale;
-                scratch[j] = s;
-                if (s > top) top = s;
+            for (int64_t j0 = 0; j0 < keys; j0 += block_size) {
+                const float *k = k_cache + table[j0 / block_size] * block_size * slot_stride + head_at;
+                int64_t span = keys - j0 < block_size ? keys - j0 : block_size;
+                for (int64_t o = 0; o < span; o++) {
+                    float s = dot(qv, k + o * slot_stride, dim) * scale;
+                    scratch[j0 + o] = s;
+                    top = s > top ? s : top;
+                }
             }
+            for (int64_t j = 0; j < keys; j++) scratch[j] = exp_poly(scratch[j] - top);
             double total = 0.0;
-            for (int32_t d = 0; d < dim; d++) acc[d] = 0.0f;
-            for (int64_t j = 0; j < keys; j++) {
-                float e = expf(scratch[j] - top);
-                total += e;
-                const float *vv = v_cache + (table[j / block_size] * block_size + j % block_size) * slot_stride + head_at;
-                for (int32_t d = 0; d < dim; d++) acc[d] = fmaf(e, vv[d], acc[d]);
+            for (int64_t j = 0; j < keys; j++) total += scratch[j];
+            for (int64_t j0 = 0; j0 < keys; j0 += block_size) {
+                const float *v = v_cache + table[j0 / block_size] * block_size * slot_stride + head_at;
+                int64_t span = keys - j0 < block_size ? keys - j0 : block_size;
+                for (int64_t o = 0; o < span; o++) {
+                    float e = scratch[j0 + o];
+                    const float *vv = v + o * slot_stride;
+                    for (int32_t d = 0; d < dim; d++) acc[d] = fmaf(e, vv[d], acc[d]);
+                }
             }
             float inv = (float)(1.0 / total);
             for (int32_t d = 0; d < dim; d++) store(out, out_kind, out_at + d, acc[d] * inv);
         }
+    }
+}
+
+/* logits [rows, vocab] float32, in place: each row's `shortlist` highest (a tie to the lower id) recomputed as
+ * hidden[row] . weight[id] over dim (the coarse head's shortlist rescored at full precision; see
+ * nanoserve/model/rescore.py). shortlist <= 64. */
+void ns_rescore(float *logits, int64_t rows, int64_t vocab, const float *hidden, const float *weight, int32_t dim,
+                int32_t shortlist) {
+    float best[64];
+    int64_t ids[64];
+    if (shortlist > 64) shortlist = 64;
+    if (shortlist > vocab) shortlist = (int32_t)vocab;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = logits + r * vocab;
+        int32_t held = 0;
+        for (int64_t i = 0; i < vocab; i++) {
+            float v = row[i];
+            if (held == shortlist && !(v > best[held - 1])) continue;
+            int32_t at = held < shortlist ? held++ : held - 1;
+            while (at > 0 && v > best[at - 1]) {
+                best[at] = best[at - 1];
+                ids[at] = ids[at - 1];
+                at--;
+            }
+            best[at] = v;
+            ids[at] = i;
+        }
+        for (int32_t j = 0; j < held; j++) row[ids[j]] = dot(hidden + r * dim, weight + ids[j] * dim, dim);
     }
 }

@@ -23,6 +23,7 @@ SIGNATURES = {
     "ns_rope_store": (_ptr, _i32, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr,
                       _i64, _i64),
     "ns_silu_mul": (_ptr, _i32, _i64, _i64, _ptr),
+    "ns_rescore": (_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32),
     "ns_attention": (_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr, _f32, _ptr,
                      _ptr, _i32),
 }
@@ -45,7 +46,7 @@ class FusedKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
             setattr(self, "_" + name.removeprefix("ns_"), fn)
-        self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0}
+        self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
 
     def _count(self, name: str, rows: int) -> None:
@@ -119,6 +120,21 @@ class FusedKernels:
                         keys_of.data_ptr(), scale, scratch.data_ptr(), out.data_ptr(), KIND[out_dtype])
         self._count("attention", tokens)
         return out
+
+    def rescore(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, shortlist: int) -> torch.Tensor:
+        """logits [rows, vocab] float32, in place: each row's `shortlist` highest (a tie to the lower id) recomputed
+        as hidden [rows, dim] . weight [vocab, dim] in float32 (nanoserve/model/rescore.py's rule, in one pass)."""
+        rows, vocab = logits.shape
+        if not 0 < shortlist <= 64 or weight.shape != (vocab, hidden.shape[1]) or hidden.shape[0] != rows:
+            raise ValueError(f"cannot rescore {tuple(logits.shape)} logits from hidden {tuple(hidden.shape)} and a "
+                             f"{tuple(weight.shape)} head (shortlist {shortlist}, at most 64)")
+        for t in (logits, hidden, weight):
+            if t.dtype != torch.float32:
+                raise ValueError("the fused rescore takes float32 logits, hidden states and head")
+            _kind(t)
+        self._rescore(logits.data_ptr(), rows, vocab, hidden.data_ptr(), weight.data_ptr(), hidden.shape[1], shortlist)
+        self._count("rescore", rows)
+        return logits
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 n] -> silu(gate) * up [rows, n], in gate_up's dtype."""

@@ -13,7 +13,7 @@ from nanoserve.model.attrs import Embedding, FastAttributes, Linear
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
-from nanoserve.model.rescore import rescore_shortlist
+from nanoserve.model.rescore import SHORTLIST, rescore_shortlist
 
 
 class Attention(FastAttributes, nn.Module):
@@ -202,8 +202,13 @@ class CausalLM(FastAttributes, nn.Module):
         else:
             for layer in self.layers:
                 x = layer(x, rope, batch, cache, step_read)
-        hidden = self.norm(x[batch.logits_indices])
+        if self.fused is None:
+            hidden = self.norm(x[batch.logits_indices])
+        else:
+            hidden = self.fused.add_norm(x[batch.logits_indices], self.norm.weight, self.norm.eps, None, x.dtype)
         logits = self.lm_head(hidden).float()
-        if self.exact_head is not None:
-            logits = rescore_shortlist(logits, hidden, self.exact_head)
-        return logits
+        if self.exact_head is None:
+            return logits
+        if self.fused is not None:
+            return self.fused.rescore(logits.contiguous(), hidden, self.exact_head, SHORTLIST)
+        return rescore_shortlist(logits, hidden, self.exact_head)
