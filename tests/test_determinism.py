@@ -19,12 +19,16 @@ from tests.determinism_helpers import alone, answer, params, run
 VOCAB = 49152
 
 
-@pytest.fixture(scope="module", params=["int4", "none"])
+@pytest.fixture(scope="module", params=[("int4", True), ("none", True), ("int4", False)],
+                ids=["int4-fused", "dense-fused", "int4-eager"])
 def engines(request, tiny_checkpoint):
-    """Engines on one tiny checkpoint (4-bit packed and dense float32): a reference that runs each request alone,
-    and crowds with small chunk budgets, a small KV pool (preemption), the prefix cache on and off."""
+    """Engines on one tiny checkpoint (4-bit packed and dense float32; on the fused CPU kernels, which run wherever
+    a C compiler exists, and on the eager torch ops): a reference that runs each request alone, and crowds with
+    small chunk budgets, a small KV pool (preemption), the prefix cache on and off."""
     path = tiny_checkpoint("llama")
-    common = dict(model=str(path), quantization=request.param, max_model_len=256, batch_invariant=True)
+    quantization, fused = request.param
+    common = dict(model=str(path), quantization=quantization, max_model_len=256, batch_invariant=True,
+                  fused_cpu_kernels=fused)
     reference = LLM(**common, kv_cache_gib=0.01, enable_prefix_caching=False)
     crowds = {
         "chunk16": LLM(**common, kv_cache_gib=0.01, max_num_batched_tokens=16, max_num_seqs=8),

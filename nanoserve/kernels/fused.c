@@ -24,9 +24,9 @@ static inline float bf16_to_f32(uint16_t h) {
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u; /* a NaN stays a quiet NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline float load(const void *base, int32_t kind, int64_t i) {
@@ -43,9 +43,9 @@ static inline void store(void *base, int32_t kind, int64_t i, float v) {
 /* e^x to about 2 ulp in plain arithmetic (Cephes' polynomial after a reduction by ln 2), so loops over it
  * vectorise without -ffast-math and every machine this builds on computes the same bits from the source. */
 static inline float exp_poly(float x) {
-    if (x != x) return x;
-    x = fminf(fmaxf(x, -87.33654f), 88.72283f);
-    float n = rintf(x * 1.44269504088896341f);
+    x = x < -87.33654f ? -87.33654f : x; /* a NaN passes both clamps and comes out NaN */
+    x = x > 88.72283f ? 88.72283f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
     float r = fmaf(n, -0.693359375f, x);
     r = fmaf(n, 2.12194440e-4f, r);
     float p = 1.9875691500e-4f;

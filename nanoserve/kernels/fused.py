@@ -31,7 +31,7 @@ SIGNATURES = {
 
 def _kind(t: torch.Tensor) -> int:
     kind = KIND.get(t.dtype)
-    if kind is None or not t.is_contiguous() or t.device.type != "cpu":
+    if kind is None or not t.is_contiguous() or t.is_cuda:
         raise ValueError(f"fused kernels take contiguous float32 / bfloat16 CPU tensors, not {t.dtype} "
                          f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
     return kind
@@ -55,20 +55,20 @@ class FusedKernels:
 
     def add_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
-        """x [rows, n] float32 += delta (when given, in place), then rms_norm(x) * weight in `out_dtype`."""
+        """x [rows, n] float32 += delta (when given, in place), then rms_norm(x) * weight in `out_dtype`. The
+        weight is the model's (float32, contiguous: checked when the model was put on these kernels)."""
         rows, n = x.shape
-        if x.dtype != torch.float32 or weight.dtype != torch.float32:
-            raise ValueError("the fused norm takes a float32 residual stream and weight")
-        _kind(x), _kind(weight)
-        out = torch.empty(rows, n, dtype=out_dtype)
-        kind = 0
+        if x.dtype is not torch.float32 or not x.is_contiguous():
+            raise ValueError("the fused norm takes a contiguous float32 residual stream")
+        kind, at = 0, None
         if delta is not None:
-            kind = _kind(delta)
             if delta.shape != x.shape:
                 raise ValueError(f"residual {tuple(x.shape)} and delta {tuple(delta.shape)} differ")
-        self._add_rms_norm(x.data_ptr(), rows, n, None if delta is None else delta.data_ptr(), kind,
-                           weight.data_ptr(), eps, out.data_ptr(), _kind(out))
-        self._count("norm", rows)
+            kind, at = _kind(delta), delta.data_ptr()
+        out = torch.empty(rows, n, dtype=out_dtype)
+        self._add_rms_norm(x.data_ptr(), rows, n, at, kind, weight.data_ptr(), eps, out.data_ptr(), KIND[out_dtype])
+        self.calls["norm"] += 1
+        self.rows["norm"] += rows
         return out
 
     def add_(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -86,22 +86,20 @@ class FusedKernels:
                    strides: tuple[int, int]) -> torch.Tensor:
         """qkv [tokens, (heads + 2 kv_heads) dim] -> q [tokens, heads, dim] float32, rotated (after the per-head
         norm when q_norm is given); k (rotated) and v written to one layer's caches at `slots`, whose elements
-        sit at slot * strides[0] + head * strides[1]."""
+        sit at slot * strides[0] + head * strides[1]. cos, sin [tokens, dim] and the caches are float32 and
+        contiguous (the model's own, checked when it was put on these kernels)."""
         tokens = qkv.shape[0]
         if dim > MAX_HEAD_DIM or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
             raise ValueError(f"qkv {tuple(qkv.shape)} is not {heads} + 2 x {kv_heads} heads of {dim} (at most "
                              f"{MAX_HEAD_DIM})")
-        for t in (cos, sin, k_cache, v_cache):
-            if t.dtype != torch.float32:
-                raise ValueError("the fused rotary write takes float32 tables and caches")
-            _kind(t)
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != tokens:
+        if slots.dtype is not torch.int64 or not slots.is_contiguous() or slots.shape[0] != tokens:
             raise ValueError("slots must be one contiguous int64 per token")
         q = torch.empty(tokens, heads, dim)
         self._rope_store(qkv.data_ptr(), _kind(qkv), tokens, heads, kv_heads, dim, cos.data_ptr(), sin.data_ptr(),
                          None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
                          eps, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), *strides)
-        self._count("rope_store", tokens)
+        self.calls["rope_store"] += 1
+        self.rows["rope_store"] += tokens
         return q
 
     def attention(self, q: torch.Tensor, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, strides: tuple[int, int],
@@ -118,7 +116,8 @@ class FusedKernels:
         self._attention(q.data_ptr(), tokens, heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
                         *strides, tables.data_ptr(), tables.shape[1], block_size, row_of.data_ptr(),
                         keys_of.data_ptr(), scale, scratch.data_ptr(), out.data_ptr(), KIND[out_dtype])
-        self._count("attention", tokens)
+        self.calls["attention"] += 1
+        self.rows["attention"] += tokens
         return out
 
     def rescore(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, shortlist: int) -> torch.Tensor:

@@ -173,6 +173,9 @@ class CausalLM(FastAttributes, nn.Module):
             layer.mlp_input_dtype = layer.mlp.gate_up_proj.input_dtype
 
     def _layers_fused(self, x, rope, batch, cache, read) -> torch.Tensor:
+        if cache.k.dtype != torch.float32 or x.dtype != torch.float32:
+            raise ValueError(f"the fused CPU kernels take a float32 residual and KV cache, not {x.dtype} and "
+                             f"{cache.k.dtype}; run with --no-fused-cpu-kernels")
         x = x.contiguous().clone() if x._base is not None or not x.is_contiguous() else x  # added to in place
         delta = None
         for layer in self.layers:
