@@ -59,7 +59,7 @@ def test_silu_mul_matches_float64(kernels, dtype):
     torch.testing.assert_close(kernels.silu_mul(gate_up).double(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("layout", ["slots", "heads"])
+@pytest.mark.parametrize("layout", ["slots", "heads", "heads_kt"])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_store_rotates_and_writes_what_the_eager_ops_do(kernels, layout, qk_norm):
     """q rotated, k rotated and v written at each token's slot; a slot of -1 writes nothing. The rotation is the
@@ -87,8 +87,6 @@ def test_rope_store_rotates_and_writes_what_the_eager_ops_do(kernels, layout, qk
             n.weight.data = torch.randn(dim)
     weights = [None if n is None else n.weight for n in norms]
     k_rows, v_rows = cache.layer_rows(1)
-    q = kernels.rope_store(qkv, heads, kv, dim, cos, sin, *weights, 1e-6, k_rows, v_rows, slots,
-                           cache.write_strides)
     flat = qkv.float()
     q_in = flat[:, : heads * dim].view(tokens, heads, dim)
     k_in = flat[:, heads * dim: (heads + kv) * dim].view(tokens, kv, dim)
@@ -96,12 +94,15 @@ def test_rope_store_rotates_and_writes_what_the_eager_ops_do(kernels, layout, qk
     if qk_norm:
         q_in, k_in = norms[0](q_in).detach(), norms[1](k_in).detach()
     q_ref, k_ref = apply_rope(q_in, cos, sin), apply_rope(k_in, cos, sin)
-    expected = KVCache(cfg, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu", layout=layout)
+    q = kernels.rope_store(qkv, heads, kv, dim, cos, sin, *weights, 1e-6, k_rows, v_rows, slots,
+                           cache.write_strides, cache.k_block)
+    expected = KVCache(cfg, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu",
+                       layout="heads" if layout == "heads_kt" else layout)
     keep = slots >= 0
     expected.write(1, k_ref[keep], v_in[keep], slots[keep])
     compare = torch.testing.assert_close if qk_norm else lambda a, b: torch.equal(a, b) or pytest.fail("differs")
     compare(q, q_ref)
-    compare(cache.k, expected.k)
+    compare(cache.k.transpose(-1, -2) if layout == "heads_kt" else cache.k, expected.k)
     assert torch.equal(cache.v, expected.v)
 
 
@@ -154,3 +155,32 @@ def test_rescore_recomputes_each_rows_shortlist_and_nothing_else(kernels):
     tied = torch.zeros(1, 40)  # all tied: the lowest ids are the shortlist
     kernels.rescore(tied, torch.ones(1, 64), torch.ones(40, 64), 16)
     assert tied[0, :16].eq(64).all() and tied[0, 16:].eq(0).all()
+
+
+@pytest.mark.parametrize("block_size", [16, 4, 24])
+def test_attention_matches_float64_over_every_query_of_a_chunk(kernels, block_size):
+    """Causal attention read from a heads_kt cache through a scattered block table, for a chunk of queries at once
+    and for each query alone (the decode shape): the two agree bitwise, and both with float64."""
+    torch.manual_seed(5)
+    heads, kv, dim, tokens = 6, 2, 64, 37
+    blocks = torch.randperm(12)[: -(-tokens // block_size)]
+    k_all, v_all = torch.randn(tokens, kv, dim), torch.randn(tokens, kv, dim)
+    k_cache, v_cache = torch.zeros(kv, 12, dim, block_size), torch.zeros(kv, 12, block_size, dim)
+    for p in range(tokens):
+        b, o = int(blocks[p // block_size]), p % block_size
+        k_cache[:, b, :, o], v_cache[:, b, o, :] = k_all[p], v_all[p]
+    q = torch.randn(tokens, heads, dim)
+    tables, keys_of = blocks[None].contiguous(), torch.arange(1, tokens + 1)
+    most = tables.shape[1] * block_size
+    scratch = kernels.attention_scratch(heads // kv, most, dim)
+    chunk = kernels.attention(q, kv, k_cache, v_cache, tables, torch.zeros(tokens, dtype=torch.long), keys_of,
+                              0.125, scratch, most, torch.float32)
+    for t in range(tokens):
+        alone = kernels.attention(q[t: t + 1].contiguous(), kv, k_cache, v_cache, tables, torch.zeros(1, dtype=torch.long),
+                                  keys_of[t: t + 1].contiguous(), 0.125, scratch, most, torch.float32)
+        assert torch.equal(alone[0], chunk[t]), t
+        for h in range(heads):
+            g = h // (heads // kv)
+            weights = torch.softmax(k_all[: t + 1, g].double() @ q[t, h].double() * 0.125, 0)
+            torch.testing.assert_close(chunk[t, h].double(), weights @ v_all[: t + 1, g].double(), rtol=2e-5,
+                                       atol=2e-6)

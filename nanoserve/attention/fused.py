@@ -38,13 +38,15 @@ class FusedInvariantStep:
     invariant = True
 
     def __init__(self, read, batch, cache, kernels, out_dtype: torch.dtype):
+        if cache.layout != "heads_kt":
+            raise ValueError(f"the fused attention reads a heads_kt KV cache, not {cache.layout!r}")
         if len(batch.prefills) != len(batch.prefill_blocks):
             raise ValueError(f"the batch has {len(batch.prefills)} prefill segments but block tables for "
                              f"{len(batch.prefill_blocks)}")
-        self.read, self.kernels, self.out_dtype = read, kernels, out_dtype
-        self.kv_heads, self.block_size, self.strides = cache.kv_heads, cache.block_size, cache.write_strides
+        self.read, self.kernels, self.out_dtype, self.kv_heads = read, kernels, out_dtype, cache.kv_heads
         self.tables, self.row_of, self.keys_of = step_tables(batch, cache.block_size)
-        self.scratch = torch.empty(max(1, self.tables.shape[1] * cache.block_size))
+        self.max_keys = max(1, self.tables.shape[1] * cache.block_size)
+        self._scratch: torch.Tensor | None = None  # allocated by the first layer, reused by the others
         self.num_decode = batch.num_decode
         self.width = batch.decode_block_table.shape[1] * cache.block_size if self.num_decode else 0
 
@@ -52,5 +54,7 @@ class FusedInvariantStep:
         """q [tokens, heads, dim] float32; one layer's caches -> [tokens, heads, dim] in the step's out dtype."""
         if self.num_decode:
             self.read.charge(self.num_decode, q.shape[1], self.width)
-        return self.kernels.attention(q, self.kv_heads, k_cache, v_cache, self.strides, self.tables, self.block_size,
-                                      self.row_of, self.keys_of, scale, self.scratch, self.out_dtype)
+        if self._scratch is None:
+            self._scratch = self.kernels.attention_scratch(q.shape[1] // self.kv_heads, self.max_keys, q.shape[2])
+        return self.kernels.attention(q, self.kv_heads, k_cache, v_cache, self.tables, self.row_of, self.keys_of,
+                                      scale, self._scratch, self.max_keys, self.out_dtype)

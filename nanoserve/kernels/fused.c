@@ -122,12 +122,13 @@ static void rotate(float *v, int32_t dim, const float *norm_w, float eps, const 
 }
 
 /* qkv [tokens, (heads + 2 kv_heads) * dim] (float32 or bfloat16) -> q [tokens, heads, dim] float32, rotated;
- * k rotated and v written to the caches at slot * slot_stride + head * head_stride (a slot < 0 is not written).
+ * k rotated and v written to the caches at slot * slot_stride + head * head_stride (a slot < 0 is not written);
+ * with k_block > 0 a K block is stored transposed, [dim, k_block] (the fused attention's layout, heads_kt).
  * cos, sin [tokens, dim]; q_norm, k_norm [dim] or NULL (Qwen3's per-head norms, before the rotation). */
 void ns_rope_store(const void *qkv, int32_t qkv_kind, int64_t tokens, int32_t heads, int32_t kv_heads, int32_t dim,
                    const float *cos, const float *sin, const float *q_norm, const float *k_norm, float eps,
                    float *q_out, float *k_cache, float *v_cache, const int64_t *slots, int64_t slot_stride,
-                   int64_t head_stride) {
+                   int64_t head_stride, int32_t k_block) {
     float v[1024];
     if (dim > 1024) return; /* refused by the caller */
     int64_t width = (int64_t)(heads + 2 * kv_heads) * dim;
@@ -145,8 +146,13 @@ void ns_rope_store(const void *qkv, int32_t qkv_kind, int64_t tokens, int32_t he
             for (int32_t i = 0; i < dim; i++) v[i] = load(qkv, qkv_kind, k_at + i);
             rotate(v, dim, k_norm, eps, c, s, rotated);
             if (slot < 0) continue;
-            float *kd = k_cache + slot * slot_stride + h * head_stride, *vd = v_cache + slot * slot_stride + h * head_stride;
-            memcpy(kd, rotated, sizeof(float) * (size_t)dim);
+            float *vd = v_cache + slot * slot_stride + h * head_stride;
+            if (k_block > 0) {
+                float *kd = k_cache + h * head_stride + (slot / k_block) * k_block * dim + slot % k_block;
+                for (int32_t i = 0; i < dim; i++) kd[(int64_t)i * k_block] = rotated[i];
+            } else {
+                memcpy(k_cache + slot * slot_stride + h * head_stride, rotated, sizeof(float) * (size_t)dim);
+            }
             for (int32_t i = 0; i < dim; i++) vd[i] = load(qkv, qkv_kind, v_at + i);
         }
     }
@@ -183,56 +189,218 @@ static inline float dot(const float *a, const float *b, int32_t n) {
     return lane[0];
 }
 
-/* Causal attention of each query over exactly the keys it may see, read from the paged cache.
+/* Causal attention of each query over exactly the keys it may see, read from a paged cache in the heads_kt
+ * layout: kv head g, block b holds K transposed, [dim, block_size], at (g * num_blocks + b) * dim * block_size,
+ * and V as [block_size, dim] at the same offset.
  *
  * q [tokens, heads, dim] float32; token t reads keys [0, keys_of[t]) of table row row_of[t] (tables [rows, width]
- * block ids); key j of a row lives at slot table[j / block_size] * block_size + j % block_size, whose kv head g
- * sits at slot * slot_stride + g * head_stride in k_cache / v_cache. Per query: scores scale * q.k, their max,
- * weights exp(s - max) summed in float64 in key order, values summed in key order with fused multiply-adds, then
- * divided by the sum. The same query over the same keys gives the same bits in any step. scratch holds one
- * query's scores (at least the longest keys_of). out [tokens, heads, dim] in out_kind. */
+ * block ids). Per query: each score is scale * (q . k) summed over dim in order with fused multiply-adds; then the
+ * max, weights exp(s - max) summed (sum_of), values summed in key order with fused multiply-adds,
+ * and the sum divided out. Consecutive tokens of one row (a prefill chunk) are taken up to QUERY_TILE at a time
+ * so a block of keys is read once for all of them; a query's arithmetic is the same in any tile, so the same
+ * query over the same keys gives the same bits in any step. scratch: at least
+ * attention_scratch(heads / kv_heads, max keys, dim) floats. out [tokens, heads, dim] in out_kind. */
+#define QUERY_TILE 8
+
+/* A vector of VLEN floats and its fused multiply-add: the widest this machine has. Each lane computes what the
+ * scalar fmaf would, so the width changes no number. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vec;
+#define VLEN 16
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+#define vmax _mm512_max_ps
+#define vadd _mm512_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vec;
+#define VLEN 8
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+#define vmax _mm256_max_ps
+#define vadd _mm256_add_ps
+#else
+typedef struct { float x[4]; } vec;
+#define VLEN 4
+static inline vec vload(const float *p) { vec v; memcpy(v.x, p, sizeof v.x); return v; }
+static inline void vstore(float *p, vec v) { memcpy(p, v.x, sizeof v.x); }
+static inline vec vfma(vec a, vec b, vec c) {
+    for (int k = 0; k < 4; k++) c.x[k] = fmaf(a.x[k], b.x[k], c.x[k]);
+    return c;
+}
+static inline vec vset1(float f) { vec v = {{f, f, f, f}}; return v; }
+static inline vec vmax(vec a, vec b) {
+    for (int k = 0; k < 4; k++) a.x[k] = a.x[k] > b.x[k] ? a.x[k] : b.x[k];
+    return a;
+}
+static inline vec vadd(vec a, vec b) {
+    for (int k = 0; k < 4; k++) a.x[k] += b.x[k];
+    return a;
+}
+#endif
+
+/* the lanes of v added pairwise */
+static inline float lanes_sum(vec v) {
+    float x[VLEN];
+    vstore(x, v);
+    for (int width = VLEN / 2; width; width /= 2)
+        for (int k = 0; k < width; k++) x[k] += x[k + width];
+    return x[0];
+}
+
+/* the largest of x[0, n) (n > 0) */
+static float max_of(const float *x, int64_t n) {
+    float top = x[0];
+    int64_t j = 0;
+    if (n >= VLEN) {
+        vec m = vload(x);
+        for (j = VLEN; j + VLEN <= n; j += VLEN) m = vmax(m, vload(x + j));
+        float lanes[VLEN];
+        vstore(lanes, m);
+        for (int k = 0; k < VLEN; k++) top = lanes[k] > top ? lanes[k] : top;
+    }
+    for (; j < n; j++) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
+/* x[0, n) summed in VLEN running sums (element j into lane j % VLEN), the lanes then added pairwise, the tail
+ * after them in order */
+static float sum_of(const float *x, int64_t n) {
+    vec acc = vset1(0.0f);
+    int64_t j = 0;
+    for (; j + VLEN <= n; j += VLEN) acc = vadd(acc, vload(x + j));
+    float total = lanes_sum(acc);
+    for (; j < n; j++) total += x[j];
+    return total;
+}
+#define CHUNK (2 * VLEN) /* elements of a running sum held in registers */
+
+/* s_i[o] = q_i . k_o for up to 4 queries and the keys o of one transposed block kb [dim, block_size]: each sum
+ * over dim in order with fused multiply-adds, VLEN keys at a time, the queries' chains side by side. */
+static void scores_of_block(const float *const *q, int32_t nq, const float *restrict kb, int32_t dim,
+                            int32_t block_size, float *const *s) {
+    int32_t o0 = 0;
+    for (; o0 + VLEN <= block_size; o0 += VLEN) {
+        vec r0 = vset1(0.0f), r1 = r0, r2 = r0, r3 = r0;
+        for (int32_t d = 0; d < dim; d++) {
+            vec k = vload(kb + (int64_t)d * block_size + o0);
+            r0 = vfma(vset1(q[0][d]), k, r0);
+            if (nq > 1) r1 = vfma(vset1(q[1][d]), k, r1);
+            if (nq > 2) r2 = vfma(vset1(q[2][d]), k, r2);
+            if (nq > 3) r3 = vfma(vset1(q[3][d]), k, r3);
+        }
+        vstore(s[0] + o0, r0);
+        if (nq > 1) vstore(s[1] + o0, r1);
+        if (nq > 2) vstore(s[2] + o0, r2);
+        if (nq > 3) vstore(s[3] + o0, r3);
+    }
+    for (int32_t i = 0; i < nq; i++)
+        for (int32_t o = o0; o < block_size; o++) {
+            float r = 0.0f;
+            for (int32_t d = 0; d < dim; d++) r = fmaf(q[i][d], kb[(int64_t)d * block_size + o], r);
+            s[i][o] = r;
+        }
+}
+
+/* a[d] += sum over o < span of e[o] * vb[o][d], in order of o for each d, CHUNK elements of a in registers */
+static void add_weighted_rows(float *restrict a, const float *restrict e, const float *restrict vb, int64_t span,
+                              int32_t dim) {
+    int32_t d0 = 0;
+    for (; d0 + CHUNK <= dim; d0 += CHUNK) {
+        vec r0 = vload(a + d0), r1 = vload(a + d0 + VLEN);
+        for (int64_t o = 0; o < span; o++) {
+            vec eo = vset1(e[o]);
+            const float *v = vb + o * dim + d0;
+            r0 = vfma(eo, vload(v), r0);
+            r1 = vfma(eo, vload(v + VLEN), r1);
+        }
+        vstore(a + d0, r0);
+        vstore(a + d0 + VLEN, r1);
+    }
+    for (int32_t d = d0; d < dim; d++)
+        for (int64_t o = 0; o < span; o++) a[d] = fmaf(e[o], vb[o * dim + d], a[d]);
+}
+
+int64_t ns_attention_scratch(int32_t group, int64_t max_keys, int32_t dim) {
+    return (int64_t)QUERY_TILE * group * (max_keys + dim);
+}
+
+static void attend_tile(const float *q, int64_t t0, int32_t count, int32_t heads, int32_t group, int32_t g,
+                        int32_t dim, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                        int32_t block_size, const int64_t *table, const int64_t *keys_of, float scale,
+                        float *scores, int64_t stride, float *acc, void *out, int32_t out_kind) {
+    int32_t nq = count * group;
+    int64_t most = 0;
+    for (int32_t c = 0; c < count; c++) most = keys_of[t0 + c] > most ? keys_of[t0 + c] : most;
+    int64_t block_elems = (int64_t)dim * block_size;
+    for (int64_t j0 = 0; j0 < most; j0 += block_size) {
+        const float *kb = k_cache + ((int64_t)g * num_blocks + table[j0 / block_size]) * block_elems;
+        const float *qs[4];
+        float *outs[4], spill[4][256];
+        int32_t held[4], n = 0;
+        for (int32_t i = 0; i <= nq; i++) {
+            if (n == 4 || (i == nq && n > 0)) {
+                scores_of_block(qs, n, kb, dim, block_size, outs);
+                for (int32_t m = 0; m < n; m++) {
+                    int64_t keys = keys_of[t0 + held[m] / group];
+                    int64_t span = keys - j0 < block_size ? keys - j0 : block_size;
+                    for (int64_t o = 0; o < span; o++) scores[held[m] * stride + j0 + o] = spill[m][o] * scale;
+                }
+                n = 0;
+            }
+            if (i == nq || j0 >= keys_of[t0 + i / group]) continue;
+            qs[n] = q + ((t0 + i / group) * heads + (int64_t)g * group + i % group) * dim;
+            outs[n] = spill[n];
+            held[n++] = i;
+        }
+    }
+    for (int32_t i = 0; i < nq; i++) {
+        int64_t keys = keys_of[t0 + i / group];
+        float *row = scores + i * stride;
+        float top = keys > 0 ? max_of(row, keys) : 0.0f;
+        for (int64_t j = 0; j < keys; j++) row[j] = exp_poly(row[j] - top);
+        for (int32_t d = 0; d < dim; d++) acc[(int64_t)i * dim + d] = 0.0f;
+    }
+    for (int32_t i = 0; i < nq; i++) { /* a query's sum stays in registers over all its keys */
+        int64_t keys = keys_of[t0 + i / group];
+        float *a = acc + (int64_t)i * dim;
+        const float *e = scores + i * stride;
+        for (int64_t j0 = 0; j0 < keys; j0 += block_size) {
+            const float *vb = v_cache + ((int64_t)g * num_blocks + table[j0 / block_size]) * block_elems;
+            add_weighted_rows(a, e + j0, vb, keys - j0 < block_size ? keys - j0 : block_size, dim);
+        }
+    }
+    for (int32_t i = 0; i < nq; i++) {
+        int64_t t = t0 + i / group, keys = keys_of[t];
+        int64_t out_at = (t * heads + (int64_t)g * group + i % group) * dim;
+        float inv = keys > 0 ? 1.0f / sum_of(scores + i * stride, keys) : 0.0f;
+        const float *a = acc + (int64_t)i * dim;
+        if (out_kind == 2)
+            for (int32_t d = 0; d < dim; d++) ((uint16_t *)out)[out_at + d] = f32_to_bf16(a[d] * inv);
+        else
+            for (int32_t d = 0; d < dim; d++) ((float *)out)[out_at + d] = a[d] * inv;
+    }
+}
+
 void ns_attention(const float *q, int64_t tokens, int32_t heads, int32_t kv_heads, int32_t dim, const float *k_cache,
-                  const float *v_cache, int64_t slot_stride, int64_t head_stride, const int64_t *tables, int64_t width,
-                  int32_t block_size, const int64_t *row_of, const int64_t *keys_of, float scale, float *scratch,
+                  const float *v_cache, int64_t num_blocks, int32_t block_size, const int64_t *tables, int64_t width,
+                  const int64_t *row_of, const int64_t *keys_of, float scale, float *scratch, int64_t max_keys,
                   void *out, int32_t out_kind) {
     int32_t group = heads / kv_heads;
-    float acc[1024];
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t *table = tables + row_of[t] * width;
-        int64_t keys = keys_of[t];
-        for (int32_t h = 0; h < heads; h++) {
-            const float *qv = q + (t * heads + h) * dim;
-            int64_t head_at = (int64_t)(h / group) * head_stride, out_at = (t * heads + h) * dim;
-            for (int32_t d = 0; d < dim; d++) acc[d] = 0.0f;
-            if (keys <= 0) {
-                for (int32_t d = 0; d < dim; d++) store(out, out_kind, out_at + d, 0.0f);
-                continue;
-            }
-            float top = -INFINITY;
-            for (int64_t j0 = 0; j0 < keys; j0 += block_size) {
-                const float *k = k_cache + table[j0 / block_size] * block_size * slot_stride + head_at;
-                int64_t span = keys - j0 < block_size ? keys - j0 : block_size;
-                for (int64_t o = 0; o < span; o++) {
-                    float s = dot(qv, k + o * slot_stride, dim) * scale;
-                    scratch[j0 + o] = s;
-                    top = s > top ? s : top;
-                }
-            }
-            for (int64_t j = 0; j < keys; j++) scratch[j] = exp_poly(scratch[j] - top);
-            double total = 0.0;
-            for (int64_t j = 0; j < keys; j++) total += scratch[j];
-            for (int64_t j0 = 0; j0 < keys; j0 += block_size) {
-                const float *v = v_cache + table[j0 / block_size] * block_size * slot_stride + head_at;
-                int64_t span = keys - j0 < block_size ? keys - j0 : block_size;
-                for (int64_t o = 0; o < span; o++) {
-                    float e = scratch[j0 + o];
-                    const float *vv = v + o * slot_stride;
-                    for (int32_t d = 0; d < dim; d++) acc[d] = fmaf(e, vv[d], acc[d]);
-                }
-            }
-            float inv = (float)(1.0 / total);
-            for (int32_t d = 0; d < dim; d++) store(out, out_kind, out_at + d, acc[d] * inv);
-        }
+    if (block_size > 256) return; /* refused by the caller */
+    float *acc = scratch + (int64_t)QUERY_TILE * group * max_keys;
+    for (int64_t t0 = 0; t0 < tokens;) {
+        int32_t count = 1;
+        while (count < QUERY_TILE && t0 + count < tokens && row_of[t0 + count] == row_of[t0]) count++;
+        for (int32_t g = 0; g < kv_heads; g++)
+            attend_tile(q, t0, count, heads, group, g, dim, k_cache, v_cache, num_blocks, block_size,
+                        tables + row_of[t0] * width, keys_of, scale, scratch, max_keys, acc, out, out_kind);
+        t0 += count;
     }
 }
 

@@ -21,10 +21,10 @@ SIGNATURES = {
     "ns_add_rms_norm": (_ptr, _i64, _i64, _ptr, _i32, _ptr, _f32, _ptr, _i32),
     "ns_add": (_ptr, _i64, _ptr, _i32),
     "ns_rope_store": (_ptr, _i32, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr,
-                      _i64, _i64),
+                      _i64, _i64, _i32),
     "ns_silu_mul": (_ptr, _i32, _i64, _i64, _ptr),
     "ns_rescore": (_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32),
-    "ns_attention": (_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr, _f32, _ptr,
+    "ns_attention": (_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _i64,
                      _ptr, _i32),
 }
 
@@ -46,6 +46,8 @@ class FusedKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
             setattr(self, "_" + name.removeprefix("ns_"), fn)
+        self._attention_scratch = lib.ns_attention_scratch
+        self._attention_scratch.argtypes, self._attention_scratch.restype = (_i32, _i64, _i32), _i64
         self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
 
@@ -83,10 +85,11 @@ class FusedKernels:
     def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, cos: torch.Tensor,
                    sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   strides: tuple[int, int]) -> torch.Tensor:
+                   strides: tuple[int, int], k_block: int = 0) -> torch.Tensor:
         """qkv [tokens, (heads + 2 kv_heads) dim] -> q [tokens, heads, dim] float32, rotated (after the per-head
         norm when q_norm is given); k (rotated) and v written to one layer's caches at `slots`, whose elements
-        sit at slot * strides[0] + head * strides[1]. cos, sin [tokens, dim] and the caches are float32 and
+        sit at slot * strides[0] + head * strides[1] (K's blocks transposed, [dim, k_block], when k_block > 0:
+        the heads_kt layout). cos, sin [tokens, dim] and the caches are float32 and
         contiguous (the model's own, checked when it was put on these kernels)."""
         tokens = qkv.shape[0]
         if dim > MAX_HEAD_DIM or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
@@ -97,25 +100,30 @@ class FusedKernels:
         q = torch.empty(tokens, heads, dim)
         self._rope_store(qkv.data_ptr(), _kind(qkv), tokens, heads, kv_heads, dim, cos.data_ptr(), sin.data_ptr(),
                          None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
-                         eps, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), *strides)
+                         eps, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), *strides, k_block)
         self.calls["rope_store"] += 1
         self.rows["rope_store"] += tokens
         return q
 
-    def attention(self, q: torch.Tensor, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, strides: tuple[int, int],
-                  tables: torch.Tensor, block_size: int, row_of: torch.Tensor, keys_of: torch.Tensor, scale: float,
-                  scratch: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def attention_scratch(self, group: int, max_keys: int, dim: int) -> torch.Tensor:
+        """The float32 workspace `attention` needs for queries of at most `max_keys` keys."""
+        return torch.empty(self._attention_scratch(group, max_keys, dim))
+
+    def attention(self, q: torch.Tensor, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  tables: torch.Tensor, row_of: torch.Tensor, keys_of: torch.Tensor, scale: float,
+                  scratch: torch.Tensor, max_keys: int, out_dtype: torch.dtype) -> torch.Tensor:
         """Each query of q [tokens, heads, dim] over the keys [0, keys_of[t]) of its table row row_of[t], read
-        from one layer's caches (elements at slot * strides[0] + kv head * strides[1]); -> [tokens, heads, dim]
-        in out_dtype. The index tensors are the step's (AttentionTables), checked once when built."""
+        from one layer's heads_kt caches (k_cache [kv_heads, blocks, dim, block_size], v_cache [kv_heads, blocks,
+        block_size, dim]); -> [tokens, heads, dim] in out_dtype. The index tensors and the scratch are the step's
+        (FusedInvariantStep), built for at most `max_keys` keys."""
         tokens, heads, dim = q.shape
-        if q.dtype != torch.float32 or not q.is_contiguous() or dim > MAX_HEAD_DIM:
-            raise ValueError("the fused attention takes contiguous float32 queries of at most "
-                             f"{MAX_HEAD_DIM} dims")
+        if q.dtype is not torch.float32 or not q.is_contiguous() or dim > MAX_HEAD_DIM:
+            raise ValueError(f"the fused attention takes contiguous float32 queries of at most {MAX_HEAD_DIM} dims")
+        _, num_blocks, _, block_size = k_cache.shape
         out = torch.empty(tokens, heads, dim, dtype=out_dtype)
         self._attention(q.data_ptr(), tokens, heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                        *strides, tables.data_ptr(), tables.shape[1], block_size, row_of.data_ptr(),
-                        keys_of.data_ptr(), scale, scratch.data_ptr(), out.data_ptr(), KIND[out_dtype])
+                        num_blocks, block_size, tables.data_ptr(), tables.shape[1], row_of.data_ptr(),
+                        keys_of.data_ptr(), scale, scratch.data_ptr(), max_keys, out.data_ptr(), KIND[out_dtype])
         self.calls["attention"] += 1
         self.rows["attention"] += tokens
         return out

@@ -13,20 +13,25 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
-LAYOUTS = ("slots", "heads")
+LAYOUTS = ("slots", "heads", "heads_kt")
 
 
-def kv_layout(config) -> str:
-    """The layout an EngineConfig's attention reads: head-major for the batch-invariant attention."""
-    return "heads" if config.batch_invariant else "slots"
+def kv_layout(config, fused: bool = False) -> str:
+    """The layout an EngineConfig's attention reads: head-major for the batch-invariant attention, with K's blocks
+    transposed when it runs on the fused CPU kernel (`fused`: the model runs on them)."""
+    if not config.batch_invariant:
+        return "slots"
+    return "heads_kt" if fused else "heads"
 
 
 class KVCache:
     """K and V for every layer; a token's slot is block * block_size + offset.
 
-    Two layouts: "slots" keeps [layers, blocks, block_size, kv_heads, head_dim] (a slot's heads side by side: the
+    Three layouts: "slots" keeps [layers, blocks, block_size, kv_heads, head_dim] (a slot's heads side by side: the
     gathered and streamed reads), "heads" keeps [layers, kv_heads, blocks, block_size, head_dim] (a head's blocks
-    side by side: the batch-invariant attention gathers one contiguous span per kv head and row).
+    side by side: the batch-invariant attention gathers one contiguous span per kv head and row), "heads_kt" is
+    "heads" with each K block transposed, [.., blocks, head_dim, block_size] (the fused CPU attention scores a
+    block of keys per query with no horizontal sums; V is as in "heads").
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
@@ -36,7 +41,8 @@ class KVCache:
         kv, dim = cfg.num_kv_heads, cfg.head_dim
         shape = (cfg.num_layers, num_blocks, block_size, kv, dim) if layout == "slots" else \
             (cfg.num_layers, kv, num_blocks, block_size, dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        k_shape = (cfg.num_layers, kv, num_blocks, dim, block_size) if layout == "heads_kt" else shape
+        self.k = torch.zeros(k_shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.layout = layout
         self.block_size = block_size
@@ -56,10 +62,15 @@ class KVCache:
     @property
     def write_strides(self) -> tuple[int, int]:
         """(per slot, per kv head): element offsets of head h of slot s in a layer's storage."""
-        dim = self.k.shape[-1]
+        dim = self.v.shape[-1]  # K of heads_kt ends in block_size
         if self.layout == "slots":
             return self.kv_heads * dim, dim
         return dim, self.num_blocks * self.block_size * dim
+
+    @property
+    def k_block(self) -> int:
+        """Keys per transposed K block for the fused rotary write (heads_kt), else 0 (K rows as V's)."""
+        return self.block_size if self.layout == "heads_kt" else 0
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +78,8 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store this step's K/V rows ([tokens, kv_heads, head_dim]) at their slots."""
+        if self.layout == "heads_kt":
+            raise ValueError("a heads_kt cache is written by the fused kernels (KVCache.k_block)")
         if self.layout == "slots":
             self._k_rows[layer].index_copy_(0, slots, k)
             self._v_rows[layer].index_copy_(0, slots, v)

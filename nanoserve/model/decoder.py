@@ -68,7 +68,7 @@ class Attention(FastAttributes, nn.Module):
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         return self.fused.rope_store(qkv, self.heads, self.kv_heads, self.dim, *rope, *norms, eps, k_cache, v_cache,
-                                     batch.slots, cache.write_strides)
+                                     batch.slots, cache.write_strides, cache.k_block)
 
     def _attend(self, q, k, v, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
         """Attention of the step's queries over the cache (and, for a prefill outside the invariant read, over

@@ -134,12 +134,13 @@ def run_steps(group: TensorGroup, config, loaded, device: torch.device) -> int:
         if message == STOP:
             return 0
         if isinstance(message, Pool):
-            cache = KVCache(model.config, message.num_blocks, config.block_size, dtype, device, kv_layout(config))
+            cache = KVCache(model.config, message.num_blocks, config.block_size, dtype, device,
+                            kv_layout(config, model.fused is not None))
             group.gather_status("KV pool", memory_of(model, cache))
             continue
         step_cache = cache if cache is not None and cache.num_blocks == message.cache_blocks else \
             KVCache(model.config, message.cache_blocks, config.block_size, dtype, device,
-                    kv_layout(config))  # the CUDA warm-up's
+                    kv_layout(config, model.fused is not None))  # the CUDA warm-up's
         with torch.inference_mode():
             logits = model(batch_to(message.batch, device), step_cache, read)
         group.gather_logits(logits.float(), vocab)

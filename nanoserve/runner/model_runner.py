@@ -49,7 +49,7 @@ class ModelRunner:
         progress("sizing the KV pool")
         self.num_blocks = sizing.pool_blocks(self)
         self.cache = KVCache(self.model.config, self.num_blocks, config.block_size, self.dtype, self.device,
-                             kv_layout(config))
+                             kv_layout(config, self.model.fused is not None))
         self.not_invariant = loading.not_invariant_reason(config, self.model, self.device)
         if self.not_invariant is not None and config.batch_invariant:
             log.warning("batch invariance does not hold here: %s; outputs may depend on the batch",

@@ -54,7 +54,8 @@ def _cuda_kv_budget(runner) -> float:
 def scratch_cache(runner) -> KVCache:
     """A two-block cache for measuring: the real pool does not exist yet."""
     cfg = runner.config
-    return KVCache(runner.model.config, 2, cfg.block_size, runner.dtype, runner.device, kv_layout(cfg))
+    return KVCache(runner.model.config, 2, cfg.block_size, runner.dtype, runner.device,
+                   kv_layout(cfg, runner.model.fused is not None))
 
 
 def warm_up(runner) -> None:
