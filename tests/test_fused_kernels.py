@@ -175,6 +175,9 @@ def test_attention_matches_float64_over_every_query_of_a_chunk(kernels, block_si
     scratch = kernels.attention_scratch(heads // kv, most, dim)
     chunk = kernels.attention(q, kv, k_cache, v_cache, tables, torch.zeros(tokens, dtype=torch.long), keys_of,
                               0.125, scratch, most, torch.float32)
+    threaded = kernels.attention(q, kv, k_cache, v_cache, tables, torch.zeros(tokens, dtype=torch.long), keys_of,
+                                 0.125, kernels.attention_scratch(heads // kv, most, dim, 3), most, torch.float32, 3)
+    assert torch.equal(threaded, chunk)
     for t in range(tokens):
         alone = kernels.attention(q[t: t + 1].contiguous(), kv, k_cache, v_cache, tables, torch.zeros(1, dtype=torch.long),
                                   keys_of[t: t + 1].contiguous(), 0.125, scratch, most, torch.float32)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+PARALLEL_FROM = 1 << 16  # query x key pairs of a step from which its attention runs on torch's thread count
+
 
 def step_tables(batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tables [rows, width] block ids, row_of [tokens], keys_of [tokens]) for a step: decode rows first (one
@@ -46,6 +48,8 @@ class FusedInvariantStep:
         self.read, self.kernels, self.out_dtype, self.kv_heads = read, kernels, out_dtype, cache.kv_heads
         self.tables, self.row_of, self.keys_of = step_tables(batch, cache.block_size)
         self.max_keys = max(1, self.tables.shape[1] * cache.block_size)
+        # threads pay for their start (tens of microseconds) only on a step with this much work: a prefill chunk
+        self.threads = torch.get_num_threads() if int(self.row_of.shape[0]) * self.max_keys >= PARALLEL_FROM else 1
         self._scratch: torch.Tensor | None = None  # allocated by the first layer, reused by the others
         self.num_decode = batch.num_decode
         self.width = batch.decode_block_table.shape[1] * cache.block_size if self.num_decode else 0
@@ -55,6 +59,7 @@ class FusedInvariantStep:
         if self.num_decode:
             self.read.charge(self.num_decode, q.shape[1], self.width)
         if self._scratch is None:
-            self._scratch = self.kernels.attention_scratch(q.shape[1] // self.kv_heads, self.max_keys, q.shape[2])
+            self._scratch = self.kernels.attention_scratch(q.shape[1] // self.kv_heads, self.max_keys, q.shape[2],
+                                                           self.threads)
         return self.kernels.attention(q, self.kv_heads, k_cache, v_cache, self.tables, self.row_of, self.keys_of,
-                                      scale, self._scratch, self.max_keys, self.out_dtype)
+                                      scale, self._scratch, self.max_keys, self.out_dtype, self.threads)

@@ -17,7 +17,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-shared", "-fPIC", "-pthread")
 COMPILE_TIMEOUT_S = 120
 
 

@@ -9,7 +9,9 @@
  * Kinds: 0 none, 1 float32, 2 bfloat16 (rounded to nearest even, as torch rounds).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LANES 16
@@ -387,21 +389,63 @@ static void attend_tile(const float *q, int64_t t0, int32_t count, int32_t heads
     }
 }
 
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *tables, *row_of, *keys_of, *tile_start;
+    int64_t width, num_blocks, max_keys, tiles, scratch_each;
+    int32_t heads, kv_heads, dim, block_size, out_kind, threads, thread;
+    float scale, *scratch;
+    void *out;
+} AttentionJob;
+
+/* Work items (tile, kv head) k, k + threads, ...: which thread computes an item changes none of its numbers. */
+static void *attention_worker(void *arg) {
+    const AttentionJob *job = arg;
+    int32_t group = job->heads / job->kv_heads;
+    float *scores = job->scratch + job->thread * job->scratch_each;
+    float *acc = scores + (int64_t)QUERY_TILE * group * job->max_keys;
+    for (int64_t item = job->thread; item < job->tiles * job->kv_heads; item += job->threads) {
+        int64_t tile = item / job->kv_heads, t0 = job->tile_start[tile];
+        int32_t count = (int32_t)(job->tile_start[tile + 1] - t0), g = (int32_t)(item % job->kv_heads);
+        attend_tile(job->q, t0, count, job->heads, group, g, job->dim, job->k_cache, job->v_cache, job->num_blocks,
+                    job->block_size, job->tables + job->row_of[t0] * job->width, job->keys_of, job->scale, scores,
+                    job->max_keys, acc, job->out, job->out_kind);
+    }
+    return NULL;
+}
+
+/* threads: how many to split the work over (the caller's choice by the work's size; scratch holds that many
+ * workspaces of ns_attention_scratch floats). */
 void ns_attention(const float *q, int64_t tokens, int32_t heads, int32_t kv_heads, int32_t dim, const float *k_cache,
                   const float *v_cache, int64_t num_blocks, int32_t block_size, const int64_t *tables, int64_t width,
                   const int64_t *row_of, const int64_t *keys_of, float scale, float *scratch, int64_t max_keys,
-                  void *out, int32_t out_kind) {
-    int32_t group = heads / kv_heads;
-    if (block_size > 256) return; /* refused by the caller */
-    float *acc = scratch + (int64_t)QUERY_TILE * group * max_keys;
-    for (int64_t t0 = 0; t0 < tokens;) {
+                  void *out, int32_t out_kind, int32_t threads) {
+    if (block_size > 256 || tokens <= 0) return; /* refused by the caller */
+    int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(tokens + 1)), tiles = 0;
+    if (!tile_start) return;
+    for (int64_t t0 = 0; t0 < tokens; tiles++) {
+        tile_start[tiles] = t0;
         int32_t count = 1;
         while (count < QUERY_TILE && t0 + count < tokens && row_of[t0 + count] == row_of[t0]) count++;
-        for (int32_t g = 0; g < kv_heads; g++)
-            attend_tile(q, t0, count, heads, group, g, dim, k_cache, v_cache, num_blocks, block_size,
-                        tables + row_of[t0] * width, keys_of, scale, scratch, max_keys, acc, out, out_kind);
         t0 += count;
     }
+    tile_start[tiles] = tokens;
+    if (threads > 64) threads = 64;
+    if (threads < 1 || tiles * kv_heads < 2) threads = 1;
+    AttentionJob jobs[64];
+    pthread_t ids[64];
+    for (int32_t k = 0; k < threads; k++) {
+        jobs[k] = (AttentionJob){q, k_cache, v_cache, tables, row_of, keys_of, tile_start, width, num_blocks,
+                                 max_keys, tiles, ns_attention_scratch(heads / kv_heads, max_keys, dim), heads,
+                                 kv_heads, dim, block_size, out_kind, threads, k, scale, scratch, out};
+    }
+    int32_t started = 1;
+    for (; started < threads; started++)
+        if (pthread_create(&ids[started], NULL, attention_worker, &jobs[started]) != 0) break;
+    for (int32_t k = started; k < threads; k++) attention_worker(&jobs[k]); /* a thread that did not start */
+    attention_worker(&jobs[0]);
+    for (int32_t k = 1; k < started; k++) pthread_join(ids[k], NULL);
+    free(tile_start);
 }
 
 /* logits [rows, vocab] float32, in place: each row's `shortlist` highest (a tie to the lower id) recomputed as

@@ -25,7 +25,7 @@ SIGNATURES = {
     "ns_silu_mul": (_ptr, _i32, _i64, _i64, _ptr),
     "ns_rescore": (_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32),
     "ns_attention": (_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _i64,
-                     _ptr, _i32),
+                     _ptr, _i32, _i32),
 }
 
 
@@ -105,17 +105,18 @@ class FusedKernels:
         self.rows["rope_store"] += tokens
         return q
 
-    def attention_scratch(self, group: int, max_keys: int, dim: int) -> torch.Tensor:
-        """The float32 workspace `attention` needs for queries of at most `max_keys` keys."""
-        return torch.empty(self._attention_scratch(group, max_keys, dim))
+    def attention_scratch(self, group: int, max_keys: int, dim: int, threads: int = 1) -> torch.Tensor:
+        """The float32 workspace `attention` needs for queries of at most `max_keys` keys on `threads` threads."""
+        return torch.empty(threads * self._attention_scratch(group, max_keys, dim))
 
     def attention(self, q: torch.Tensor, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   tables: torch.Tensor, row_of: torch.Tensor, keys_of: torch.Tensor, scale: float,
-                  scratch: torch.Tensor, max_keys: int, out_dtype: torch.dtype) -> torch.Tensor:
+                  scratch: torch.Tensor, max_keys: int, out_dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
         """Each query of q [tokens, heads, dim] over the keys [0, keys_of[t]) of its table row row_of[t], read
         from one layer's heads_kt caches (k_cache [kv_heads, blocks, dim, block_size], v_cache [kv_heads, blocks,
         block_size, dim]); -> [tokens, heads, dim] in out_dtype. The index tensors and the scratch are the step's
-        (FusedInvariantStep), built for at most `max_keys` keys."""
+        (FusedInvariantStep), built for at most `max_keys` keys and `threads` threads (which thread computes a
+        query changes none of its numbers)."""
         tokens, heads, dim = q.shape
         if q.dtype is not torch.float32 or not q.is_contiguous() or dim > MAX_HEAD_DIM:
             raise ValueError(f"the fused attention takes contiguous float32 queries of at most {MAX_HEAD_DIM} dims")
@@ -123,7 +124,8 @@ class FusedKernels:
         out = torch.empty(tokens, heads, dim, dtype=out_dtype)
         self._attention(q.data_ptr(), tokens, heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
                         num_blocks, block_size, tables.data_ptr(), tables.shape[1], row_of.data_ptr(),
-                        keys_of.data_ptr(), scale, scratch.data_ptr(), max_keys, out.data_ptr(), KIND[out_dtype])
+                        keys_of.data_ptr(), scale, scratch.data_ptr(), max_keys, out.data_ptr(), KIND[out_dtype],
+                        threads)
         self.calls["attention"] += 1
         self.rows["attention"] += tokens
         return out
