@@ -38,12 +38,18 @@ def counters(result) -> dict:
     return {name: (a, b) for name, a, b in result.counter_rows()}
 
 
-def cells_changed(now, before, layout: str = "slots") -> set[tuple[int, int, int]]:
+def cells_changed(now, before, layout: str = "slots", keys: bool = False) -> set[tuple[int, int, int]]:
     """(layer, block, offset) of every KV-cache cell where `now` differs from `before`: both
     [layers, blocks, block_size, kv_heads, head_dim] (KVCache layout "slots") or
-    [layers, kv_heads, blocks, block_size, head_dim] ("heads", the batch-invariant engine's)."""
+    [layers, kv_heads, blocks, block_size, head_dim] ("heads", the batch-invariant engine's, and the V of
+    "heads_kt"); the K of "heads_kt" (`keys`) is [layers, kv_heads, blocks, head_dim, block_size]."""
     changed = now != before
-    changed = changed.flatten(3).any(-1) if layout == "slots" else changed.any(-1).any(1)
+    if layout == "slots":
+        changed = changed.flatten(3).any(-1)
+    elif layout == "heads_kt" and keys:
+        changed = changed.any(-2).any(1)
+    else:
+        changed = changed.any(-1).any(1)
     return {tuple(cell) for cell in changed.nonzero().tolist()}
 
 

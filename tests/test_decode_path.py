@@ -175,7 +175,7 @@ def test_padded_rows_touch_only_the_null_block(ckpt):
     assert (plan.rows, plan.shape[0]) == (3, 4) and len(running) == 3
     # exactly each row's new token in its own block, and the padded row's slot 0 of the null block, in every layer
     want = decode_step_cells(running, engine.config.block_size, padded=True, layers=engine.runner.cache.k.shape[0])
-    assert cells_changed(engine.runner.cache.k, k, engine.runner.cache.layout) == want
+    assert cells_changed(engine.runner.cache.k, k, engine.runner.cache.layout, keys=True) == want
     assert cells_changed(engine.runner.cache.v, v, engine.runner.cache.layout) == want
 
 

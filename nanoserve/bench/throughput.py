@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-batch", type=int, default=16, help="transformers' generate batch size")
     p.add_argument("--skip-hf", action="store_true", help="leave out transformers' arm")
     p.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp's arm")
+    p.add_argument("--skip-eager-arm", action="store_true",
+                   help="leave out the arm on eager torch ops where the fused CPU kernels run (what they buy)")
     p.add_argument("--skip-invariance-arm", action="store_true",
                    help="leave out the arm with batch invariance switched the other way (the cost of determinism)")
     p.add_argument("--out", default="bench-results")
@@ -163,6 +165,9 @@ def transformers_for(args, engine):
     return load_hf(engine)
 
 
+EAGER = "nanoserve --no-fused-cpu-kernels"
+
+
 def invariance_arm(flags: dict) -> str:
     """The name of the arm that runs `flags` with batch invariance the other way."""
     return "nanoserve --no-batch-invariant" if flags["batch_invariant"] else "nanoserve --batch-invariant"
@@ -171,8 +176,8 @@ def invariance_arm(flags: dict) -> str:
 def build_arms(args, flags: dict) -> dict:
     """nanoserve as configured, then the engines it is measured against in this process: under tensor
     parallelism the same model on one rank (and over gloo when the ranks exchange through shared memory);
-    otherwise the same engine with batch invariance switched (what determinism costs) and, on the 4-bit path,
-    its dense float32 self."""
+    otherwise the same engine with batch invariance switched (what determinism costs), on eager torch ops where
+    it runs the fused CPU kernels (what they buy) and, on the 4-bit path, its dense float32 self."""
     from nanoserve import LLM
 
     arms = {"nanoserve": LLM(**flags)}
@@ -184,6 +189,8 @@ def build_arms(args, flags: dict) -> dict:
     else:
         if not args.skip_invariance_arm:  # the same engine with batch invariance switched: what determinism costs
             arms[invariance_arm(flags)] = LLM(**{**flags, "batch_invariant": not flags["batch_invariant"]})
+        if not args.skip_eager_arm and engine.stats().features.get("fused", {}).get("active"):
+            arms[EAGER] = LLM(**{**flags, "fused_cpu_kernels": False})  # the same engine on eager torch ops
         if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
             arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
     return arms
@@ -262,7 +269,7 @@ def arm_ratios(flags: dict, rows: list[dict], mixed: dict[str, dict]) -> dict[st
     """nanoserve's mixed and single-stream tok/s over each other arm's, for the arms that ran."""
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
-    for other in (invariance_arm(flags), "nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers", LLAMA_CPP):
+    for other in (invariance_arm(flags), EAGER, "nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers", LLAMA_CPP):
         if other in by_arm:
             ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
             ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \

@@ -127,10 +127,10 @@ class DecoderLayer(FastAttributes, nn.Module):
         `delta` in place as the norm reads it; returns this layer's MLP output for the next layer to add."""
         fused = self.self_attn.fused
         h = fused.add_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, delta, self.attn_input_dtype)
-        attn = self.self_attn(h, rope, batch, cache, read)
+        attn = self.self_attn.forward(h, rope, batch, cache, read)  # forward itself: no hooks to run, 1 us saved
         h = fused.add_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn,
                            self.mlp_input_dtype)
-        return self.mlp(h)
+        return self.mlp.forward(h)
 
 
 class CausalLM(FastAttributes, nn.Module):
