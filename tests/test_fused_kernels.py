@@ -187,3 +187,20 @@ def test_attention_matches_float64_over_every_query_of_a_chunk(kernels, block_si
             weights = torch.softmax(k_all[: t + 1, g].double() @ q[t, h].double() * 0.125, 0)
             torch.testing.assert_close(chunk[t, h].double(), weights @ v_all[: t + 1, g].double(), rtol=2e-5,
                                        atol=2e-6)
+
+
+@pytest.mark.parametrize("body, says", [("return 1;", "fail their self-test"),
+                                        ("__builtin_trap(); return 0;", "crash in their self-test"),
+                                        ("return 0;", "")])
+def test_a_build_that_cannot_run_here_is_refused_with_the_reason(tmp_path, body, says):
+    """A fresh build runs its self-test in a child process before it is cached: a library that traps (an
+    instruction this CPU lacks) or fails is refused, and the message says which."""
+    import subprocess
+
+    from nanoserve.kernels.build import self_test_failure
+
+    source, library = tmp_path / "probe.c", tmp_path / "probe.so"
+    source.write_text(f"int ns_self_test(void) {{ {body} }}\n")
+    subprocess.run([find_compiler(), "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    failure = self_test_failure(library)
+    assert (says in failure) if says else failure == ""

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -49,6 +50,22 @@ def library_path(source: bytes, compiler: str) -> Path:
     return cache_dir() / f"fused-{key}.so"
 
 
+def self_test_failure(library: Path) -> str:
+    """Why a fresh build cannot run here ("" when its self-test passes), tried in a child process: a library
+    compiled for an instruction this CPU (or its hypervisor) does not offer kills the process that runs it."""
+    probe = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).ns_self_test())"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe, str(library)], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+    except subprocess.SubprocessError as exc:
+        return f"could not be tried: {exc}"
+    if done.returncode == 0:
+        return ""
+    if done.returncode < 0:
+        return f"crash in their self-test (signal {-done.returncode})"
+    return "fail their self-test (a kernel returned a non-finite number)"
+
+
 def build(name: str = "fused.c") -> tuple[Path | None, str]:
     """(path of the compiled library, "") or (None, why not). Compiles only when no build for this source,
     compiler and CPU is cached; the file appears atomically, so concurrent starts never load half a library."""
@@ -69,6 +86,9 @@ def build(name: str = "fused.c") -> tuple[Path | None, str]:
             if done.returncode != 0:
                 first = (done.stderr.strip().splitlines() or ["no message"])[0]
                 return None, f"{compiler} failed on {name}: {first}"
+            failed = self_test_failure(out)
+            if failed:
+                return None, f"the kernels {compiler} built for this CPU {failed}"
             os.replace(out, target)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"building {name} with {compiler} failed: {exc}"

@@ -475,3 +475,29 @@ void ns_rescore(float *logits, int64_t rows, int64_t vocab, const float *hidden,
         for (int32_t j = 0; j < held; j++) row[ids[j]] = dot(hidden + r * dim, weight + ids[j] * dim, dim);
     }
 }
+
+/* Runs every kernel once on small inputs and returns 0: build.py calls it in a child process before a fresh build
+ * is cached, so a library this machine cannot execute (an instruction the compiler assumed but the CPU or its
+ * hypervisor does not offer) is refused with a reason instead of crashing a server. */
+int ns_self_test(void) {
+    enum { DIM = 64, HEADS = 2, BLOCK = 16, KEYS = 20 };
+    static float x[2 * DIM], w[DIM], out[2 * DIM], q[KEYS * HEADS * DIM], k[2 * DIM * BLOCK], v[2 * BLOCK * DIM];
+    static float scratch[QUERY_TILE * 2 * (2 * BLOCK + DIM) * 2], logits[2 * 40], head[40 * DIM];
+    static uint16_t gate_up[2 * DIM], act[DIM];
+    for (int i = 0; i < 2 * DIM; i++) x[i] = (float)(i % 7) - 3.0f;
+    for (int i = 0; i < DIM; i++) w[i] = 1.0f;
+    ns_add_rms_norm(x, 2, DIM, NULL, 0, w, 1e-6f, out, 1);
+    for (int i = 0; i < 2 * DIM; i++) gate_up[i] = f32_to_bf16(x[i]);
+    ns_silu_mul(gate_up, 2, 1, DIM, act);
+    for (int i = 0; i < KEYS * HEADS * DIM; i++) q[i] = (float)(i % 5) * 0.1f;
+    for (int i = 0; i < 2 * DIM * BLOCK; i++) k[i] = v[i] = (float)(i % 3);
+    int64_t table[2] = {0, 1}, rows[KEYS], keys[KEYS];
+    for (int t = 0; t < KEYS; t++) rows[t] = 0, keys[t] = t + 1;
+    static float attended[KEYS * HEADS * DIM];
+    ns_attention(q, KEYS, HEADS, 1, DIM, k, v, 2, BLOCK, table, 2, rows, keys, 0.125f, scratch, 2 * BLOCK, attended, 1,
+                 2);
+    for (int i = 0; i < 80; i++) logits[i] = (float)(i % 11);
+    for (int i = 0; i < 40 * DIM; i++) head[i] = 0.01f * (float)(i % 13);
+    ns_rescore(logits, 2, 40, x, head, DIM, 16);
+    return isfinite(attended[0]) && isfinite(out[0]) && isfinite(logits[0]) && isfinite(bf16_to_f32(act[0])) ? 0 : 1;
+}
