@@ -36,13 +36,13 @@ class Attention(FastAttributes, nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)  # forward itself: no hooks to run
         if self.fused is not None and (read.invariant or batch.num_decode == tokens):
             q, k, v = self._rotate_and_write_fused(qkv, rope, batch, cache), None, None  # attention reads the cache
         else:
             q, k, v = self._rotate_and_write(qkv.to(cache.k.dtype), rope, batch, cache)
         out = self._attend(q, k, v, batch, cache, read)
-        out = self.o_proj(out.reshape(tokens, self.heads * self.dim))
+        out = self.o_proj.forward(out.reshape(tokens, self.heads * self.dim))
         return out if self.reduce is None else self.reduce(out)
 
     def _rotate_and_write(self, qkv: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache):
@@ -100,12 +100,12 @@ class MLP(FastAttributes, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the projections' own dtype throughout: a packed gate_up answers in bfloat16, which the packed down
         projection takes as it is (no round trip through float32 between them)."""
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         if self.fused is not None:
-            out = self.down_proj(self.fused.silu_mul(gate_up))
+            out = self.down_proj.forward(self.fused.silu_mul(gate_up))
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            out = self.down_proj.forward(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
 
