@@ -45,7 +45,8 @@ def numerics_of(model: nn.Module, kv_dtype: torch.dtype, determinism: str = "") 
     weights = main + (f" ({', '.join(others)})" if others else "")
     cast = [m for m in model.modules() if isinstance(m, PackedLinear | BF16Linear)]
     activations = model_dtype
-    if cast and _name(ACT) != model_dtype:
+    forms = sorted({getattr(m, "activation_form", _name(ACT)) for m in cast})
+    if cast and forms != [model_dtype]:
         where = "linears" if any(isinstance(m, PackedLinear) for m in cast) else "the head"
-        activations = f"{_name(ACT)} in {where}, {model_dtype}"
+        activations = f"{'+'.join(forms)} in {where}, {model_dtype}"
     return Numerics(weights, activations, _name(kv_dtype), determinism)

@@ -174,8 +174,10 @@ class Sampler:
     `torch.manual_seed` makes a whole run repeatable.
     """
 
-    def __init__(self, default_generator: torch.Generator | None = None, masker: GrammarMasker | None = None):
+    def __init__(self, default_generator: torch.Generator | None = None, masker: GrammarMasker | None = None,
+                 argmax=None):
         self.default_generator = default_generator
+        self.argmax = argmax  # rows -> indices (the fused CPU kernels' one-pass argmax), else torch.argmax
         self.masker = masker if masker is not None else GrammarMasker()
         # One scratch generator per device, re-seeded for every seeded row.
         self._scratch: dict[torch.device, torch.Generator] = {}
@@ -187,7 +189,7 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         # Fast path: plain greedy batch, one argmax on the raw logits.
         if all(r.params.greedy and not _needs_processing(r) for r in rows):
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.argmax(dim=-1) if self.argmax is None else self.argmax(logits)
         else:
             processed = self.process_logits(logits, rows)
             tokens = processed.argmax(dim=-1)

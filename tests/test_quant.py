@@ -97,9 +97,15 @@ def test_quantize_at_load_round_trips_within_a_step():
     assert (err <= step[..., None] / 2 + 1e-6).all()
 
 
+def packed_format(llm) -> str:
+    """The 4-bit linears' format: q4x8 (the fused library's 4-bit x 8-bit kernel) where the fused CPU kernels
+    run, torch's int4 kernel elsewhere."""
+    return "q4x8" if llm.engine.stats().features["fused"]["active"] else "int4"
+
+
 @pytest.fixture(scope="module")
 def dense_and_int4(default_llm_dense, default_llm):
-    assert default_llm.engine.stats().features["linear"]["format"] == "int4"
+    assert default_llm.engine.stats().features["linear"]["format"] == packed_format(default_llm)
     assert "linear" not in default_llm_dense.engine.stats().features
     return default_llm_dense, default_llm
 
@@ -113,7 +119,10 @@ def test_the_snapshot_says_what_runs_as_built(dense_and_int4):
     linear = int4.engine.stats().features["linear"]
     head = f"{linear['head']} + float32 top 16"  # a coarse head tied to the float32 embedding: its shortlist rescored
     assert linear["head_rescored"] == 16
-    assert packed == Numerics(f"int4 (head {head}, rest float32)", "bfloat16 in linears, float32", "float32", plain)
+    form = packed_format(int4)
+    activations = "int8 per 32" if form == "q4x8" else "bfloat16"
+    assert packed == Numerics(f"{form} (head {head}, rest float32)", f"{activations} in linears, float32", "float32",
+                              plain)
 
 
 def test_default_model_int4_is_logprobs_close_to_dense_float32(dense_and_int4):
@@ -147,10 +156,11 @@ def test_the_snapshot_counts_the_kernel_each_call_used(default_llm):
     after = default_llm.engine.stats().features["linear"]
     # 4 steps through 120 linears; the prefill of a short prompt stays below every dense crossover here or not,
     # but every call is counted by exactly one kernel
-    calls = (after["int4_calls"] + after["dense_calls"]) - (before["int4_calls"] + before["dense_calls"])
+    form = packed_format(default_llm)
+    calls = (after[f"{form}_calls"] + after["dense_calls"]) - (before[f"{form}_calls"] + before["dense_calls"])
     assert calls == 4 * after["modules"]
     assert after["packed_bytes"] > 0 and set(after["dense_from_rows"]) == {
-        "int4 960x576", "int4 576x576", "int4 3072x576", "int4 576x1536"}
+        f"{form} 960x576", f"{form} 576x576", f"{form} 3072x576", f"{form} 576x1536"}
 
 
 def test_the_snapshot_counts_the_rows_each_kernel_served(default_llm):
@@ -161,14 +171,15 @@ def test_the_snapshot_counts_the_rows_each_kernel_served(default_llm):
                          use_tqdm=False)
     linear = default_llm.engine.stats().features["linear"]
     after = linear["rows_by_kernel"]
-    assert set(after) == {"int4", "dense"}
+    form = packed_format(default_llm)
+    assert set(after) == {form, "dense"}
     grew = {k: after[k] - before[k] for k in after}
     assert sum(grew.values()) == 43 * linear["modules"]
     crossovers = [r for r in linear["dense_from_rows"].values() if r is not None]
     if not crossovers or min(crossovers) > 40:
         assert grew["dense"] == 0
     if min(crossovers, default=2) > 1:
-        assert grew["int4"] >= 3 * linear["modules"]  # the one-row decodes stay packed
+        assert grew[form] >= 3 * linear["modules"]  # the one-row decodes stay packed
 
 
 @pytest.fixture(scope="module")

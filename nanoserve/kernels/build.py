@@ -44,6 +44,9 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+SOURCES = ("fused.c", "linear.c")  # compiled together into one library
+
+
 def library_path(source: bytes, compiler: str) -> Path:
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
@@ -66,23 +69,25 @@ def self_test_failure(library: Path) -> str:
     return "fail their self-test (a kernel returned a non-finite number)"
 
 
-def build(name: str = "fused.c") -> tuple[Path | None, str]:
-    """(path of the compiled library, "") or (None, why not). Compiles only when no build for this source,
+def build(names: tuple[str, ...] = SOURCES) -> tuple[Path | None, str]:
+    """(path of the compiled library, "") or (None, why not). Compiles only when no build for these sources,
     compiler and CPU is cached; the file appears atomically, so concurrent starts never load half a library."""
     compiler = find_compiler()
     if compiler is None:
         return None, "no C compiler (install gcc or clang, or set CC)"
-    source = resources.files("nanoserve.kernels").joinpath(name).read_bytes()
-    target = library_path(source, compiler)
+    sources = {name: resources.files("nanoserve.kernels").joinpath(name).read_bytes() for name in names}
+    target = library_path(b"\0".join(sources.values()), compiler)
+    name = " + ".join(names)
     if target.exists():
         return target, ""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
-            src, out = Path(work) / name, Path(work) / target.name
-            src.write_bytes(source)
-            done = subprocess.run([compiler, *FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True,
-                                  text=True, timeout=COMPILE_TIMEOUT_S)
+            out = Path(work) / target.name
+            for source_name, text in sources.items():
+                (Path(work) / source_name).write_bytes(text)
+            done = subprocess.run([compiler, *FLAGS, *(str(Path(work) / n) for n in sources), "-o", str(out), "-lm"],
+                                  capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode != 0:
                 first = (done.stderr.strip().splitlines() or ["no message"])[0]
                 return None, f"{compiler} failed on {name}: {first}"

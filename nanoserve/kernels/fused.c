@@ -479,6 +479,11 @@ void ns_rescore(float *logits, int64_t rows, int64_t vocab, const float *hidden,
 /* Runs every kernel once on small inputs and returns 0: build.py calls it in a child process before a fresh build
  * is cached, so a library this machine cannot execute (an instruction the compiler assumed but the CPU or its
  * hypervisor does not offer) is refused with a reason instead of crashing a server. */
+int ns_q4_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
+                 float *y, int32_t threads, int32_t accumulate);
+void ns_q4_pack(const uint8_t *codes, const float *scales, const float *zeros, int64_t out, int64_t in,
+                uint8_t *dst);
+
 int ns_self_test(void) {
     enum { DIM = 64, HEADS = 2, BLOCK = 16, KEYS = 20 };
     static float x[2 * DIM], w[DIM], out[2 * DIM], q[KEYS * HEADS * DIM], k[2 * DIM * BLOCK], v[2 * BLOCK * DIM];
@@ -499,5 +504,11 @@ int ns_self_test(void) {
     for (int i = 0; i < 80; i++) logits[i] = (float)(i % 11);
     for (int i = 0; i < 40 * DIM; i++) head[i] = 0.01f * (float)(i % 13);
     ns_rescore(logits, 2, 40, x, head, DIM, 16);
+    static uint8_t codes[32 * 64], packed[2 * 2 * 320];
+    static float scales[32 * 2], zeros[32 * 2], product[2 * 32];
+    for (int i = 0; i < 32 * 64; i++) codes[i] = (uint8_t)(i % 16);
+    for (int i = 0; i < 64; i++) scales[i] = 0.01f, zeros[i] = 0.001f;
+    ns_q4_pack(codes, scales, zeros, 32, 64, packed);
+    if (ns_q4_matmul(packed, x, 2, 64, 32, NULL, product, 2, 0) != 0 || !isfinite(product[33])) return 1;
     return isfinite(attended[0]) && isfinite(out[0]) && isfinite(logits[0]) && isfinite(bf16_to_f32(act[0])) ? 0 : 1;
 }

@@ -48,6 +48,15 @@ class FusedKernels:
             setattr(self, "_" + name.removeprefix("ns_"), fn)
         self._attention_scratch = lib.ns_attention_scratch
         self._attention_scratch.argtypes, self._attention_scratch.restype = (_i32, _i64, _i32), _i64
+        self._q4_pack, self._q4_matmul, self._q4_bytes = lib.ns_q4_pack, lib.ns_q4_matmul, lib.ns_q4_packed_bytes
+        self._q4_pack.argtypes, self._q4_pack.restype = (_ptr, _ptr, _ptr, _i64, _i64, _ptr), None
+        self._q4_matmul.argtypes = (_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32, _i32)
+        self._argmax_rows = lib.ns_argmax_rows
+        self._argmax_rows.argtypes, self._argmax_rows.restype = (_ptr, _i64, _i64, _ptr), None
+        self._q4_matmul.restype = ctypes.c_int
+        self._q4_bytes.argtypes, self._q4_bytes.restype = (_i64, _i64), _i64
+        lib.ns_q4_isa.restype = ctypes.c_char_p
+        self.q4_isa = lib.ns_q4_isa().decode()  # which integer dot product the 4-bit kernel was built on
         self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
 
@@ -144,6 +153,45 @@ class FusedKernels:
         self._rescore(logits.data_ptr(), rows, vocab, hidden.data_ptr(), weight.data_ptr(), hidden.shape[1], shortlist)
         self._count("rescore", rows)
         return logits
+
+    def q4_pack(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+        """Int4Blocks' codes [out, in] (0..15), scales and zeros [out, in / 32] -> the 4-bit kernel's packed
+        weight (kernels/linear.c: 16 outputs by 32 inputs a unit, scales and zeros in float16)."""
+        out, k = codes.shape
+        if out % 16 or k % 32 or scales.shape != (out, k // 32) or zeros.shape != scales.shape:
+            raise ValueError(f"cannot pack a {out}x{k} weight with {tuple(scales.shape)} scales: outputs go in 16s "
+                             "and inputs in groups of 32")
+        codes = codes.to(torch.uint8).contiguous()
+        scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
+        packed = torch.empty(self._q4_bytes(out, k), dtype=torch.uint8)
+        self._q4_pack(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out, k, packed.data_ptr())
+        return packed
+
+    def q4_matmul(self, packed: torch.Tensor, x: torch.Tensor, out: int,
+                  add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] float32 (contiguous) . W^T -> [rows, out] float32, W packed by q4_pack (added into
+        `add_to` when given, which is returned); on torch's thread count (which thread computes an output
+        changes none of its bits)."""
+        rows, k = x.shape
+        if x.dtype is not torch.float32 or not x.is_contiguous() or packed.numel() != self._q4_bytes(out, k):
+            raise ValueError(f"the 4-bit kernel takes contiguous float32 rows of the weight's {k} inputs")
+        y = torch.empty(rows, out) if add_to is None else add_to
+        if y.shape != (rows, out) or y.dtype is not torch.float32 or not y.is_contiguous():
+            raise ValueError(f"the 4-bit kernel adds into a contiguous float32 [{rows}, {out}], not {tuple(y.shape)}")
+        if rows and self._q4_matmul(packed.data_ptr(), x.data_ptr(), rows, k, out, None, y.data_ptr(),
+                                    torch.get_num_threads(), add_to is not None):
+            raise MemoryError(f"the 4-bit kernel could not allocate the int8 copy of {rows} x {k} activations")
+        return y
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's largest value's index, as torch.argmax(dim=-1) (first on a tie, a NaN first of all), for
+        contiguous float32 [rows, n]: one pass, no threads to wake."""
+        rows, n = x.shape
+        if x.dtype is not torch.float32 or not x.is_contiguous() or n == 0:
+            return x.argmax(dim=-1)
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax_rows(x.data_ptr(), rows, n, out.data_ptr())
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 n] -> silu(gate) * up [rows, n], in gate_up's dtype."""

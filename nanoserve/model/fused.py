@@ -25,10 +25,21 @@ class FusedStatus:
         return out
 
 
-def why_not(model, device: torch.device) -> str:
-    """Why this model cannot run fused on `device` ("" when it can)."""
+def fused_kernels(enabled: bool, device: torch.device):
+    """(FusedKernels, "") for a model about to load on `device`, or (None, why not): the flag off, not a CPU, or
+    no library (no compiler, or a build this machine cannot run). Loaded before the weights, since the 4-bit
+    linears are packed for its kernel as they load."""
+    if not enabled:
+        return None, "--no-fused-cpu-kernels"
     if device.type != "cpu":
-        return f"the fused kernels are CPU kernels; this model runs on {device.type}"
+        return None, f"the fused kernels are CPU kernels; this model runs on {device.type}"
+    from nanoserve.kernels.fused import load
+
+    return load()
+
+
+def why_not(model) -> str:
+    """Why this model cannot run on the fused decoder kernels ("" when it can)."""
     stream = model.embed_tokens.weight.dtype
     if stream != torch.float32:
         return f"the residual stream is {str(stream).removeprefix('torch.')}; the fused kernels take float32"
@@ -38,17 +49,13 @@ def why_not(model, device: torch.device) -> str:
     return ""
 
 
-def install_fused(model, device: torch.device, enabled: bool) -> FusedStatus:
-    """Switch `model` onto the fused kernels when it can run them; the status says which, and why not."""
-    if not enabled:
-        return FusedStatus(False, "--no-fused-cpu-kernels")
-    reason = why_not(model, device)
-    if reason:
-        return FusedStatus(False, reason)
-    from nanoserve.kernels.fused import load
-
-    kernels, reason = load()
+def install_fused(model, kernels, reason: str = "") -> FusedStatus:
+    """Switch `model` onto `kernels` (from fused_kernels; None: `reason` says why there are none) when it can run
+    them; the status says which, and why not."""
     if kernels is None:
+        return FusedStatus(False, reason)
+    reason = why_not(model)
+    if reason:
         return FusedStatus(False, reason)
     model.use_fused(kernels)
     return FusedStatus(True, "", kernels)

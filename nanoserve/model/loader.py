@@ -84,7 +84,7 @@ DtypeChoice = Callable[[str | None], torch.dtype]
 def load_model(
     path: str | os.PathLike | None, dtype: torch.dtype | DtypeChoice, device: torch.device,
     max_positions: int | None = None, quantization: str = "none", shard: TensorShard | None = None,
-    invariant: bool = False,
+    invariant: bool = False, linear_kernels=None,
 ) -> LoadedModel:
     """Load config, weights and tokenizer.
 
@@ -98,7 +98,8 @@ def load_model(
     model's, `LoadedModel.model.config` is the part's.
 
     `invariant` builds the model batch-invariant: kernels chosen by machine, shape and dtype only (see
-    install_quantized and nanoserve/model/rows.py).
+    install_quantized and nanoserve/model/rows.py). `linear_kernels` (FusedKernels): 4-bit linears run on its
+    4-bit x 8-bit kernel instead of torch's (see nanoserve/kernels/linear.c).
     """
     supported = {"auto": int4_supported, "int4": int4_supported, "int8": int8_supported}
     if quantization != "none" and not supported[quantization](device):
@@ -108,9 +109,10 @@ def load_model(
         quantization = "none"
     p, name = _resolve(path)
     if p.is_file():
-        loaded = _load_gguf(p, dtype, device, max_positions, quantization, shard, invariant)
+        loaded = _load_gguf(p, dtype, device, max_positions, quantization, shard, invariant, linear_kernels)
     else:
-        loaded = _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard, invariant)
+        loaded = _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard, invariant,
+                              linear_kernels)
     if invariant:
         pad_dense_rows(loaded.model, device)
     return loaded
@@ -148,7 +150,7 @@ def peek_config(path: str | os.PathLike | None) -> ModelConfig:
 
 
 def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=None,
-               invariant: bool = False) -> LoadedModel:
+               invariant: bool = False, linear_kernels=None) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
@@ -163,12 +165,12 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=N
     )
     local = shard.local_config(config) if shard is not None else config
     model, quant = _build(local, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
-                          head_blocks=ckpt.head_blocks, invariant=invariant)
+                          head_blocks=ckpt.head_blocks, invariant=invariant, linear_kernels=linear_kernels)
     return LoadedModel(p.stem, config, model, tokenizer, quant)
 
 
 def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str, shard=None,
-                 invariant: bool = False) -> LoadedModel:
+                 invariant: bool = False, linear_kernels=None) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -184,7 +186,7 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization:
     tokenizer = Tokenizer.from_dir(p)
     local = shard.local_config(config) if shard is not None else config
     model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, device, max_positions,
-                          quantization, invariant=invariant)
+                          quantization, invariant=invariant, linear_kernels=linear_kernels)
     return LoadedModel(name, config, model, tokenizer, quant)
 
 
@@ -223,7 +225,8 @@ def _read_slice(f, key: str, shard: TensorShard, vocab: int) -> torch.Tensor:
 
 
 def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none",
-           head_blocks: QuantBlocks | None = None, invariant: bool = False) -> tuple[CausalLM, QuantStats | None]:
+           head_blocks: QuantBlocks | None = None, invariant: bool = False,
+           linear_kernels=None) -> tuple[CausalLM, QuantStats | None]:
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
         model = CausalLM(config, positions)
@@ -246,7 +249,8 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         model.lm_head.weight = model.embed_tokens.weight
     if head_blocks is not None:
         kept["lm_head"] = {"weight": head_blocks}
-    quant = install_quantized(model, kept, quantization, invariant) if quantization != "none" else None
+    kernels = linear_kernels if dtype == torch.float32 else None  # its linears answer in float32
+    quant = install_quantized(model, kept, quantization, invariant, kernels) if quantization != "none" else None
     return model.eval(), quant
 
 

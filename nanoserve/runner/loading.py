@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
+from nanoserve.model.fused import fused_kernels, install_fused
 from nanoserve.model.loader import LoadedModel, load_model, peek_config
 from nanoserve.parallel.driver import ParallelGroup
 from nanoserve.parallel.shard import check_divisible
@@ -13,12 +14,15 @@ from nanoserve.parallel.shard import check_divisible
 
 def load(config: EngineConfig, device, progress: Callable[[str], None]) -> tuple[LoadedModel, ParallelGroup | None]:
     """The loaded model and, with --tensor-parallel-size above 1, the group of ranks it is spread over. A size
-    that does not divide the model is refused before any process starts."""
+    that does not divide the model is refused before any process starts. On the CPU the model runs on the fused
+    kernels where it can (nanoserve/model/fused.py), its 4-bit linears packed for them as they load."""
+    kernels, no_kernels = _fused_kernels(config, device, progress)
     if config.tensor_parallel_size == 1:
         progress("loading weights")
         loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len,
-                            config.quantization, invariant=config.batch_invariant)
-        return _fuse(loaded, config, device, progress), None
+                            config.quantization, invariant=config.batch_invariant, linear_kernels=kernels)
+        loaded.fused = install_fused(loaded.model, kernels, no_kernels)
+        return loaded, None
     shapes = peek_config(config.model)
     check_divisible(shapes, config.tensor_parallel_size)
     progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
@@ -27,23 +31,21 @@ def load(config: EngineConfig, device, progress: Callable[[str], None]) -> tuple
     try:
         with group.own_threads():
             loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len,
-                                config.quantization, shard=group.shard, invariant=config.batch_invariant)
+                                config.quantization, shard=group.shard, invariant=config.batch_invariant,
+                                linear_kernels=kernels)
     except Exception as e:
         group.confirm(f"{type(e).__name__}: {e}", "load")  # stops the other ranks, then raises
         raise
     group.confirm(None, "load")
     loaded.model.parallelize(group.group, vocab_start=0)
-    return _fuse(loaded, config, device, progress), group
+    loaded.fused = install_fused(loaded.model, kernels, no_kernels)
+    return loaded, group
 
 
-def _fuse(loaded: LoadedModel, config: EngineConfig, device, progress: Callable[[str], None]) -> LoadedModel:
-    """Put the model on the fused CPU kernels where it can run them (building them on a machine's first start)."""
-    from nanoserve.model.fused import install_fused
-
+def _fused_kernels(config: EngineConfig, device, progress: Callable[[str], None]):
     if config.fused_cpu_kernels and device.type == "cpu":
-        progress("fused CPU kernels")
-    loaded.fused = install_fused(loaded.model, device, config.fused_cpu_kernels)
-    return loaded
+        progress("fused CPU kernels")  # built on a machine's first start (about two seconds), then cached
+    return fused_kernels(config.fused_cpu_kernels, device)
 
 
 def not_invariant_reason(config: EngineConfig, model, device) -> str | None:

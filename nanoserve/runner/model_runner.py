@@ -64,7 +64,9 @@ class ModelRunner:
         if self.captured is not None:
             progress("capturing CUDA graphs")
             self.captured.capture()
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed), GrammarMasker())
+        fused = self.loaded.fused.kernels if self.loaded.fused is not None else None
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed), GrammarMasker(),
+                               argmax=fused.argmax if fused is not None else None)
         self.steps = 0  # steps executed (a failed one too)
 
     def decode_fast_path(self, cache: KVCache, max_model_len: int):

@@ -31,13 +31,14 @@ from nanoserve.model.quant.linears import (
     Int8GroupLinear,
     Int8Linear,
     PackedLinear,
+    Q4Linear,
     int4_supported,
     int8_supported,
 )
 
 __all__ = [
     "ACT", "DENSE_MARGIN", "GROUP", "KEPT_GGUF_TYPES", "BF16Linear", "Int4Blocks", "Int4Linear", "Int8Blocks",
-    "Int8GroupLinear", "Int8Linear", "PackedLinear", "QuantBlocks", "QuantStats", "dense_crossover",
+    "Int8GroupLinear", "Int8Linear", "PackedLinear", "Q4Linear", "QuantBlocks", "QuantStats", "dense_crossover",
     "fastest_head", "from_gguf", "head_forms", "head_timings", "install_quantized", "int4_supported",
     "int8_supported",
 ]

@@ -20,6 +20,7 @@ from nanoserve.model.quant.linears import (
     Int8GroupLinear,
     Int8Linear,
     PackedLinear,
+    Q4Linear,
     int4_packable,
 )
 from nanoserve.model.rescore import SHORTLIST
@@ -61,15 +62,16 @@ def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 5
 _HEADS: dict[tuple, dict[str, float]] = {}  # (shape, dtype, threads, forms) -> seconds a row, once a process
 
 
-def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str) -> dict:
+def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str, kernels=None) -> dict:
     """The forms the output head can take, each a builder: a bfloat16 copy; the file's own blocks when the head
     (or the embedding it is tied to) came quantized (int8g32 for Q8_0, int4 for Q4); and int8 per row, which
-    re-rounds the weight, only when --quantization int4 / int8 asked for lossy weights."""
+    re-rounds the weight, only when --quantization int4 / int8 asked for lossy weights. With `kernels` the file's
+    8-bit blocks run on the fused library's 4-bit x 8-bit kernel, as two planes."""
     forms = {"bfloat16": lambda: BF16Linear(weight)}
     if blocks is not None and not int4_packable(*blocks.shape):
         blocks = None
     if isinstance(blocks, Int8Blocks):
-        forms["int8g32"] = lambda: Int8GroupLinear(blocks)
+        forms["int8g32"] = lambda: Int8GroupLinear(blocks, kernels=kernels)
     elif isinstance(blocks, Int4Blocks):
         forms["int4"] = lambda: Int4Linear(blocks, None)
     if mode in ("int4", "int8") and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
@@ -145,9 +147,13 @@ def _kept_head(weight: torch.Tensor, forms: dict) -> tuple[str, dict[str, float]
     return kept["choice"], kept["us"]
 
 
-def _packed(blocks: QuantBlocks, bias, sizes) -> PackedLinear:
+def _packed(blocks: QuantBlocks, bias, sizes, kernels=None) -> PackedLinear:
+    """The packed linear for a file's blocks: 4-bit ones on the fused library's 4-bit x 8-bit kernel when it is
+    given, else on torch's int4 kernel."""
     if isinstance(blocks, Int8Blocks):
         return Int8GroupLinear(blocks, bias, sizes)
+    if kernels is not None:
+        return Q4Linear(blocks, bias, sizes, kernels)
     return Int4Linear(blocks, bias, sizes)
 
 
@@ -180,17 +186,17 @@ def _write_dense(module: nn.Module, shards: dict[str, QuantBlocks]) -> None:
 
 
 def _packed_form(module: nn.Module, shards: dict[str, QuantBlocks], names: list[str],
-                 mode: str) -> tuple[PackedLinear, torch.Tensor] | None:
+                 mode: str, kernels=None) -> tuple[PackedLinear, torch.Tensor] | None:
     """The packed linear for one projection and the dense weight it stands for: on the file's blocks where they
     came, else quantized at load under mode "int4" / "int8"; None when it stays as it is."""
     bias, sizes = (module.bias.data if module.bias is not None else None), getattr(module, "sizes", None)
     if shards:
         parts = [shards[n] for n in names]
         blocks = type(parts[0]).cat(parts)
-        return _packed(blocks, bias, sizes), blocks.dequantize()
+        return _packed(blocks, bias, sizes, kernels), blocks.dequantize()
     if mode == "int4" and int4_packable(*module.weight.shape):
         blocks = Int4Blocks.quantize(module.weight.data)
-        return Int4Linear(blocks, bias, sizes), blocks.dequantize()
+        return _packed(blocks, bias, sizes, kernels), blocks.dequantize()
     if mode == "int8":
         linear = Int8Linear(module.weight.data, bias, sizes)
         return linear, linear.dequantize()
@@ -198,12 +204,12 @@ def _packed_form(module: nn.Module, shards: dict[str, QuantBlocks], names: list[
 
 
 def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
-                  invariant: bool) -> tuple[str, dict[str, float], int]:
+                  invariant: bool, kernels=None) -> tuple[str, dict[str, float], int]:
     """Put the output head in its fastest form (kept for the machine under `invariant`). Returns the form's name
     (the model's dtype when the head stays as loaded), the microseconds behind the choice, and the bytes the new
     form holds (0 when it stays)."""
     weight = model.lm_head.weight
-    forms = head_forms(weight, blocks, mode)
+    forms = head_forms(weight, blocks, mode, kernels)
     head, head_us = _kept_head(weight, forms) if invariant else _timed_head(weight, forms)
     if head == "own":
         return str(weight.dtype).removeprefix("torch."), head_us, 0
@@ -214,7 +220,7 @@ def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
 
 
 def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str,
-                      invariant: bool = False) -> QuantStats | None:
+                      invariant: bool = False, kernels=None) -> QuantStats | None:
     """Swap the decoder's linears for packed ones. Each whose weights arrived as blocks (`kept`: module path ->
     shard -> blocks) runs on them: 4-bit blocks as an Int4Linear, GGUF Q8_0 as an Int8GroupLinear. Under mode
     "int4" or "int8" every other decoder linear is quantized at load to that format. A merged projection whose
@@ -224,8 +230,9 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
 
     `invariant` (batch invariance): every call runs the packed kernel whatever its rows (a dense copy for wide
     calls would give a row other numbers beside many rows than alone), and the head's form is timed once per
-    machine and kept (nanoserve/kernel_table.py), not timed at each load."""
-    calls = {"int4": 0, "int8": 0, "int8g32": 0, "dense": 0}
+    machine and kept (nanoserve/kernel_table.py), not timed at each load. `kernels` (FusedKernels): 4-bit linears
+    run on its 4-bit x 8-bit kernel (Q4Linear) instead of torch's int4 one."""
+    calls = {"int4": 0, "q4x8": 0, "int8": 0, "int8g32": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}
@@ -235,7 +242,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
         if _stays_dense(module, shards, names):
             _write_dense(module, shards)
             continue
-        built = _packed_form(module, shards, names, mode)
+        built = _packed_form(module, shards, names, mode, kernels)
         if built is None:
             continue
         linear, weight = built
@@ -250,7 +257,8 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
         dense += linear.dense.numel() * 2 if linear.dense is not None else 0
     if not formats:
         return None
-    head, head_us, head_bytes = _install_head(model, kept.get("lm_head", {}).get("weight"), mode, invariant)
+    head, head_us, head_bytes = _install_head(model, kept.get("lm_head", {}).get("weight"), mode, invariant,
+                                              kernels)
     rescored = 0 if getattr(model, "exact_head", None) is None else SHORTLIST
     return QuantStats(formats, packed, dense + head_bytes, crossover, calls, served_rows, head, head_us, rescored)
 

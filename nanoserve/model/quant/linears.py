@@ -46,6 +46,7 @@ class PackedLinear(FastAttributes, nn.Module):
 
     format = ""
     input_dtype = ACT  # what forward casts its input to: a caller (the fused norm) may hand it over already cast
+    activation_form = "bfloat16"  # what the kernel multiplies the weights by (the snapshot's numerics say it)
 
     def __init__(self, out: int, k: int, bias: torch.Tensor | None, sizes: list[int] | None):
         super().__init__()
@@ -69,7 +70,7 @@ class PackedLinear(FastAttributes, nn.Module):
         """x in any float dtype -> y in bfloat16 (float32 with a bias): the caller takes it as it is, since a
         residual add promotes it exactly and the MLP runs bfloat16 into the next packed call."""
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        flat = flat.to(ACT)
+        flat = flat.to(self.input_dtype)
         if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
             self.calls["dense"] += 1
             self.rows["dense"] += flat.shape[0]
@@ -104,6 +105,27 @@ class Int4Linear(PackedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
 
 
+class Q4Linear(PackedLinear):
+    """4-bit codes in groups of 32 (Int4Blocks) on the fused library's 4-bit x 8-bit kernel (kernels/linear.c):
+    float32 in, each row's groups of 32 quantized to int8 inside the call, float32 out. An output depends on its
+    row alone, whatever the call's rows, threads or vector width."""
+
+    format = "q4x8"
+    input_dtype = torch.float32
+    activation_form = "int8 per 32"
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
+        out, k = blocks.shape
+        if not int4_packable(out, k):
+            raise ValueError(f"int4 weights need inputs in groups of {GROUP} and outputs in 16s; this is {out}x{k}")
+        super().__init__(out, k, bias, sizes)
+        self.kernels = kernels
+        self.register_buffer("packed", kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros))
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q4_matmul(self.packed, flat.float().contiguous(), self.out_features)
+
+
 class Int8Linear(PackedLinear):
     """A weight quantized to int8 per output row (symmetric) on torch's int8 weight-only CPU kernel: for dense
     checkpoints under --quantization int8, and for the output head over a GGUF file's Q8_0 embedding, whose
@@ -132,19 +154,30 @@ class Int8GroupLinear(PackedLinear):
 
     format = "int8g32"
 
-    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None = None, sizes: list[int] | None = None):
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None = None, sizes: list[int] | None = None,
+                 kernels=None):
         out, k = blocks.shape
         if not int4_packable(out, k):
             raise ValueError(f"8-bit group weights need inputs in groups of {GROUP} and outputs in 16s; this is "
                              f"{out}x{k}")
         super().__init__(out, k, bias, sizes)
         hi, lo = blocks.planes()
+        self.kernels = kernels  # FusedKernels: the planes run on its 4-bit x 8-bit kernel (float32 in and out)
+        if kernels is not None:
+            self.input_dtype, self.activation_form = torch.float32, "int8 per 32"
+            self.register_buffer("packed_hi", kernels.q4_pack(hi.codes, hi.scales, hi.zeros))
+            self.register_buffer("packed_lo", kernels.q4_pack(lo.codes, lo.scales, lo.zeros))
+            return
         for name, plane in (("hi", hi), ("lo", lo)):
             packed, scales_and_zeros = _pack_int4(plane)
             self.register_buffer(f"packed_{name}", packed)
             self.register_buffer(f"scales_and_zeros_{name}", scales_and_zeros)
 
     def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            x = flat.float().contiguous()
+            y = self.kernels.q4_matmul(self.packed_hi, x, self.out_features)
+            return self.kernels.q4_matmul(self.packed_lo, x, self.out_features, add_to=y)
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         return (mm(flat, self.packed_hi, GROUP, self.scales_and_zeros_hi)
                 + mm(flat, self.packed_lo, GROUP, self.scales_and_zeros_lo))

@@ -1,0 +1,408 @@
+/* 4-bit weights times 8-bit activations: the CPU's packed linear, as llama.cpp computes its Q4 x Q8 products.
+ *
+ * Weights: 4-bit codes q with a scale s and a zero z per group of 32 inputs (w = (q - 8) s + z, Int4Blocks),
+ * packed by ns_q4_pack for 16 outputs at a time. Activations: each row's group of 32 quantized to int8 codes with
+ * one scale (d = max |x| / 127, round to nearest even) and the codes' sum. A group's product is an exact integer,
+ * sum (q - 8) x_q, which the machine's widest integer dot product (AVX-512 VNNI, AVX2, or plain C) computes alike;
+ * the float part, y += s (d c) + z (d sum x_q) with one fused multiply-add, runs group by group in order. So an
+ * output's bits depend on its row alone: not on the other rows of the call, the thread that computed it, or the
+ * instruction set's width.
+ *
+ * A call's output groups are dealt to a persistent pool of threads (ns_pool_*): a decode step makes 120 calls of
+ * tens of microseconds, too short to start threads for.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define OUTS 16                      /* outputs packed together */
+#define GROUP_BYTES (OUTS * GROUP / 2 + 2 * OUTS * 2) /* nibbles, then 16 f16 scales and 16 f16 zeros: 320 */
+
+/* ---- half precision, exactly ---------------------------------------------------------------------------- */
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, mag = x & 0x7fffffffu;
+    if (mag >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (mag > 0x7f800000u ? 0x200u : 0)); /* inf, NaN */
+    if (mag >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                                      /* overflow */
+    if (mag < 0x38800000u) { /* subnormal half: round the value at 2^-24 steps, to nearest even */
+        float a;
+        memcpy(&a, &mag, 4);
+        float scaled = a * 16777216.0f; /* exact: a power of two */
+        float rounded = (scaled + 12582912.0f) - 12582912.0f;
+        return (uint16_t)(sign | (uint16_t)rounded);
+    }
+    uint32_t rounded = mag + 0x0fffu + ((mag >> 13) & 1u); /* to nearest even at 13 dropped bits */
+    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, x;
+    if (exp == 0) {
+        float f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
+        memcpy(&x, &f, 4);
+        x |= sign;
+    } else if (exp == 31) {
+        x = sign | 0x7f800000u | (man << 13);
+    } else {
+        x = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* ---- packing -------------------------------------------------------------------------------------------- */
+
+int64_t ns_q4_packed_bytes(int64_t out, int64_t in) { return (out / OUTS) * (in / GROUP) * GROUP_BYTES; }
+
+/* codes [out, in] (0..15), scales and zeros [out, in / 32] -> dst. Per 16 outputs and group of 32 inputs: 4
+ * vectors of 64 bytes, vector v holding for output l, at byte 4 l + c, input 8 v + c in its low nibble and input
+ * 8 v + 4 + c in its high one; then the scales and the zeros as f16. */
+void ns_q4_pack(const uint8_t *codes, const float *scales, const float *zeros, int64_t out, int64_t in,
+                uint8_t *dst) {
+    int64_t groups = in / GROUP;
+    for (int64_t g = 0; g < out / OUTS; g++)
+        for (int64_t b = 0; b < groups; b++) {
+            uint8_t *p = dst + (g * groups + b) * GROUP_BYTES;
+            for (int v = 0; v < 4; v++)
+                for (int l = 0; l < OUTS; l++)
+                    for (int c = 0; c < 4; c++) {
+                        const uint8_t *row = codes + (g * OUTS + l) * in + b * GROUP + 8 * v + c;
+                        p[v * 64 + l * 4 + c] = (uint8_t)((row[0] & 0x0f) | ((row[4] & 0x0f) << 4));
+                    }
+            uint16_t halves[2 * OUTS];
+            for (int l = 0; l < OUTS; l++) {
+                halves[l] = f32_to_f16(scales[(g * OUTS + l) * groups + b]);
+                halves[OUTS + l] = f32_to_f16(zeros[(g * OUTS + l) * groups + b]);
+            }
+            memcpy(p + 4 * 64, halves, sizeof halves);
+        }
+}
+
+/* ---- activations ---------------------------------------------------------------------------------------- */
+
+/* x [rows, in] float32 -> codes [rows, in] int8, scales [rows, in / 32], code sums [rows, in / 32] */
+static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *codes, float *scales, int32_t *sums) {
+    int64_t groups = in / GROUP;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < groups; b++) {
+            const float *v = x + r * in + b * GROUP;
+            float top = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                float a = fabsf(v[i]);
+                top = a > top ? a : top;
+            }
+            float inv = top > 0.0f ? 127.0f / top : 0.0f;
+            int32_t sum = 0;
+            int8_t *c = codes + r * in + b * GROUP;
+            for (int i = 0; i < GROUP; i++) {
+                float t = v[i] * inv;
+                t = (t + 12582912.0f) - 12582912.0f; /* to nearest even */
+                c[i] = (int8_t)t;
+                sum += c[i];
+            }
+            scales[r * groups + b] = top / 127.0f;
+            sums[r * groups + b] = sum;
+        }
+}
+
+/* ---- one row against 16 outputs' packed weights ----------------------------------------------------------
+ * Per group of 32 inputs: the exact integer sums c_l = sum (q - 8) x_q, then acc_l += fma(s_l, d c_l, z_l (d sum x_q))
+ * in group order; every path below computes exactly these operations. */
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ISA "avx512-vnni"
+static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
+                    float out[OUTS]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * GROUP_BYTES;
+        int32_t xs4[8];
+        memcpy(xs4, x + b * GROUP, 32);
+        __m512i sums = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            __m512i packed = _mm512_loadu_si512(p + v * 64);
+            sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(packed, low), _mm512_set1_epi32(xs4[2 * v]));
+            sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
+                                       _mm512_set1_epi32(xs4[2 * v + 1]));
+        }
+        float d = xd[b];
+        int32_t sx = xs[b];
+        __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_set1_epi32(8 * sx)));
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+        __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+        __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), centred),
+                                   _mm512_mul_ps(zero, _mm512_set1_ps(d * (float)sx)));
+        acc = _mm512_add_ps(acc, t);
+    }
+    _mm512_storeu_ps(out, acc);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ISA "avx2"
+static inline __m256i dot4(__m256i u8, int32_t x4) {
+    /* u8 (0..15) x s8 pairs summed to s16 (at most 2 x 15 x 128: no saturation), then pairs to s32 */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, _mm256_set1_epi32(x4)), _mm256_set1_epi16(1));
+}
+static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
+                    float out[OUTS]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * GROUP_BYTES;
+        int32_t xs4[8];
+        memcpy(xs4, x + b * GROUP, 32);
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+        for (int v = 0; v < 4; v++) {
+            __m256i h0 = _mm256_loadu_si256((const __m256i *)(p + v * 64));
+            __m256i h1 = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32));
+            s0 = _mm256_add_epi32(s0, dot4(_mm256_and_si256(h0, low), xs4[2 * v]));
+            s1 = _mm256_add_epi32(s1, dot4(_mm256_and_si256(h1, low), xs4[2 * v]));
+            s0 = _mm256_add_epi32(s0, dot4(_mm256_and_si256(_mm256_srli_epi16(h0, 4), low), xs4[2 * v + 1]));
+            s1 = _mm256_add_epi32(s1, dot4(_mm256_and_si256(_mm256_srli_epi16(h1, 4), low), xs4[2 * v + 1]));
+        }
+        float d = xd[b];
+        int32_t sx = xs[b];
+        __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
+        __m256i eight = _mm256_set1_epi32(8 * sx);
+        __m256 c0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(s0, eight)), c1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(s1, eight));
+        __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
+        __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
+        __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
+        __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
+        acc0 = _mm256_add_ps(acc0, _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, c0), _mm256_mul_ps(z0, dz)));
+        acc1 = _mm256_add_ps(acc1, _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, c1), _mm256_mul_ps(z1, dz)));
+    }
+    _mm256_storeu_ps(out, acc0);
+    _mm256_storeu_ps(out + 8, acc1);
+}
+#else
+#define ISA "portable"
+static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
+                    float out[OUTS]) {
+    float acc[OUTS] = {0};
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * GROUP_BYTES;
+        const int8_t *xb = x + b * GROUP;
+        uint16_t halves[2 * OUTS];
+        memcpy(halves, p + 4 * 64, sizeof halves);
+        float d = xd[b];
+        int32_t sx = xs[b];
+        for (int l = 0; l < OUTS; l++) {
+            int32_t sum = 0;
+            for (int v = 0; v < 4; v++)
+                for (int c = 0; c < 4; c++) {
+                    uint8_t byte = p[v * 64 + l * 4 + c];
+                    sum += (byte & 0x0f) * xb[8 * v + c] + (byte >> 4) * xb[8 * v + 4 + c];
+                }
+            float centred = (float)(sum - 8 * sx);
+            acc[l] = acc[l] + fmaf(f16_to_f32(halves[l]), d * centred, f16_to_f32(halves[OUTS + l]) * (d * (float)sx));
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+#endif
+
+const char *ns_q4_isa(void) { return ISA; }
+
+/* y[r, 16 g .. 16 g + 16) for rows [0, rows) and output groups [g0, g1) */
+static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
+                      const int32_t *xs, int64_t rows, const float *bias, int accumulate, int64_t g0, int64_t g1,
+                      float *y) {
+    int64_t groups = in / GROUP;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *wg = w + g * groups * GROUP_BYTES;
+        for (int64_t r = 0; r < rows; r++) {
+            float acc[OUTS];
+            row_dot(wg, groups, xq + r * in, xd + r * groups, xs + r * groups, acc);
+            float *yr = y + r * out + g * OUTS;
+            for (int l = 0; l < OUTS; l++) {
+                float v = bias ? acc[l] + bias[g * OUTS + l] : acc[l];
+                yr[l] = accumulate ? yr[l] + v : v;
+            }
+        }
+    }
+}
+
+/* ---- the thread pool ------------------------------------------------------------------------------------
+ * A call's output groups are cut into chunks that every thread, the caller included, claims one at a time: a
+ * worker the OS has not scheduled (a busy machine) only means the others claim more. A claim is a
+ * compare-and-swap on (job number, next chunk), so a worker that wakes late can never take a chunk of a later
+ * job; once a job's chunks are all finished the caller closes its claims. */
+
+#define MAX_THREADS 64
+#define CHUNKS_PER_THREAD 4
+#define SPIN_NS 50000 /* an idle worker polls this long before it sleeps: a step's calls come closer together, and
+                        * the ops between steps (torch's own threads among them) get the core back soon after */
+#define CLOSED 0xffffffffu
+
+typedef struct {
+    const uint8_t *w;
+    const int8_t *xq;
+    const float *xd, *bias;
+    const int32_t *xs;
+    int64_t in, out, rows;
+    float *y;
+    int64_t chunks;
+    int accumulate;
+} Job;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_uint generation;
+    _Atomic uint64_t claim; /* job generation << 32 | next chunk */
+    atomic_llong finished;
+    int workers, sleeping;
+    Job job;
+    pthread_t ids[MAX_THREADS];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, {0}, {0}};
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+}
+
+static void run_chunk(const Job *job, int64_t chunk) {
+    int64_t total = job->out / OUTS, g0 = total * chunk / job->chunks, g1 = total * (chunk + 1) / job->chunks;
+    q4_groups(job->w, job->in, job->out, job->xq, job->xd, job->xs, job->rows, job->bias, job->accumulate, g0, g1,
+              job->y);
+}
+
+/* Claims and runs chunks of job `generation` until none is left (or the job is no longer that one). */
+static void take_chunks(const Job *job, unsigned generation) {
+    for (;;) {
+        uint64_t seen = atomic_load_explicit(&pool.claim, memory_order_acquire);
+        uint32_t next = (uint32_t)seen;
+        if ((unsigned)(seen >> 32) != generation || next == CLOSED || (int64_t)next >= job->chunks) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &seen, seen + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        run_chunk(job, next);
+        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
+    }
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *worker(void *arg) {
+    unsigned seen = (unsigned)(uintptr_t)arg; /* the generation when it was made: any later one is a job */
+    for (;;) {
+        unsigned now;
+        int64_t since = now_ns();
+        int polls = 0;
+        while ((now = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
+            if ((++polls & 63) || now_ns() - since < SPIN_NS) {
+                relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool.lock);
+            pool.sleeping++;
+            while ((now = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pool.sleeping--;
+            pthread_mutex_unlock(&pool.lock);
+            break;
+        }
+        seen = now;
+        Job job = pool.job; /* torn only if the job is already over: then every claim below fails */
+        take_chunks(&job, now);
+    }
+    return NULL;
+}
+
+static void forget_pool_in_child(void) { /* a forked child has none of the parent's threads */
+    pool.workers = 0;
+    pool.sleeping = 0;
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+}
+
+/* Runs `job` on up to `threads` threads: this one and threads - 1 workers, started on first need. */
+static void run_pooled(Job job, int threads) {
+    static int registered = 0;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, forget_pool_in_child);
+        registered = 1;
+    }
+    threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    while (pool.workers < threads - 1) {
+        uintptr_t born = atomic_load(&pool.generation);
+        if (pthread_create(&pool.ids[pool.workers], NULL, worker, (void *)born) != 0) break;
+        pthread_detach(pool.ids[pool.workers]);
+        pool.workers++;
+    }
+    job.chunks = threads == 1 || pool.workers == 0 ? 1 : (int64_t)threads * CHUNKS_PER_THREAD;
+    int64_t groups = job.out / OUTS;
+    if (job.chunks > groups) job.chunks = groups > 0 ? groups : 1;
+    if (job.chunks == 1) {
+        run_chunk(&job, 0);
+        return;
+    }
+    unsigned generation = atomic_load(&pool.generation) + 1;
+    pool.job = job;
+    atomic_store(&pool.finished, 0);
+    atomic_store_explicit(&pool.claim, (uint64_t)generation << 32, memory_order_release);
+    atomic_store_explicit(&pool.generation, generation, memory_order_release);
+    pthread_mutex_lock(&pool.lock);
+    if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    take_chunks(&job, generation);
+    while (atomic_load_explicit(&pool.finished, memory_order_acquire) < job.chunks) relax();
+    atomic_store_explicit(&pool.claim, ((uint64_t)generation << 32) | CLOSED, memory_order_release);
+}
+
+/* ---- the call ------------------------------------------------------------------------------------------- */
+
+/* y [rows, out] float32 = x [rows, in] float32 . W^T (+ bias [out] when given; added to what y holds when
+ * `accumulate`), W packed by ns_q4_pack; on up to `threads` threads. Calls are made one at a time (the engine's step
+ * thread). Returns 0, or -1 when out of memory. */
+int ns_q4_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
+                 float *y, int32_t threads, int32_t accumulate) {
+    int64_t groups = in / GROUP;
+    int8_t *xq = malloc((size_t)(rows * in));
+    float *xd = malloc(sizeof(float) * (size_t)(rows * groups));
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * groups));
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -1;
+    }
+    quantize_rows(x, rows, in, xq, xd, xs);
+    Job job = {w, xq, xd, bias, xs, in, out, rows, y, 1, accumulate};
+    run_pooled(job, threads);
+    free(xq), free(xd), free(xs);
+    return 0;
+}
+
+/* out[r] = the index of row r's largest value (the first, on a tie; the first NaN if there is one), as
+ * torch.argmax: for the sampler's greedy rows, in one pass with no thread pool to wake. */
+void ns_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        int64_t best = 0;
+        float top = v[0];
+        for (int64_t i = 0; i < n; i++) {
+            if (v[i] != v[i]) {
+                best = i;
+                break;
+            }
+            if (v[i] > top) top = v[i], best = i;
+        }
+        out[r] = best;
+    }
+}
