@@ -123,31 +123,41 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ISA "avx512-vnni"
-static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
-                    float out[OUTS]) {
+#define ROW_TILE 4
+/* Up to ROW_TILE rows against 16 outputs at once: a group's weights are unpacked once for all of them; each row's
+ * arithmetic is the other paths' row_dot, operation for operation. */
+static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                     const int32_t *xs, float *out) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[ROW_TILE];
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        int32_t xs4[8];
-        memcpy(xs4, x + b * GROUP, 32);
-        __m512i sums = _mm512_setzero_si512();
+        __m512i nib[8];
         for (int v = 0; v < 4; v++) {
             __m512i packed = _mm512_loadu_si512(p + v * 64);
-            sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(packed, low), _mm512_set1_epi32(xs4[2 * v]));
-            sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
-                                       _mm512_set1_epi32(xs4[2 * v + 1]));
+            nib[2 * v] = _mm512_and_si512(packed, low);
+            nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
         }
-        float d = xd[b];
-        int32_t sx = xs[b];
-        __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_set1_epi32(8 * sx)));
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
-        __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), centred),
-                                   _mm512_mul_ps(zero, _mm512_set1_ps(d * (float)sx)));
-        acc = _mm512_add_ps(acc, t);
+        for (int i = 0; i < n; i++) {
+            int32_t xs4[8];
+            memcpy(xs4, x + i * in + b * GROUP, 32);
+            __m512i sums = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                sums = _mm512_dpbusd_epi32(sums, nib[2 * v], _mm512_set1_epi32(xs4[2 * v]));
+                sums = _mm512_dpbusd_epi32(sums, nib[2 * v + 1], _mm512_set1_epi32(xs4[2 * v + 1]));
+            }
+            float d = xd[i * groups + b];
+            int32_t sx = xs[i * groups + b];
+            __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_set1_epi32(8 * sx)));
+            __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), centred),
+                                       _mm512_mul_ps(zero, _mm512_set1_ps(d * (float)sx)));
+            acc[i] = _mm512_add_ps(acc[i], t);
+        }
     }
-    _mm512_storeu_ps(out, acc);
+    for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA "avx2"
@@ -223,14 +233,23 @@ static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
     int64_t groups = in / GROUP;
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *wg = w + g * groups * GROUP_BYTES;
-        for (int64_t r = 0; r < rows; r++) {
-            float acc[OUTS];
-            row_dot(wg, groups, xq + r * in, xd + r * groups, xs + r * groups, acc);
-            float *yr = y + r * out + g * OUTS;
-            for (int l = 0; l < OUTS; l++) {
-                float v = bias ? acc[l] + bias[g * OUTS + l] : acc[l];
-                yr[l] = accumulate ? yr[l] + v : v;
+        for (int64_t r0 = 0; r0 < rows;) {
+            float acc[4 * OUTS];
+#ifdef ROW_TILE
+            int n = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            rows_dot(wg, groups, in, n, xq + r0 * in, xd + r0 * groups, xs + r0 * groups, acc);
+#else
+            int n = 1;
+            row_dot(wg, groups, xq + r0 * in, xd + r0 * groups, xs + r0 * groups, acc);
+#endif
+            for (int i = 0; i < n; i++) {
+                float *yr = y + (r0 + i) * out + g * OUTS;
+                for (int l = 0; l < OUTS; l++) {
+                    float v = bias ? acc[i * OUTS + l] + bias[g * OUTS + l] : acc[i * OUTS + l];
+                    yr[l] = accumulate ? yr[l] + v : v;
+                }
             }
+            r0 += n;
         }
     }
 }
