@@ -283,8 +283,9 @@ def print_findings(bandwidth: float, bounds: dict[str, float], linear: dict | No
     print(f"memory read bandwidth {bandwidth:.1f} GB/s; bandwidth bound per arm (tok/s): "
           + ", ".join(f"{arm} {b:.1f}" for arm, b in bounds.items()))
     if linear:
-        print(f"int4 linears: {linear['modules']} modules, dense bf16 copy from rows {linear['dense_from_rows']}, "
-              f"calls int4 {linear['int4_calls']} / dense {linear['dense_calls']}, head {linear['head']}")
+        form = linear["format"]
+        print(f"{form} linears: {linear['modules']} modules, dense bf16 copy from rows {linear['dense_from_rows']}, "
+              f"calls {form} {linear.get(f'{form}_calls', 0)} / dense {linear['dense_calls']}, head {linear['head']}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
 
