@@ -57,7 +57,7 @@ def test_bench_throughput_puts_nanoserve_its_dense_self_and_transformers_in_one_
     rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-llama-cpp"], tmp_path)
     check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", *EAGER, "nanoserve dense",
                               "transformers"])
-    assert result["linear"]["format"] == ("q4x8" if EAGER else "int4")  # on the fused library where it runs
+    assert result["linear"]["format"] == ("q4x16" if EAGER else "int4")  # on the fused library where it runs
     peers = ("nanoserve_no_batch_invariant", *(["nanoserve_no_fused_cpu_kernels"] if EAGER else []),
              "nanoserve_dense", "transformers")
     assert set(result["ratios"]) == {f"{kind}_vs_{arm}" for kind in ("mixed", "single") for arm in peers}

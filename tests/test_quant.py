@@ -98,9 +98,9 @@ def test_quantize_at_load_round_trips_within_a_step():
 
 
 def packed_format(llm) -> str:
-    """The 4-bit linears' format: q4x8 (the fused library's 4-bit x 8-bit kernel) where the fused CPU kernels
+    """The 4-bit linears' format: q4x16 (the fused library's 4-bit x 16-bit kernel) where the fused CPU kernels
     run, torch's int4 kernel elsewhere."""
-    return "q4x8" if llm.engine.stats().features["fused"]["active"] else "int4"
+    return "q4x16" if llm.engine.stats().features["fused"]["active"] else "int4"
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_the_snapshot_says_what_runs_as_built(dense_and_int4):
     head = f"{linear['head']} + float32 top 16"  # a coarse head tied to the float32 embedding: its shortlist rescored
     assert linear["head_rescored"] == 16
     form = packed_format(int4)
-    activations = "int8 per 32" if form == "q4x8" else "bfloat16"
+    activations = "int16 per 32" if form == "q4x16" else "bfloat16"
     assert packed == Numerics(f"{form} (head {head}, rest float32)", f"{activations} in linears, float32", "float32",
                               plain)
 

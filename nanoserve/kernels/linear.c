@@ -1,12 +1,12 @@
-/* 4-bit weights times 8-bit activations: the CPU's packed linear, as llama.cpp computes its Q4 x Q8 products.
+/* 4-bit weights times 16-bit activations: the CPU's packed linear, on integer dot products.
  *
  * Weights: 4-bit codes q with a scale s and a zero z per group of 32 inputs (w = (q - 8) s + z, Int4Blocks),
- * packed by ns_q4_pack for 16 outputs at a time. Activations: each row's group of 32 quantized to int8 codes with
- * one scale (d = max |x| / 127, round to nearest even) and the codes' sum. A group's product is an exact integer,
- * sum (q - 8) x_q, which the machine's widest integer dot product (AVX-512 VNNI, AVX2, or plain C) computes alike;
- * the float part, y += s (d c) + z (d sum x_q) with one fused multiply-add, runs group by group in order. So an
- * output's bits depend on its row alone: not on the other rows of the call, the thread that computed it, or the
- * instruction set's width.
+ * packed by ns_q4_pack for 16 outputs at a time. Activations: each row's group of 32 quantized to 16-bit codes v
+ * with one scale (d = max |x| / 32767, round to nearest even: 15 bits, finer than bfloat16's 8) and the codes'
+ * sum. A group's product is an exact integer, sum (q - 8) v, which the machine's widest 8-bit dot product
+ * (AVX-512 VNNI, AVX2, or plain C) computes alike, v taken as two int8 planes; the float part,
+ * y += s (d c) + z (d sum v) with one fused multiply-add, runs group by group in order. So an output's bits depend
+ * on its row alone: not on the other rows of the call, the thread that computed it, or the instruction set.
  *
  * A call's output groups are dealt to a persistent pool of threads (ns_pool_*): a decode step makes 120 calls of
  * tens of microseconds, too short to start threads for.
@@ -92,7 +92,10 @@ void ns_q4_pack(const uint8_t *codes, const float *scales, const float *zeros, i
 
 /* ---- activations ---------------------------------------------------------------------------------------- */
 
-/* x [rows, in] float32 -> codes [rows, in] int8, scales [rows, in / 32], code sums [rows, in / 32] */
+/* x [rows, in] float32 -> per row and group of 32: 16-bit codes v = round(x 32767 / max |x|) (to nearest even),
+ * stored as two int8 planes, hi = v >> 8 and lo = (v & 255) - 128, so v = 256 hi + lo + 128 and each plane goes
+ * through the 8-bit dot products exactly; codes [rows, 2 in] (a group: 32 hi bytes, then 32 lo), scales
+ * [rows, in / 32], code sums [rows, in / 32]. */
 static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *codes, float *scales, int32_t *sums) {
     int64_t groups = in / GROUP;
     for (int64_t r = 0; r < rows; r++)
@@ -103,23 +106,26 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
                 float a = fabsf(v[i]);
                 top = a > top ? a : top;
             }
-            float inv = top > 0.0f ? 127.0f / top : 0.0f;
+            float inv = top > 0.0f ? 32767.0f / top : 0.0f;
             int32_t sum = 0;
-            int8_t *c = codes + r * in + b * GROUP;
+            int8_t *hi = codes + r * 2 * in + b * 2 * GROUP, *lo = hi + GROUP;
             for (int i = 0; i < GROUP; i++) {
                 float t = v[i] * inv;
                 t = (t + 12582912.0f) - 12582912.0f; /* to nearest even */
-                c[i] = (int8_t)t;
-                sum += c[i];
+                int32_t code = (int32_t)t, high = code >> 8;  /* arithmetic shift: the floor */
+                hi[i] = (int8_t)high;
+                lo[i] = (int8_t)(code - 256 * high - 128);
+                sum += code;
             }
-            scales[r * groups + b] = top / 127.0f;
+            scales[r * groups + b] = top / 32767.0f;
             sums[r * groups + b] = sum;
         }
 }
 
 /* ---- one row against 16 outputs' packed weights ----------------------------------------------------------
- * Per group of 32 inputs: the exact integer sums c_l = sum (q - 8) x_q, then acc_l += fma(s_l, d c_l, z_l (d sum x_q))
- * in group order; every path below computes exactly these operations. */
+ * Per group of 32 inputs: the exact integer sums c_l = sum (q - 8) v = 256 sum q hi + sum q lo + 128 sum q
+ * - 8 sum v (below 2^24, so exact in float32 too), then acc_l += fma(s_l, d c_l, z_l (d sum v)) in group order;
+ * every path below computes exactly these operations. x points at a row's codes (2 in bytes, see quantize_rows). */
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ISA "avx512-vnni"
@@ -128,31 +134,36 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
  * arithmetic is the other paths' row_dot, operation for operation. */
 static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
                      const int32_t *xs, float *out) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
     __m512 acc[ROW_TILE];
     for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        __m512i nib[8];
+        __m512i nib[8], codes = _mm512_setzero_si512();
         for (int v = 0; v < 4; v++) {
             __m512i packed = _mm512_loadu_si512(p + v * 64);
             nib[2 * v] = _mm512_and_si512(packed, low);
             nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            codes = _mm512_dpbusd_epi32(codes, nib[2 * v], ones);
+            codes = _mm512_dpbusd_epi32(codes, nib[2 * v + 1], ones);
         }
+        __m512i codes128 = _mm512_slli_epi32(codes, 7);
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         for (int i = 0; i < n; i++) {
-            int32_t xs4[8];
-            memcpy(xs4, x + i * in + b * GROUP, 32);
-            __m512i sums = _mm512_setzero_si512();
-            for (int v = 0; v < 4; v++) {
-                sums = _mm512_dpbusd_epi32(sums, nib[2 * v], _mm512_set1_epi32(xs4[2 * v]));
-                sums = _mm512_dpbusd_epi32(sums, nib[2 * v + 1], _mm512_set1_epi32(xs4[2 * v + 1]));
+            int32_t hi4[8], lo4[8];
+            memcpy(hi4, x + i * 2 * in + b * 2 * GROUP, 32);
+            memcpy(lo4, x + i * 2 * in + b * 2 * GROUP + GROUP, 32);
+            __m512i high = _mm512_setzero_si512(), lows = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                high = _mm512_dpbusd_epi32(high, nib[j], _mm512_set1_epi32(hi4[j]));
+                lows = _mm512_dpbusd_epi32(lows, nib[j], _mm512_set1_epi32(lo4[j]));
             }
             float d = xd[i * groups + b];
             int32_t sx = xs[i * groups + b];
-            __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_set1_epi32(8 * sx)));
-            __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), centred),
+            __m512i c = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 8), lows),
+                                         _mm512_sub_epi32(codes128, _mm512_set1_epi32(8 * sx)));
+            __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(c)),
                                        _mm512_mul_ps(zero, _mm512_set1_ps(d * (float)sx)));
             acc[i] = _mm512_add_ps(acc[i], t);
         }
@@ -171,28 +182,40 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        int32_t xs4[8];
-        memcpy(xs4, x + b * GROUP, 32);
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+        int32_t hi4[8], lo4[8];
+        memcpy(hi4, x + b * 2 * GROUP, 32);
+        memcpy(lo4, x + b * 2 * GROUP + GROUP, 32);
+        __m256i h0 = _mm256_setzero_si256(), h1 = h0, l0 = h0, l1 = h0, q0 = h0, q1 = h0;
         for (int v = 0; v < 4; v++) {
-            __m256i h0 = _mm256_loadu_si256((const __m256i *)(p + v * 64));
-            __m256i h1 = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32));
-            s0 = _mm256_add_epi32(s0, dot4(_mm256_and_si256(h0, low), xs4[2 * v]));
-            s1 = _mm256_add_epi32(s1, dot4(_mm256_and_si256(h1, low), xs4[2 * v]));
-            s0 = _mm256_add_epi32(s0, dot4(_mm256_and_si256(_mm256_srli_epi16(h0, 4), low), xs4[2 * v + 1]));
-            s1 = _mm256_add_epi32(s1, dot4(_mm256_and_si256(_mm256_srli_epi16(h1, 4), low), xs4[2 * v + 1]));
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + v * 64));
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32));
+            __m256i n[4] = {_mm256_and_si256(w0, low), _mm256_and_si256(w1, low),
+                            _mm256_and_si256(_mm256_srli_epi16(w0, 4), low),
+                            _mm256_and_si256(_mm256_srli_epi16(w1, 4), low)};
+            for (int half = 0; half < 2; half++) { /* half 0: inputs 8v + c, half 1: 8v + 4 + c */
+                int j = 2 * v + half;
+                h0 = _mm256_add_epi32(h0, dot4(n[2 * half], hi4[j]));
+                h1 = _mm256_add_epi32(h1, dot4(n[2 * half + 1], hi4[j]));
+                l0 = _mm256_add_epi32(l0, dot4(n[2 * half], lo4[j]));
+                l1 = _mm256_add_epi32(l1, dot4(n[2 * half + 1], lo4[j]));
+                q0 = _mm256_add_epi32(q0, dot4(n[2 * half], 0x01010101));
+                q1 = _mm256_add_epi32(q1, dot4(n[2 * half + 1], 0x01010101));
+            }
         }
         float d = xd[b];
         int32_t sx = xs[b];
         __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
         __m256i eight = _mm256_set1_epi32(8 * sx);
-        __m256 c0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(s0, eight)), c1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(s1, eight));
+        __m256i c0 = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h0, 8), l0),
+                                      _mm256_sub_epi32(_mm256_slli_epi32(q0, 7), eight));
+        __m256i c1 = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h1, 8), l1),
+                                      _mm256_sub_epi32(_mm256_slli_epi32(q1, 7), eight));
         __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
         __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
         __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
         __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
-        acc0 = _mm256_add_ps(acc0, _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, c0), _mm256_mul_ps(z0, dz)));
-        acc1 = _mm256_add_ps(acc1, _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, c1), _mm256_mul_ps(z1, dz)));
+        acc0 = _mm256_add_ps(acc0, _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0)), _mm256_mul_ps(z0, dz)));
+        acc1 = _mm256_add_ps(acc1, _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1)), _mm256_mul_ps(z1, dz)));
     }
     _mm256_storeu_ps(out, acc0);
     _mm256_storeu_ps(out + 8, acc1);
@@ -204,20 +227,21 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
     float acc[OUTS] = {0};
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        const int8_t *xb = x + b * GROUP;
+        const int8_t *hi = x + b * 2 * GROUP, *lo = hi + GROUP;
         uint16_t halves[2 * OUTS];
         memcpy(halves, p + 4 * 64, sizeof halves);
         float d = xd[b];
         int32_t sx = xs[b];
         for (int l = 0; l < OUTS; l++) {
-            int32_t sum = 0;
+            int32_t c = 0;
             for (int v = 0; v < 4; v++)
-                for (int c = 0; c < 4; c++) {
-                    uint8_t byte = p[v * 64 + l * 4 + c];
-                    sum += (byte & 0x0f) * xb[8 * v + c] + (byte >> 4) * xb[8 * v + 4 + c];
+                for (int k = 0; k < 4; k++) {
+                    uint8_t byte = p[v * 64 + l * 4 + k];
+                    int i0 = 8 * v + k, i1 = 8 * v + 4 + k;
+                    c += ((byte & 0x0f) - 8) * (256 * hi[i0] + lo[i0] + 128)
+                       + ((byte >> 4) - 8) * (256 * hi[i1] + lo[i1] + 128);
                 }
-            float centred = (float)(sum - 8 * sx);
-            acc[l] = acc[l] + fmaf(f16_to_f32(halves[l]), d * centred, f16_to_f32(halves[OUTS + l]) * (d * (float)sx));
+            acc[l] = acc[l] + fmaf(f16_to_f32(halves[l]), d * (float)c, f16_to_f32(halves[OUTS + l]) * (d * (float)sx));
         }
     }
     memcpy(out, acc, sizeof acc);
@@ -237,10 +261,10 @@ static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
             float acc[4 * OUTS];
 #ifdef ROW_TILE
             int n = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            rows_dot(wg, groups, in, n, xq + r0 * in, xd + r0 * groups, xs + r0 * groups, acc);
+            rows_dot(wg, groups, in, n, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, acc);
 #else
             int n = 1;
-            row_dot(wg, groups, xq + r0 * in, xd + r0 * groups, xs + r0 * groups, acc);
+            row_dot(wg, groups, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, acc);
 #endif
             for (int i = 0; i < n; i++) {
                 float *yr = y + (r0 + i) * out + g * OUTS;
@@ -345,15 +369,35 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+static pthread_mutex_t pool_owner = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time uses the pool */
+
 static void forget_pool_in_child(void) { /* a forked child has none of the parent's threads */
+    pthread_mutex_init(&pool_owner, NULL);
     pool.workers = 0;
     pool.sleeping = 0;
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
 }
 
-/* Runs `job` on up to `threads` threads: this one and threads - 1 workers, started on first need. */
+static void run_alone(Job job) {
+    job.chunks = 1;
+    run_chunk(&job, 0);
+}
+
+static void run_on_pool(Job job, int threads);
+
+/* Runs `job` on up to `threads` threads: this one and threads - 1 workers, started on first need. A second engine
+ * stepping in another thread while the pool is busy runs its call on its own thread (the same bits). */
 static void run_pooled(Job job, int threads) {
+    if (threads <= 1 || pthread_mutex_trylock(&pool_owner) != 0) {
+        run_alone(job);
+        return;
+    }
+    run_on_pool(job, threads);
+    pthread_mutex_unlock(&pool_owner);
+}
+
+static void run_on_pool(Job job, int threads) {
     static int registered = 0;
     if (!registered) {
         pthread_atfork(NULL, NULL, forget_pool_in_child);
@@ -394,7 +438,7 @@ static void run_pooled(Job job, int threads) {
 int ns_q4_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
                  float *y, int32_t threads, int32_t accumulate) {
     int64_t groups = in / GROUP;
-    int8_t *xq = malloc((size_t)(rows * in));
+    int8_t *xq = malloc((size_t)(rows * 2 * in));
     float *xd = malloc(sizeof(float) * (size_t)(rows * groups));
     int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * groups));
     if (!xq || !xd || !xs) {

@@ -99,7 +99,7 @@ def load_model(
 
     `invariant` builds the model batch-invariant: kernels chosen by machine, shape and dtype only (see
     install_quantized and nanoserve/model/rows.py). `linear_kernels` (FusedKernels): 4-bit linears run on its
-    4-bit x 8-bit kernel instead of torch's (see nanoserve/kernels/linear.c).
+    4-bit x 16-bit kernel instead of torch's (see nanoserve/kernels/linear.c).
     """
     supported = {"auto": int4_supported, "int4": int4_supported, "int8": int8_supported}
     if quantization != "none" and not supported[quantization](device):

@@ -3,7 +3,7 @@ a call has and by what this machine measures.
 
 blocks.py holds a file's blocks exactly (Int4Blocks, Int8Blocks); linears.py the packed linears that run them
 on torch's weight-only CPU kernels; install.py swaps them into a loaded model and publishes what it did.
-Activations into torch's kernels are bfloat16 (they are vectorised for nothing else); the fused library's q4x8
+Activations into torch's kernels are bfloat16 (they are vectorised for nothing else); the fused library's q4x16
 kernel (Q4Linear) takes float32 and quantizes each row's groups of 32 to int8 itself. Everything around the
 linears, attention included, stays in the model's own dtype.
 """

@@ -74,7 +74,7 @@ class PackedLinear(FastAttributes, nn.Module):
         if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
             self.calls["dense"] += 1
             self.rows["dense"] += flat.shape[0]
-            y = torch.nn.functional.linear(flat, self.dense)
+            y = torch.nn.functional.linear(flat.to(ACT), self.dense).to(self.input_dtype)
         else:
             self.calls[self.format] += 1
             self.rows[self.format] += flat.shape[0]
@@ -106,13 +106,13 @@ class Int4Linear(PackedLinear):
 
 
 class Q4Linear(PackedLinear):
-    """4-bit codes in groups of 32 (Int4Blocks) on the fused library's 4-bit x 8-bit kernel (kernels/linear.c):
+    """4-bit codes in groups of 32 (Int4Blocks) on the fused library's 4-bit x 16-bit kernel (kernels/linear.c):
     float32 in, each row's groups of 32 quantized to int8 inside the call, float32 out. An output depends on its
     row alone, whatever the call's rows, threads or vector width."""
 
-    format = "q4x8"
+    format = "q4x16"
     input_dtype = torch.float32
-    activation_form = "int8 per 32"
+    activation_form = "int16 per 32"
 
     def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
         out, k = blocks.shape
@@ -162,9 +162,9 @@ class Int8GroupLinear(PackedLinear):
                              f"{out}x{k}")
         super().__init__(out, k, bias, sizes)
         hi, lo = blocks.planes()
-        self.kernels = kernels  # FusedKernels: the planes run on its 4-bit x 8-bit kernel (float32 in and out)
+        self.kernels = kernels  # FusedKernels: the planes run on its 4-bit x 16-bit kernel (float32 in and out)
         if kernels is not None:
-            self.input_dtype, self.activation_form = torch.float32, "int8 per 32"
+            self.input_dtype, self.activation_form = torch.float32, "int16 per 32"
             self.register_buffer("packed_hi", kernels.q4_pack(hi.codes, hi.scales, hi.zeros))
             self.register_buffer("packed_lo", kernels.q4_pack(lo.codes, lo.scales, lo.zeros))
             return
