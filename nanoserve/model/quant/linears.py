@@ -107,7 +107,7 @@ class Int4Linear(PackedLinear):
 
 class Q4Linear(PackedLinear):
     """4-bit codes in groups of 32 (Int4Blocks) on the fused library's 4-bit x 16-bit kernel (kernels/linear.c):
-    float32 in, each row's groups of 32 quantized to int8 inside the call, float32 out. An output depends on its
+    float32 in, each row's groups of 32 quantized to 16-bit codes inside the call, float32 out. An output depends on its
     row alone, whatever the call's rows, threads or vector width."""
 
     format = "q4x16"
