@@ -8,6 +8,8 @@ compiler exists; the oracle tests hold the fused decoder to transformers.
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -270,3 +272,35 @@ def test_the_4bit_linears_run_on_the_q4x16_kernel_and_the_flag_puts_them_back(ti
     assert on.engine.stats().features["linear"]["q4x16_calls"] > 0
     off = LLM(model=path, max_model_len=128, kv_cache_gib=0.01, quantization="int4", fused_cpu_kernels=False)
     assert off.engine.stats().features["linear"]["format"] == "int4"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 build is an x86-64 one")
+def test_q4_matmul_gives_the_same_bits_built_for_avx2_and_for_plain_c(kernels, tmp_path):
+    """linear.c built as an AVX2-only machine and as a machine with no vector extensions builds it: each product
+    is the native build's, bit for bit (the integer sums are exact, the float part the same operations)."""
+    import ctypes
+    import subprocess
+    from importlib import resources
+
+    source = resources.files("nanoserve.kernels").joinpath("linear.c").read_bytes()
+    (tmp_path / "linear.c").write_bytes(source)
+    blocks = _q4_weight(64, 192)
+    x = torch.randn(5, 192)
+    native = kernels.q4_matmul(kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros), x, 64)
+    for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}.items():
+        library = tmp_path / f"{name}.so"
+        subprocess.run([find_compiler(), "-O2", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", *flags,
+                        str(tmp_path / "linear.c"), "-o", str(library), "-lm"], check=True)
+        lib = ctypes.CDLL(str(library))
+        lib.ns_q4_isa.restype = ctypes.c_char_p
+        assert lib.ns_q4_isa().decode() == name
+        lib.ns_q4_packed_bytes.restype = ctypes.c_int64
+        packed = torch.empty(lib.ns_q4_packed_bytes(ctypes.c_int64(64), ctypes.c_int64(192)), dtype=torch.uint8)
+        lib.ns_q4_pack(ctypes.c_void_p(blocks.codes.contiguous().data_ptr()), ctypes.c_void_p(blocks.scales.data_ptr()),
+                       ctypes.c_void_p(blocks.zeros.data_ptr()), ctypes.c_int64(64), ctypes.c_int64(192),
+                       ctypes.c_void_p(packed.data_ptr()))
+        y = torch.empty(5, 64)
+        assert lib.ns_q4_matmul(ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(5),
+                                ctypes.c_int64(192), ctypes.c_int64(64), None, ctypes.c_void_p(y.data_ptr()),
+                                ctypes.c_int32(2), ctypes.c_int32(0)) == 0
+        assert torch.equal(y, native), name
