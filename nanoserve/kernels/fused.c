@@ -35,13 +35,6 @@ static inline float load(const void *base, int32_t kind, int64_t i) {
     return kind == 2 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static inline void store(void *base, int32_t kind, int64_t i, float v) {
-    if (kind == 2)
-        ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
-
 /* e^x to about 2 ulp in plain arithmetic (Cephes' polynomial after a reduction by ln 2), so loops over it
  * vectorise without -ffast-math and every machine this builds on computes the same bits from the source. */
 static inline float exp_poly(float x) {
