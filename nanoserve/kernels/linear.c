@@ -93,9 +93,10 @@ void ns_q4_pack(const uint8_t *codes, const float *scales, const float *zeros, i
 /* ---- activations ---------------------------------------------------------------------------------------- */
 
 /* x [rows, in] float32 -> per row and group of 32: 16-bit codes v = round(x 32767 / max |x|) (to nearest even),
- * stored as two int8 planes, hi = v >> 8 and lo = (v & 255) - 128, so v = 256 hi + lo + 128 and each plane goes
- * through the 8-bit dot products exactly; codes [rows, 2 in] (a group: 32 hi bytes, then 32 lo), scales
- * [rows, in / 32], code sums [rows, in / 32]. */
+ * stored as two byte planes, hi = v >> 8 (signed) and lo = v & 255 (unsigned), so v = 256 hi + lo and each
+ * plane goes through the 8-bit dot products exactly (the weights' 4-bit codes are the unsigned side of hi's and
+ * the signed side of lo's); codes [rows, 2 in] (a group: 32 hi bytes, then 32 lo), scales [rows, in / 32], code
+ * sums [rows, in / 32]. */
 static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *codes, float *scales, int32_t *sums) {
     int64_t groups = in / GROUP;
     for (int64_t r = 0; r < rows; r++)
@@ -114,7 +115,7 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
                 t = (t + 12582912.0f) - 12582912.0f; /* to nearest even */
                 int32_t code = (int32_t)t, high = code >> 8;  /* arithmetic shift: the floor */
                 hi[i] = (int8_t)high;
-                lo[i] = (int8_t)(code - 256 * high - 128);
+                ((uint8_t *)lo)[i] = (uint8_t)(code - 256 * high);
                 sum += code;
             }
             scales[r * groups + b] = top / 32767.0f;
@@ -123,8 +124,8 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
 }
 
 /* ---- one row against 16 outputs' packed weights ----------------------------------------------------------
- * Per group of 32 inputs: the exact integer sums c_l = sum (q - 8) v = 256 sum q hi + sum q lo + 128 sum q
- * - 8 sum v (below 2^24, so exact in float32 too), then acc_l += fma(s_l, d c_l, z_l (d sum v)) in group order;
+ * Per group of 32 inputs: the exact integer sums c_l = sum (q - 8) v = 256 sum q hi + sum q lo - 8 sum v (below
+ * 2^24, so exact in float32 too), then acc_l += fma(s_l, d c_l, z_l (d sum v)) in group order;
  * every path below computes exactly these operations. x points at a row's codes (2 in bytes, see quantize_rows). */
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -134,20 +135,17 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
  * arithmetic is the other paths' row_dot, operation for operation. */
 static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
                      const int32_t *xs, float *out) {
-    const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
+    const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[ROW_TILE];
     for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        __m512i nib[8], codes = _mm512_setzero_si512();
+        __m512i nib[8];
         for (int v = 0; v < 4; v++) {
             __m512i packed = _mm512_loadu_si512(p + v * 64);
             nib[2 * v] = _mm512_and_si512(packed, low);
             nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            codes = _mm512_dpbusd_epi32(codes, nib[2 * v], ones);
-            codes = _mm512_dpbusd_epi32(codes, nib[2 * v + 1], ones);
         }
-        __m512i codes128 = _mm512_slli_epi32(codes, 7);
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         for (int i = 0; i < n; i++) {
@@ -155,14 +153,14 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
             memcpy(hi4, x + i * 2 * in + b * 2 * GROUP, 32);
             memcpy(lo4, x + i * 2 * in + b * 2 * GROUP + GROUP, 32);
             __m512i high = _mm512_setzero_si512(), lows = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < 8; j++) { /* codes (0..15) unsigned times hi signed; lo unsigned times codes */
                 high = _mm512_dpbusd_epi32(high, nib[j], _mm512_set1_epi32(hi4[j]));
-                lows = _mm512_dpbusd_epi32(lows, nib[j], _mm512_set1_epi32(lo4[j]));
+                lows = _mm512_dpbusd_epi32(lows, _mm512_set1_epi32(lo4[j]), nib[j]);
             }
             float d = xd[i * groups + b];
             int32_t sx = xs[i * groups + b];
-            __m512i c = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 8), lows),
-                                         _mm512_sub_epi32(codes128, _mm512_set1_epi32(8 * sx)));
+            __m512i c = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 8), lows),
+                                         _mm512_set1_epi32(8 * sx));
             __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(c)),
                                        _mm512_mul_ps(zero, _mm512_set1_ps(d * (float)sx)));
             acc[i] = _mm512_add_ps(acc[i], t);
@@ -176,6 +174,10 @@ static inline __m256i dot4(__m256i u8, int32_t x4) {
     /* u8 (0..15) x s8 pairs summed to s16 (at most 2 x 15 x 128: no saturation), then pairs to s32 */
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, _mm256_set1_epi32(x4)), _mm256_set1_epi16(1));
 }
+static inline __m256i dot4_unsigned(int32_t x4, __m256i s8) {
+    /* u8 activations (0..255) x s8 codes (0..15): pairs at most 2 x 255 x 15, no saturation either */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(x4), s8), _mm256_set1_epi16(1));
+}
 static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
                     float out[OUTS]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
@@ -185,7 +187,7 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
         int32_t hi4[8], lo4[8];
         memcpy(hi4, x + b * 2 * GROUP, 32);
         memcpy(lo4, x + b * 2 * GROUP + GROUP, 32);
-        __m256i h0 = _mm256_setzero_si256(), h1 = h0, l0 = h0, l1 = h0, q0 = h0, q1 = h0;
+        __m256i h0 = _mm256_setzero_si256(), h1 = h0, l0 = h0, l1 = h0;
         for (int v = 0; v < 4; v++) {
             __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + v * 64));
             __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32));
@@ -196,20 +198,16 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
                 int j = 2 * v + half;
                 h0 = _mm256_add_epi32(h0, dot4(n[2 * half], hi4[j]));
                 h1 = _mm256_add_epi32(h1, dot4(n[2 * half + 1], hi4[j]));
-                l0 = _mm256_add_epi32(l0, dot4(n[2 * half], lo4[j]));
-                l1 = _mm256_add_epi32(l1, dot4(n[2 * half + 1], lo4[j]));
-                q0 = _mm256_add_epi32(q0, dot4(n[2 * half], 0x01010101));
-                q1 = _mm256_add_epi32(q1, dot4(n[2 * half + 1], 0x01010101));
+                l0 = _mm256_add_epi32(l0, dot4_unsigned(lo4[j], n[2 * half]));
+                l1 = _mm256_add_epi32(l1, dot4_unsigned(lo4[j], n[2 * half + 1]));
             }
         }
         float d = xd[b];
         int32_t sx = xs[b];
         __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
         __m256i eight = _mm256_set1_epi32(8 * sx);
-        __m256i c0 = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h0, 8), l0),
-                                      _mm256_sub_epi32(_mm256_slli_epi32(q0, 7), eight));
-        __m256i c1 = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h1, 8), l1),
-                                      _mm256_sub_epi32(_mm256_slli_epi32(q1, 7), eight));
+        __m256i c0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(h0, 8), l0), eight);
+        __m256i c1 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(h1, 8), l1), eight);
         __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
         __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
         __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
@@ -227,7 +225,8 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
     float acc[OUTS] = {0};
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        const int8_t *hi = x + b * 2 * GROUP, *lo = hi + GROUP;
+        const int8_t *hi = x + b * 2 * GROUP;
+        const uint8_t *lo = (const uint8_t *)hi + GROUP;
         uint16_t halves[2 * OUTS];
         memcpy(halves, p + 4 * 64, sizeof halves);
         float d = xd[b];
@@ -238,8 +237,8 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
                 for (int k = 0; k < 4; k++) {
                     uint8_t byte = p[v * 64 + l * 4 + k];
                     int i0 = 8 * v + k, i1 = 8 * v + 4 + k;
-                    c += ((byte & 0x0f) - 8) * (256 * hi[i0] + lo[i0] + 128)
-                       + ((byte >> 4) - 8) * (256 * hi[i1] + lo[i1] + 128);
+                    c += ((byte & 0x0f) - 8) * (256 * hi[i0] + lo[i0])
+                       + ((byte >> 4) - 8) * (256 * hi[i1] + lo[i1]);
                 }
             acc[l] = acc[l] + fmaf(f16_to_f32(halves[l]), d * (float)c, f16_to_f32(halves[OUTS + l]) * (d * (float)sx));
         }
