@@ -263,6 +263,31 @@ def test_q4_matmul_gives_a_row_the_same_bits_alone_in_a_crowd_and_on_any_threads
             torch.set_num_threads(2)
 
 
+@pytest.mark.parametrize("out", [48, 96])  # an odd and an even count of 16-output groups (the tiles take two)
+def test_q4_matmul_on_the_tile_unit_gives_the_vector_paths_bits(kernels, out):
+    """Calls of 16 rows and more run their rows in 16s on AMX where the machine has it: each row's product, and
+    what it adds into an output, is bit for bit the vector path's, and the tile rows are counted."""
+    if kernels.q4_tiles == "none":
+        pytest.skip("no AMX tiles on this machine (or the OS does not grant them)")
+    blocks = _q4_weight(out, 192)
+    packed = kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros)
+    x = torch.randn(37, 192)
+    x[3, :32] = 0  # an all-zero group
+    x[7, 40:90] *= 1e4
+    before = torch.randn(37, out)
+    kernels.use_tiles(False)
+    try:
+        vector = kernels.q4_matmul(packed, x, out)
+        vector_added = kernels.q4_matmul(packed, x, out, add_to=before.clone())
+    finally:
+        kernels.use_tiles(True)
+    counted = kernels.q4_tile_rows
+    tiles = kernels.q4_matmul(packed, x, out)
+    assert kernels.q4_tile_rows - counted == 32  # two tiles of 16 rows; the last 5 on the vector path
+    assert torch.equal(tiles, vector)
+    assert torch.equal(kernels.q4_matmul(packed, x, out, add_to=before.clone()), vector_added)
+
+
 def test_the_4bit_linears_run_on_the_q4x16_kernel_and_the_flag_puts_them_back(tiny_checkpoint):
     path = str(tiny_checkpoint("llama"))
     on = LLM(model=path, max_model_len=128, kv_cache_gib=0.01, quantization="int4")

@@ -57,6 +57,10 @@ class FusedKernels:
         self._q4_bytes.argtypes, self._q4_bytes.restype = (_i64, _i64), _i64
         lib.ns_q4_isa.restype = ctypes.c_char_p
         self.q4_isa = lib.ns_q4_isa().decode()  # which integer dot product the 4-bit kernel was built on
+        self._q4_set_amx, self._q4_tile_rows = lib.ns_q4_set_amx, lib.ns_q4_tile_rows
+        self._q4_set_amx.argtypes, self._q4_set_amx.restype = (ctypes.c_int,), ctypes.c_int
+        self._q4_tile_rows.argtypes, self._q4_tile_rows.restype = (), _i64
+        self.q4_tiles = "amx" if self._q4_set_amx(1) else "none"  # the tile unit wide 4-bit calls run on
         self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
 
@@ -182,6 +186,17 @@ class FusedKernels:
                                     torch.get_num_threads(), add_to is not None):
             raise MemoryError(f"the 4-bit kernel could not allocate the int8 copy of {rows} x {k} activations")
         return y
+
+    def use_tiles(self, allowed: bool) -> bool:
+        """Let the 4-bit kernel's calls of 16 rows and more run on AMX (the default where the CPU and the OS
+        offer it) or keep them on the vector path; the bits are the same either way. Returns whether the tiles
+        can run here."""
+        return bool(self._q4_set_amx(int(allowed)))
+
+    @property
+    def q4_tile_rows(self) -> int:
+        """Rows the tile unit has computed in the 4-bit kernel since the library loaded (counted in C)."""
+        return self._q4_tile_rows()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's largest value's index, as torch.argmax(dim=-1) (first on a tie, a NaN first of all), for

@@ -12,6 +12,7 @@
  * tens of microseconds, too short to start threads for.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* syscall(), for the tile state request */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -25,6 +26,7 @@
 
 #define GROUP 32
 #define OUTS 16                      /* outputs packed together */
+#define AMX_ROWS 16                  /* rows a tile holds */
 #define GROUP_BYTES (OUTS * GROUP / 2 + 2 * OUTS * 2) /* nibbles, then 16 f16 scales and 16 f16 zeros: 320 */
 
 /* ---- half precision, exactly ---------------------------------------------------------------------------- */
@@ -152,15 +154,14 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
             int32_t hi4[8], lo4[8];
             memcpy(hi4, x + i * 2 * in + b * 2 * GROUP, 32);
             memcpy(lo4, x + i * 2 * in + b * 2 * GROUP + GROUP, 32);
-            __m512i high = _mm512_setzero_si512(), lows = _mm512_setzero_si512();
+            float d = xd[i * groups + b];
+            int32_t sx = xs[i * groups + b];
+            __m512i high = _mm512_setzero_si512(), lows = _mm512_set1_epi32(-8 * sx);
             for (int j = 0; j < 8; j++) { /* codes (0..15) unsigned times hi signed; lo unsigned times codes */
                 high = _mm512_dpbusd_epi32(high, nib[j], _mm512_set1_epi32(hi4[j]));
                 lows = _mm512_dpbusd_epi32(lows, _mm512_set1_epi32(lo4[j]), nib[j]);
             }
-            float d = xd[i * groups + b];
-            int32_t sx = xs[i * groups + b];
-            __m512i c = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 8), lows),
-                                         _mm512_set1_epi32(8 * sx));
+            __m512i c = _mm512_add_epi32(_mm512_slli_epi32(high, 8), lows);
             __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(c)),
                                        _mm512_mul_ps(zero, _mm512_set1_ps(d * (float)sx)));
             acc[i] = _mm512_add_ps(acc[i], t);
@@ -247,13 +248,180 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
 }
 #endif
 
+/* ---- AMX: 16 rows at a time on the tile unit ------------------------------------------------------------
+ * The same integers as rows_dot (a group's 256 hi and lo dot products per 16 rows and 16 outputs, one tile
+ * instruction each), then rows_dot's float operations row by row: the same bits, so which rows of a call take the
+ * tiles changes nothing. Used where the compiler and the kernel allow it (Linux asks a process to request the
+ * tile state) and ns_q4_set_amx has not turned it off. */
+#if defined(ROW_TILE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static atomic_int amx_state = 0; /* 0: not asked yet, 1: granted, -1: refused or turned off */
+
+static int amx_granted(void) {
+    int state = atomic_load(&amx_state);
+    if (state == 0) {
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        atomic_store(&amx_state, state);
+    }
+    return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: the hi and lo sums (16 rows x 16 int32) of two output groups; 4 and 5: 16 rows' hi and lo codes of
+ * an input group (32 bytes each); 6 and 7: the two output groups' 4-bit codes for it (8 rows of 4 inputs x 16
+ * outputs). Two output groups at once share the activation tiles and give the tile unit independent work. Set
+ * per chunk: another library on this thread (oneDNN) may have configured the tiles its own way. */
+static void amx_configure(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 6; t++) config.rows[t] = AMX_ROWS, config.colsb[t] = t < 4 ? 64 : GROUP;
+    for (int t = 6; t < 8; t++) config.rows[t] = GROUP / 4, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* rows_dot's nib[0..8) less 8 (the weights' signed codes, -8..7) for one group of 16 outputs, stored as a tile:
+ * row j holds inputs 4 j .. 4 j + 3 */
+static inline void unpack_codes(const uint8_t *p, int8_t *codes) {
+    const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    for (int v = 0; v < 4; v++) {
+        __m512i packed = _mm512_loadu_si512(p + v * 64);
+        _mm512_store_si512(codes + 2 * v * 64, _mm512_sub_epi8(_mm512_and_si512(packed, low), eight));
+        _mm512_store_si512(codes + (2 * v + 1) * 64,
+                           _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low), eight));
+    }
+}
+
+/* rows_dot's float operations on one group's integer sums, for 16 rows */
+static inline void amx_accumulate(const uint8_t *p, const int32_t *high, const int32_t *lows, const float *xd,
+                                  const int32_t *xs, int64_t groups, int64_t b, __m512 *acc) {
+    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+    __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+    for (int i = 0; i < AMX_ROWS; i++) {
+        float d = xd[i * groups + b];
+        int32_t sx = xs[i * groups + b]; /* c = 256 sum (q - 8) hi + sum (q - 8) lo = sum (q - 8) v, as rows_dot's */
+        __m512i c = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + i * OUTS), 8),
+                                     _mm512_load_si512(lows + i * OUTS));
+        __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(c)),
+                                   _mm512_mul_ps(zero, _mm512_set1_ps(d * (float)sx)));
+        acc[i] = _mm512_add_ps(acc[i], t);
+    }
+}
+
+/* 16 rows against output groups wg (and wg2 when not NULL, the next 16 outputs) -> out [16, 16] (out2) */
+static void amx_rows(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int64_t in, const int8_t *x,
+                     const float *xd, const int32_t *xs, float *out, float *out2) {
+    _Alignas(64) int8_t codes[2][8 * 64];
+    _Alignas(64) int32_t sums[4][AMX_ROWS * OUTS];
+    __m512 acc[AMX_ROWS], acc2[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) acc[i] = acc2[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < groups; b++) {
+        unpack_codes(wg + b * GROUP_BYTES, codes[0]);
+        if (wg2) unpack_codes(wg2 + b * GROUP_BYTES, codes[1]);
+        _tile_loadd(4, x + b * 2 * GROUP, 2 * in);
+        _tile_loadd(5, x + b * 2 * GROUP + GROUP, 2 * in);
+        _tile_loadd(6, codes[0], 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbssd(0, 4, 6); /* hi signed times codes signed */
+        _tile_dpbusd(1, 5, 6); /* lo unsigned times codes signed */
+        if (wg2) {
+            _tile_loadd(7, codes[1], 64);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_dpbssd(2, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        amx_accumulate(wg + b * GROUP_BYTES, sums[0], sums[1], xd, xs, groups, b, acc);
+        if (wg2) {
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+            amx_accumulate(wg2 + b * GROUP_BYTES, sums[2], sums[3], xd, xs, groups, b, acc2);
+        }
+    }
+    for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
+    if (wg2)
+        for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out2 + i * OUTS, acc2[i]);
+}
+#define HAVE_AMX 1
+#else
+static int amx_granted(void) { return 0; }
+#endif
+
+static atomic_int amx_allowed = 1;
+static atomic_llong amx_rows_served = 0;
+
+/* Whether a call of `rows` rows takes the tiles for its rows in 16s (the same bits either way) */
+static int use_tiles(int64_t rows) { return rows >= AMX_ROWS && atomic_load(&amx_allowed) && amx_granted(); }
+
+/* The rows the tiles have computed since the library loaded: a measurement, for the stats snapshot */
+int64_t ns_q4_tile_rows(void) { return atomic_load(&amx_rows_served); }
+
+/* Turns the AMX path off (0) or back on (1); returns whether it can run here (built for it, and the tiles granted):
+ * the tests compare its bits with the vector path's, the benchmark its speed. */
+int ns_q4_set_amx(int allowed) {
+    atomic_store(&amx_allowed, allowed != 0);
+    return amx_granted();
+}
+
 const char *ns_q4_isa(void) { return ISA; }
+
+/* y[r, 16 g + l] = acc[r * 16 + l] (+ bias, + what y holds when accumulating) for n rows */
+static inline void store_outputs(const float *acc, int n, int64_t out, int64_t g, const float *bias, int accumulate,
+                                 float *y) {
+    for (int i = 0; i < n; i++) {
+        float *yr = y + i * out + g * OUTS;
+        for (int l = 0; l < OUTS; l++) {
+            float v = bias ? acc[i * OUTS + l] + bias[g * OUTS + l] : acc[i * OUTS + l];
+            yr[l] = accumulate ? yr[l] + v : v;
+        }
+    }
+}
+
+#ifdef HAVE_AMX
+/* q4_groups for rows a multiple of 16, on the tiles: two output groups at a time */
+static void amx_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
+                       const int32_t *xs, int64_t rows, const float *bias, int accumulate, int64_t g0, int64_t g1,
+                       float *y) {
+    int64_t groups = in / GROUP;
+    _Alignas(64) float acc[2][AMX_ROWS * OUTS];
+    for (int64_t g = g0; g < g1; g += 2) {
+        const uint8_t *wg = w + g * groups * GROUP_BYTES, *wg2 = g + 1 < g1 ? wg + groups * GROUP_BYTES : NULL;
+        for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
+            amx_rows(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, acc[0], acc[1]);
+            store_outputs(acc[0], AMX_ROWS, out, g, bias, accumulate, y + r0 * out);
+            if (wg2) store_outputs(acc[1], AMX_ROWS, out, g + 1, bias, accumulate, y + r0 * out);
+        }
+    }
+}
+#endif
 
 /* y[r, 16 g .. 16 g + 16) for rows [0, rows) and output groups [g0, g1) */
 static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
-                      const int32_t *xs, int64_t rows, const float *bias, int accumulate, int64_t g0, int64_t g1,
-                      float *y) {
+                      const int32_t *xs, int64_t rows, const float *bias, int accumulate, int tiles, int64_t g0,
+                      int64_t g1, float *y) {
     int64_t groups = in / GROUP;
+#ifdef HAVE_AMX
+    if (tiles) {
+        amx_configure();
+        amx_groups(w, in, out, xq, xd, xs, rows - rows % AMX_ROWS, bias, accumulate, g0, g1, y);
+        _tile_release();
+        int64_t done = rows - rows % AMX_ROWS;
+        if (done == rows) return;
+        xq += done * 2 * in, xd += done * groups, xs += done * groups, y += done * out, rows -= done;
+    }
+#endif
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *wg = w + g * groups * GROUP_BYTES;
         for (int64_t r0 = 0; r0 < rows;) {
@@ -265,13 +433,7 @@ static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
             int n = 1;
             row_dot(wg, groups, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, acc);
 #endif
-            for (int i = 0; i < n; i++) {
-                float *yr = y + (r0 + i) * out + g * OUTS;
-                for (int l = 0; l < OUTS; l++) {
-                    float v = bias ? acc[i * OUTS + l] + bias[g * OUTS + l] : acc[i * OUTS + l];
-                    yr[l] = accumulate ? yr[l] + v : v;
-                }
-            }
+            store_outputs(acc, n, out, g, bias, accumulate, y + r0 * out);
             r0 += n;
         }
     }
@@ -297,7 +459,7 @@ typedef struct {
     int64_t in, out, rows;
     float *y;
     int64_t chunks;
-    int accumulate;
+    int accumulate, tiles; /* tiles: rows in 16s go to amx_groups */
 } Job;
 
 static struct {
@@ -319,8 +481,8 @@ static inline void relax(void) {
 
 static void run_chunk(const Job *job, int64_t chunk) {
     int64_t total = job->out / OUTS, g0 = total * chunk / job->chunks, g1 = total * (chunk + 1) / job->chunks;
-    q4_groups(job->w, job->in, job->out, job->xq, job->xd, job->xs, job->rows, job->bias, job->accumulate, g0, g1,
-              job->y);
+    q4_groups(job->w, job->in, job->out, job->xq, job->xd, job->xs, job->rows, job->bias, job->accumulate,
+              job->tiles, g0, g1, job->y);
 }
 
 /* Claims and runs chunks of job `generation` until none is left (or the job is no longer that one). */
@@ -445,8 +607,9 @@ int ns_q4_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int
         return -1;
     }
     quantize_rows(x, rows, in, xq, xd, xs);
-    Job job = {w, xq, xd, bias, xs, in, out, rows, y, 1, accumulate};
+    Job job = {w, xq, xd, bias, xs, in, out, rows, y, 1, accumulate, use_tiles(rows)};
     run_pooled(job, threads);
+    if (job.tiles) atomic_fetch_add(&amx_rows_served, rows - rows % AMX_ROWS);
     free(xq), free(xd), free(xs);
     return 0;
 }
