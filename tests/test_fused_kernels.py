@@ -329,3 +329,79 @@ def test_q4_matmul_gives_the_same_bits_built_for_avx2_and_for_plain_c(kernels, t
                                 ctypes.c_int64(192), ctypes.c_int64(64), None, ctypes.c_void_p(y.data_ptr()),
                                 ctypes.c_int32(2), ctypes.c_int32(0)) == 0
         assert torch.equal(y, native), name
+
+
+def _q8_weight(out: int, k: int, seed: int = 7):
+    from nanoserve.model.quant.blocks import Int8Blocks
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (out, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(out, k // 32, generator=g) * 0.01 + 0.0005).half().float()  # GGUF Q8_0's f16 scales
+    return Int8Blocks(codes, scales)
+
+
+def _q8_reference(blocks, x: torch.Tensor) -> torch.Tensor:
+    """The 8-bit kernel's arithmetic in float64 after its activation rounding (as _q4_reference's)."""
+    rows, k = x.shape
+    groups = x.view(rows, k // 32, 32)
+    top = groups.abs().amax(-1, keepdim=True)
+    codes = torch.round(groups * torch.where(top > 0, 32767.0 / top, torch.zeros_like(top)))
+    d = (top / 32767.0).double()
+    q = blocks.codes.view(blocks.codes.shape[0], k // 32, 32).double()
+    products = torch.einsum("rgi,ogi->rog", codes.double(), q)  # exact integers
+    return (blocks.scales.double()[None] * d.squeeze(-1)[:, None] * products).sum(-1)
+
+
+def test_q8_matmul_is_its_formula_and_a_row_is_the_same_alone_in_a_crowd_and_on_the_tiles(kernels):
+    """GGUF Q8_0 blocks as they are: the product is the float64 formula up to float32 rounding, a row alone is
+    bit for bit the row among 36 others, and where AMX runs the crowd's rows in 16s the bits do not move."""
+    blocks = _q8_weight(48, 192)  # three 16-output groups: the tiles' pairs and a lone one
+    packed = kernels.q8_pack(blocks.codes, blocks.scales)
+    x = torch.randn(37, 192) * 3
+    x[3, :32] = 0
+    x[7, 40:90] *= 1e4
+    crowd = kernels.q8_matmul(packed, x, 48)
+    torch.testing.assert_close(crowd.double(), _q8_reference(blocks, x), rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(kernels.q8_matmul(packed, x[r: r + 1].contiguous(), 48)[0], crowd[r]) for r in range(37))
+    kernels.use_tiles(False)
+    try:
+        assert torch.equal(kernels.q8_matmul(packed, x, 48), crowd)
+    finally:
+        kernels.use_tiles(True)
+
+
+def test_a_q8_0_head_runs_on_the_8bit_kernel_where_it_is_vectorized(tmp_path, kernels):
+    from nanoserve.model.quant.install import head_forms
+
+    blocks = _q8_weight(64, 96)
+    forms = head_forms(blocks.dequantize(), blocks, "auto", kernels)
+    assert ("q8x16" in forms) == kernels.q8_vectorized and ("int8g32" in forms) != kernels.q8_vectorized
+    x = torch.randn(3, 96)
+    for name, build in forms.items():
+        if name != "bfloat16":
+            torch.testing.assert_close(build()(x).double(), _q8_reference(blocks, x), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 build is an x86-64 one")
+def test_q8_matmul_gives_the_same_bits_built_for_avx2_and_for_plain_c(kernels, tmp_path):
+    import ctypes
+    import subprocess
+    from importlib import resources
+
+    (tmp_path / "linear.c").write_bytes(resources.files("nanoserve.kernels").joinpath("linear.c").read_bytes())
+    blocks = _q8_weight(32, 128)
+    x = torch.randn(5, 128)
+    native = kernels.q8_matmul(kernels.q8_pack(blocks.codes, blocks.scales), x, 32)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}.items():
+        library = tmp_path / f"{name}.so"
+        subprocess.run([find_compiler(), "-O2", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", *flags,
+                        str(tmp_path / "linear.c"), "-o", str(library), "-lm"], check=True)
+        lib = ctypes.CDLL(str(library))
+        lib.ns_q8_packed_bytes.restype = ctypes.c_int64
+        packed = torch.empty(lib.ns_q8_packed_bytes(i64(32), i64(128)), dtype=torch.uint8)
+        lib.ns_q8_pack(p(blocks.codes.data_ptr()), p(blocks.scales.data_ptr()), i64(32), i64(128), p(packed.data_ptr()))
+        y = torch.empty(5, 32)
+        assert lib.ns_q8_matmul(p(packed.data_ptr()), p(x.data_ptr()), i64(5), i64(128), i64(32), None,
+                                p(y.data_ptr()), ctypes.c_int32(2), ctypes.c_int32(0)) == 0
+        assert torch.equal(y, native), name

@@ -299,7 +299,9 @@ def test_a_q8_0_file_keeps_its_blocks_and_is_logprobs_close_to_dense(tmp_path):
     dense = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01, quantization="none")
     kept = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01)
     linear = kept.engine.stats().features["linear"]
-    assert linear["format"] == "int8g32" and linear["int8g32_modules"] == linear["modules"] > 0
+    fused = kept.engine.runner.model.fused
+    form = "q8x16" if fused is not None and fused.q8_vectorized else "int8g32"  # the 8-bit kernel, or two planes
+    assert linear["format"] == form and linear[f"{form}_modules"] == linear["modules"] > 0
     assert "int8" not in linear["head_us"]  # per-row int8 re-rounds the file's head: only on request
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     prompts = [[1, 5, 9, 20], [3, 4, 5], [7, 30, 31, 40, 41]]

@@ -57,6 +57,10 @@ class FusedKernels:
         self._q4_bytes.argtypes, self._q4_bytes.restype = (_i64, _i64), _i64
         lib.ns_q4_isa.restype = ctypes.c_char_p
         self.q4_isa = lib.ns_q4_isa().decode()  # which integer dot product the 4-bit kernel was built on
+        self._q8_pack, self._q8_matmul, self._q8_bytes = lib.ns_q8_pack, lib.ns_q8_matmul, lib.ns_q8_packed_bytes
+        self._q8_pack.argtypes, self._q8_pack.restype = (_ptr, _ptr, _i64, _i64, _ptr), None
+        self._q8_matmul.argtypes, self._q8_matmul.restype = self._q4_matmul.argtypes, ctypes.c_int
+        self._q8_bytes.argtypes, self._q8_bytes.restype = (_i64, _i64), _i64
         self._q4_set_amx, self._q4_tile_rows = lib.ns_q4_set_amx, lib.ns_q4_tile_rows
         self._q4_set_amx.argtypes, self._q4_set_amx.restype = (ctypes.c_int,), ctypes.c_int
         self._q4_tile_rows.argtypes, self._q4_tile_rows.restype = (), _i64
@@ -187,15 +191,44 @@ class FusedKernels:
             raise MemoryError(f"the 4-bit kernel could not allocate the int8 copy of {rows} x {k} activations")
         return y
 
+    @property
+    def q8_vectorized(self) -> bool:
+        """Whether the 8-bit kernel has a vector path here (AVX-512 VNNI); elsewhere it runs in plain C and two
+        4-bit planes on the 4-bit kernel are faster (AVX2's byte products would saturate on 8-bit codes)."""
+        return self.q4_isa == "avx512-vnni"
+
+    def q8_pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Int8Blocks' codes [out, in] (int8) and scales [out, in / 32] -> the 8-bit kernel's packed weight
+        (kernels/linear.c: 16 outputs by 32 inputs a unit, scales in float16: GGUF Q8_0's own)."""
+        out, k = codes.shape
+        if out % 16 or k % 32 or scales.shape != (out, k // 32):
+            raise ValueError(f"cannot pack a {out}x{k} weight with {tuple(scales.shape)} scales: outputs go in 16s "
+                             "and inputs in groups of 32")
+        codes, scales = codes.to(torch.int8).contiguous(), scales.float().contiguous()
+        packed = torch.empty(self._q8_bytes(out, k), dtype=torch.uint8)
+        self._q8_pack(codes.data_ptr(), scales.data_ptr(), out, k, packed.data_ptr())
+        return packed
+
+    def q8_matmul(self, packed: torch.Tensor, x: torch.Tensor, out: int) -> torch.Tensor:
+        """q4_matmul for a weight packed by q8_pack."""
+        rows, k = x.shape
+        if x.dtype is not torch.float32 or not x.is_contiguous() or packed.numel() != self._q8_bytes(out, k):
+            raise ValueError(f"the 8-bit kernel takes contiguous float32 rows of the weight's {k} inputs")
+        y = torch.empty(rows, out)
+        if rows and self._q8_matmul(packed.data_ptr(), x.data_ptr(), rows, k, out, None, y.data_ptr(),
+                                    torch.get_num_threads(), 0):
+            raise MemoryError(f"the 8-bit kernel could not allocate the int8 copy of {rows} x {k} activations")
+        return y
+
     def use_tiles(self, allowed: bool) -> bool:
-        """Let the 4-bit kernel's calls of 16 rows and more run on AMX (the default where the CPU and the OS
+        """Let the 4- and 8-bit kernels' calls of 16 rows and more run on AMX (the default where the CPU and the OS
         offer it) or keep them on the vector path; the bits are the same either way. Returns whether the tiles
         can run here."""
         return bool(self._q4_set_amx(int(allowed)))
 
     @property
     def q4_tile_rows(self) -> int:
-        """Rows the tile unit has computed in the 4-bit kernel since the library loaded (counted in C)."""
+        """Rows the tile unit has computed in the 4- and 8-bit kernels since the library loaded (counted in C)."""
         return self._q4_tile_rows()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -98,8 +98,9 @@ void ns_q4_pack(const uint8_t *codes, const float *scales, const float *zeros, i
  * stored as two byte planes, hi = v >> 8 (signed) and lo = v & 255 (unsigned), so v = 256 hi + lo and each
  * plane goes through the 8-bit dot products exactly (the weights' 4-bit codes are the unsigned side of hi's and
  * the signed side of lo's); codes [rows, 2 in] (a group: 32 hi bytes, then 32 lo), scales [rows, in / 32], code
- * sums [rows, in / 32]. */
-static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *codes, float *scales, int32_t *sums) {
+ * sums [rows, in / 32], and the hi plane's sums (the 8-bit kernel's correction) when asked for. */
+static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *codes, float *scales, int32_t *sums,
+                          int32_t *hi_sums) {
     int64_t groups = in / GROUP;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < groups; b++) {
@@ -110,7 +111,7 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
                 top = a > top ? a : top;
             }
             float inv = top > 0.0f ? 32767.0f / top : 0.0f;
-            int32_t sum = 0;
+            int32_t sum = 0, hi_sum = 0;
             int8_t *hi = codes + r * 2 * in + b * 2 * GROUP, *lo = hi + GROUP;
             for (int i = 0; i < GROUP; i++) {
                 float t = v[i] * inv;
@@ -119,9 +120,11 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
                 hi[i] = (int8_t)high;
                 ((uint8_t *)lo)[i] = (uint8_t)(code - 256 * high);
                 sum += code;
+                hi_sum += high;
             }
             scales[r * groups + b] = top / 32767.0f;
             sums[r * groups + b] = sum;
+            if (hi_sums) hi_sums[r * groups + b] = hi_sum;
         }
 }
 
@@ -439,6 +442,178 @@ static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
     }
 }
 
+/* ---- 8-bit weights (q8x16) ------------------------------------------------------------------------------
+ * GGUF Q8_0 as it is: 8-bit codes q with one f16 scale s per group of 32 inputs (w = q s), packed for 16 outputs at
+ * a time: 8 vectors of 64 bytes, vector j holding output l's inputs 4 j .. 4 j + 3 at bytes 4 l .., then the 16
+ * scales. A group's product c = sum q v = 256 sum q hi + sum q lo is an exact integer (|c| < 2^28; rounded to
+ * float32 once, the same everywhere), then acc_l += s_l (d c) in group order. The vector path takes q + 128
+ * (unsigned) against hi and corrects by 128 sum hi; the tiles take q signed against both planes. */
+
+#define Q8_GROUP_BYTES (OUTS * GROUP + OUTS * 2) /* 544 */
+
+int64_t ns_q8_packed_bytes(int64_t out, int64_t in) { return (out / OUTS) * (in / GROUP) * Q8_GROUP_BYTES; }
+
+/* codes [out, in] int8, scales [out, in / 32] -> dst (the layout above) */
+void ns_q8_pack(const int8_t *codes, const float *scales, int64_t out, int64_t in, uint8_t *dst) {
+    int64_t groups = in / GROUP;
+    for (int64_t g = 0; g < out / OUTS; g++)
+        for (int64_t b = 0; b < groups; b++) {
+            uint8_t *p = dst + (g * groups + b) * Q8_GROUP_BYTES;
+            for (int j = 0; j < 8; j++)
+                for (int l = 0; l < OUTS; l++)
+                    for (int c = 0; c < 4; c++) p[j * 64 + l * 4 + c] = (uint8_t)codes[(g * OUTS + l) * in + b * GROUP + 4 * j + c];
+            uint16_t halves[OUTS];
+            for (int l = 0; l < OUTS; l++) halves[l] = f32_to_f16(scales[(g * OUTS + l) * groups + b]);
+            memcpy(p + 8 * 64, halves, sizeof halves);
+        }
+}
+
+#ifdef ROW_TILE
+/* Up to ROW_TILE rows against 16 outputs' 8-bit weights: the weights loaded once for all of them */
+static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                      const int32_t *xh, float *out) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[ROW_TILE];
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * Q8_GROUP_BYTES;
+        __m512i w[8], wu[8];
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm512_loadu_si512(p + j * 64);
+            wu[j] = _mm512_xor_si512(w[j], flip); /* q + 128, unsigned */
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
+        for (int i = 0; i < n; i++) {
+            int32_t hi4[8], lo4[8];
+            memcpy(hi4, x + i * 2 * in + b * 2 * GROUP, 32);
+            memcpy(lo4, x + i * 2 * in + b * 2 * GROUP + GROUP, 32);
+            __m512i high = _mm512_set1_epi32(-128 * xh[i * groups + b]), lows = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                high = _mm512_dpbusd_epi32(high, wu[j], _mm512_set1_epi32(hi4[j]));
+                lows = _mm512_dpbusd_epi32(lows, _mm512_set1_epi32(lo4[j]), w[j]);
+            }
+            __m512i c = _mm512_add_epi32(_mm512_slli_epi32(high, 8), lows);
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(scale, _mm512_mul_ps(_mm512_set1_ps(xd[i * groups + b]),
+                                                                              _mm512_cvtepi32_ps(c))));
+        }
+    }
+    for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
+}
+#else
+/* One row against 16 outputs' 8-bit weights, in plain C (AVX2's byte products would saturate on these codes) */
+static void row_dot8(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, float out[OUTS]) {
+    float acc[OUTS] = {0};
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * Q8_GROUP_BYTES;
+        const int8_t *hi = x + b * 2 * GROUP;
+        const uint8_t *lo = (const uint8_t *)hi + GROUP;
+        uint16_t halves[OUTS];
+        memcpy(halves, p + 8 * 64, sizeof halves);
+        float d = xd[b];
+        for (int l = 0; l < OUTS; l++) {
+            int32_t c = 0;
+            for (int k = 0; k < GROUP; k++) c += (int8_t)p[(k / 4) * 64 + l * 4 + k % 4] * (256 * hi[k] + lo[k]);
+            acc[l] = acc[l] + f16_to_f32(halves[l]) * (d * (float)c);
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+#endif
+
+#ifdef HAVE_AMX
+/* 16 rows against output groups wg (and wg2): both planes' sums on the tiles, the codes tiled as packed */
+static void amx_rows8(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int64_t in, const int8_t *x,
+                      const float *xd, float *out, float *out2) {
+    _Alignas(64) int32_t sums[4][AMX_ROWS * OUTS];
+    __m512 acc[2][AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < groups; b++) {
+        _tile_loadd(4, x + b * 2 * GROUP, 2 * in);
+        _tile_loadd(5, x + b * 2 * GROUP + GROUP, 2 * in);
+        _tile_loadd(6, wg + b * Q8_GROUP_BYTES, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbssd(0, 4, 6); /* hi signed times codes signed */
+        _tile_dpbusd(1, 5, 6); /* lo unsigned times codes signed */
+        if (wg2) {
+            _tile_loadd(7, wg2 + b * Q8_GROUP_BYTES, 64);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_dpbssd(2, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        if (wg2) {
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+        }
+        for (int half = 0; half < (wg2 ? 2 : 1); half++) {
+            const uint8_t *p = (half ? wg2 : wg) + b * Q8_GROUP_BYTES;
+            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
+            for (int i = 0; i < AMX_ROWS; i++) {
+                __m512i c = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[2 * half] + i * OUTS), 8),
+                                             _mm512_load_si512(sums[2 * half + 1] + i * OUTS));
+                acc[half][i] = _mm512_add_ps(acc[half][i],
+                                             _mm512_mul_ps(scale, _mm512_mul_ps(_mm512_set1_ps(xd[i * groups + b]),
+                                                                                _mm512_cvtepi32_ps(c))));
+            }
+        }
+    }
+    for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out + i * OUTS, acc[0][i]);
+    if (wg2)
+        for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out2 + i * OUTS, acc[1][i]);
+}
+
+static void amx_groups8(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd, int64_t rows,
+                        const float *bias, int accumulate, int64_t g0, int64_t g1, float *y) {
+    int64_t groups = in / GROUP;
+    _Alignas(64) float acc[2][AMX_ROWS * OUTS];
+    for (int64_t g = g0; g < g1; g += 2) {
+        const uint8_t *wg = w + g * groups * Q8_GROUP_BYTES, *wg2 = g + 1 < g1 ? wg + groups * Q8_GROUP_BYTES : NULL;
+        for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
+            amx_rows8(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, acc[0], acc[1]);
+            store_outputs(acc[0], AMX_ROWS, out, g, bias, accumulate, y + r0 * out);
+            if (wg2) store_outputs(acc[1], AMX_ROWS, out, g + 1, bias, accumulate, y + r0 * out);
+        }
+    }
+}
+#endif
+
+/* q4_groups for 8-bit weights */
+static void q8_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
+                      const int32_t *xh, int64_t rows, const float *bias, int accumulate, int tiles, int64_t g0,
+                      int64_t g1, float *y) {
+    int64_t groups = in / GROUP;
+#ifdef HAVE_AMX
+    if (tiles) {
+        int64_t done = rows - rows % AMX_ROWS;
+        amx_configure();
+        amx_groups8(w, in, out, xq, xd, done, bias, accumulate, g0, g1, y);
+        _tile_release();
+        xq += done * 2 * in, xd += done * groups, xh += done * groups, y += done * out, rows -= done;
+    }
+#else
+    (void)tiles;
+#endif
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *wg = w + g * groups * Q8_GROUP_BYTES;
+        for (int64_t r0 = 0; r0 < rows;) {
+            float acc[4 * OUTS];
+#ifdef ROW_TILE
+            int n = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            rows_dot8(wg, groups, in, n, xq + r0 * 2 * in, xd + r0 * groups, xh + r0 * groups, acc);
+#else
+            int n = 1;
+            (void)xh;
+            row_dot8(wg, groups, xq + r0 * 2 * in, xd + r0 * groups, acc);
+#endif
+            store_outputs(acc, n, out, g, bias, accumulate, y + r0 * out);
+            r0 += n;
+        }
+    }
+}
+
 /* ---- the thread pool ------------------------------------------------------------------------------------
  * A call's output groups are cut into chunks that every thread, the caller included, claims one at a time: a
  * worker the OS has not scheduled (a busy machine) only means the others claim more. A claim is a
@@ -455,11 +630,12 @@ typedef struct {
     const uint8_t *w;
     const int8_t *xq;
     const float *xd, *bias;
-    const int32_t *xs;
+    const int32_t *xs, *xh;
     int64_t in, out, rows;
     float *y;
     int64_t chunks;
-    int accumulate, tiles; /* tiles: rows in 16s go to amx_groups */
+    int accumulate, tiles; /* tiles: rows in 16s go to the tile unit */
+    int eight_bit;         /* q8x16 weights (else q4x16) */
 } Job;
 
 static struct {
@@ -481,8 +657,12 @@ static inline void relax(void) {
 
 static void run_chunk(const Job *job, int64_t chunk) {
     int64_t total = job->out / OUTS, g0 = total * chunk / job->chunks, g1 = total * (chunk + 1) / job->chunks;
-    q4_groups(job->w, job->in, job->out, job->xq, job->xd, job->xs, job->rows, job->bias, job->accumulate,
-              job->tiles, g0, g1, job->y);
+    if (job->eight_bit)
+        q8_groups(job->w, job->in, job->out, job->xq, job->xd, job->xh, job->rows, job->bias, job->accumulate,
+                  job->tiles, g0, g1, job->y);
+    else
+        q4_groups(job->w, job->in, job->out, job->xq, job->xd, job->xs, job->rows, job->bias, job->accumulate,
+                  job->tiles, g0, g1, job->y);
 }
 
 /* Claims and runs chunks of job `generation` until none is left (or the job is no longer that one). */
@@ -593,25 +773,36 @@ static void run_on_pool(Job job, int threads) {
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
 
+static int matmul(int eight_bit, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out,
+                  const float *bias, float *y, int32_t threads, int32_t accumulate) {
+    int64_t groups = in / GROUP;
+    int8_t *xq = malloc((size_t)(rows * 2 * in));
+    float *xd = malloc(sizeof(float) * (size_t)(rows * groups));
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * groups * 2)), *xh = xs + rows * groups;
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -1;
+    }
+    quantize_rows(x, rows, in, xq, xd, xs, eight_bit ? xh : NULL);
+    Job job = {w, xq, xd, bias, xs, xh, in, out, rows, y, 1, accumulate, use_tiles(rows), eight_bit};
+    run_pooled(job, threads);
+    if (job.tiles) atomic_fetch_add(&amx_rows_served, rows - rows % AMX_ROWS);
+    free(xq), free(xd), free(xs);
+    return 0;
+}
+
 /* y [rows, out] float32 = x [rows, in] float32 . W^T (+ bias [out] when given; added to what y holds when
  * `accumulate`), W packed by ns_q4_pack; on up to `threads` threads. Calls are made one at a time (the engine's step
  * thread). Returns 0, or -1 when out of memory. */
 int ns_q4_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
                  float *y, int32_t threads, int32_t accumulate) {
-    int64_t groups = in / GROUP;
-    int8_t *xq = malloc((size_t)(rows * 2 * in));
-    float *xd = malloc(sizeof(float) * (size_t)(rows * groups));
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * groups));
-    if (!xq || !xd || !xs) {
-        free(xq), free(xd), free(xs);
-        return -1;
-    }
-    quantize_rows(x, rows, in, xq, xd, xs);
-    Job job = {w, xq, xd, bias, xs, in, out, rows, y, 1, accumulate, use_tiles(rows)};
-    run_pooled(job, threads);
-    if (job.tiles) atomic_fetch_add(&amx_rows_served, rows - rows % AMX_ROWS);
-    free(xq), free(xd), free(xs);
-    return 0;
+    return matmul(0, w, x, rows, in, out, bias, y, threads, accumulate);
+}
+
+/* ns_q4_matmul for W packed by ns_q8_pack */
+int ns_q8_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
+                 float *y, int32_t threads, int32_t accumulate) {
+    return matmul(1, w, x, rows, in, out, bias, y, threads, accumulate);
 }
 
 /* out[r] = the index of row r's largest value (the first, on a tie; the first NaN if there is one), as

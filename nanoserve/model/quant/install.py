@@ -21,6 +21,7 @@ from nanoserve.model.quant.linears import (
     Int8Linear,
     PackedLinear,
     Q4Linear,
+    Q8Linear,
     int4_packable,
 )
 from nanoserve.model.rescore import SHORTLIST
@@ -66,11 +67,14 @@ def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str, kern
     """The forms the output head can take, each a builder: a bfloat16 copy; the file's own blocks when the head
     (or the embedding it is tied to) came quantized (int8g32 for Q8_0, int4 for Q4); and int8 per row, which
     re-rounds the weight, only when --quantization int4 / int8 asked for lossy weights. With `kernels` the file's
-    8-bit blocks run on the fused library's 4-bit x 16-bit kernel, as two planes."""
+    8-bit blocks run on the fused library's 8-bit kernel (q8x16) where it is vectorized, else on its 4-bit kernel as
+    two planes."""
     forms = {"bfloat16": lambda: BF16Linear(weight)}
     if blocks is not None and not int4_packable(*blocks.shape):
         blocks = None
-    if isinstance(blocks, Int8Blocks):
+    if isinstance(blocks, Int8Blocks) and kernels is not None and kernels.q8_vectorized:
+        forms["q8x16"] = lambda: Q8Linear(blocks, None, None, kernels)
+    elif isinstance(blocks, Int8Blocks):
         forms["int8g32"] = lambda: Int8GroupLinear(blocks, kernels=kernels)
     elif isinstance(blocks, Int4Blocks):
         forms["int4"] = lambda: Int4Linear(blocks, None)
@@ -148,10 +152,12 @@ def _kept_head(weight: torch.Tensor, forms: dict) -> tuple[str, dict[str, float]
 
 
 def _packed(blocks: QuantBlocks, bias, sizes, kernels=None) -> PackedLinear:
-    """The packed linear for a file's blocks: 4-bit ones on the fused library's 4-bit x 16-bit kernel when it is
-    given, else on torch's int4 kernel."""
+    """The packed linear for a file's blocks: on the fused library's kernels when it is given (8-bit blocks on its
+    8-bit kernel where that is vectorized, else as two planes on the 4-bit one), else on torch's int4 kernel."""
+    if isinstance(blocks, Int8Blocks) and kernels is not None and kernels.q8_vectorized:
+        return Q8Linear(blocks, bias, sizes, kernels)
     if isinstance(blocks, Int8Blocks):
-        return Int8GroupLinear(blocks, bias, sizes)
+        return Int8GroupLinear(blocks, bias, sizes, kernels=kernels)
     if kernels is not None:
         return Q4Linear(blocks, bias, sizes, kernels)
     return Int4Linear(blocks, bias, sizes)
@@ -232,7 +238,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
     calls would give a row other numbers beside many rows than alone), and the head's form is timed once per
     machine and kept (nanoserve/kernel_table.py), not timed at each load. `kernels` (FusedKernels): 4-bit linears
     run on its 4-bit x 16-bit kernel (Q4Linear) instead of torch's int4 one."""
-    calls = {"int4": 0, "q4x16": 0, "int8": 0, "int8g32": 0, "dense": 0}
+    calls = {"int4": 0, "q4x16": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}

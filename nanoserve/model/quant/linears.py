@@ -148,6 +148,29 @@ class Int8Linear(PackedLinear):
         return torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
 
 
+class Q8Linear(PackedLinear):
+    """8-bit codes with a scale per group of 32 (Int8Blocks, GGUF Q8_0) as they are, on the fused library's 8-bit x
+    16-bit kernel (kernels/linear.c): one read of the file's bytes, each row's groups of 32 quantized to 16-bit codes
+    inside the call, an output depending on its row alone. Where the machine has no vector path for it
+    (FusedKernels.q8_vectorized), Int8GroupLinear's two 4-bit planes run instead."""
+
+    format = "q8x16"
+    input_dtype = torch.float32
+    activation_form = "int16 per 32"
+
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
+        out, k = blocks.shape
+        if not int4_packable(out, k):
+            raise ValueError(f"8-bit group weights need inputs in groups of {GROUP} and outputs in 16s; this is "
+                             f"{out}x{k}")
+        super().__init__(out, k, bias, sizes)
+        self.kernels = kernels
+        self.register_buffer("packed", kernels.q8_pack(blocks.codes, blocks.scales))
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_matmul(self.packed, flat.float().contiguous(), self.out_features)
+
+
 class Int8GroupLinear(PackedLinear):
     """8-bit codes with a scale per group of 32 (Int8Blocks, GGUF Q8_0) as two 4-bit planes on the int4 kernel:
     the file's weights exactly (up to the scales' bfloat16), in the bytes an int8 weight takes."""
