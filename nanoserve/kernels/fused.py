@@ -61,6 +61,9 @@ class FusedKernels:
         self._q8_pack.argtypes, self._q8_pack.restype = (_ptr, _ptr, _i64, _i64, _ptr), None
         self._q8_matmul.argtypes, self._q8_matmul.restype = self._q4_matmul.argtypes, ctypes.c_int
         self._q8_bytes.argtypes, self._q8_bytes.restype = (_i64, _i64), _i64
+        # the raw C entries (packed, x, rows, in, out, bias, y, threads, accumulate) -> 0, or -1 out of memory: for
+        # a caller that checked its tensors once (model/quant/linears.py's KernelLinear)
+        self.q4_call, self.q8_call = self._q4_matmul, self._q8_matmul
         self._q4_set_amx, self._q4_tile_rows = lib.ns_q4_set_amx, lib.ns_q4_tile_rows
         self._q4_set_amx.argtypes, self._q4_set_amx.restype = (ctypes.c_int,), ctypes.c_int
         self._q4_tile_rows.argtypes, self._q4_tile_rows.restype = (), _i64
