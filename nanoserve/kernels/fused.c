@@ -476,6 +476,9 @@ int ns_q4_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int
                  float *y, int32_t threads, int32_t accumulate);
 void ns_q4_pack(const uint8_t *codes, const float *scales, const float *zeros, int64_t out, int64_t in,
                 uint8_t *dst);
+int ns_q8_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
+                 float *y, int32_t threads, int32_t accumulate);
+void ns_q8_pack(const int8_t *codes, const float *scales, int64_t out, int64_t in, uint8_t *dst);
 
 int ns_self_test(void) {
     enum { DIM = 64, HEADS = 2, BLOCK = 16, KEYS = 20 };
@@ -503,5 +506,13 @@ int ns_self_test(void) {
     for (int i = 0; i < 64; i++) scales[i] = 0.01f, zeros[i] = 0.001f;
     ns_q4_pack(codes, scales, zeros, 32, 64, packed);
     if (ns_q4_matmul(packed, x, 2, 64, 32, NULL, product, 2, 0) != 0 || !isfinite(product[33])) return 1;
+    static float rows16[16 * 64], product16[16 * 32]; /* 16 rows: the tile unit's path where the CPU has one */
+    for (int i = 0; i < 16 * 64; i++) rows16[i] = (float)(i % 9) - 4.0f;
+    if (ns_q4_matmul(packed, rows16, 16, 64, 32, NULL, product16, 2, 0) != 0 || !isfinite(product16[511])) return 1;
+    static int8_t codes8[32 * 64];
+    static uint8_t packed8[2 * 2 * 544];
+    for (int i = 0; i < 32 * 64; i++) codes8[i] = (int8_t)(i % 255 - 127);
+    ns_q8_pack(codes8, scales, 32, 64, packed8);
+    if (ns_q8_matmul(packed8, rows16, 16, 64, 32, NULL, product16, 2, 0) != 0 || !isfinite(product16[511])) return 1;
     return isfinite(attended[0]) && isfinite(out[0]) && isfinite(logits[0]) && isfinite(bf16_to_f32(act[0])) ? 0 : 1;
 }
