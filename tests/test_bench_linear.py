@@ -20,3 +20,26 @@ def test_bench_linear_table(tmp_path, capsys):
         expected = float(r["weight_GB_s"]) * int(r["rows"]) / 2
         assert abs(float(r["GFLOPS"]) - expected) < 1e-6 * max(1.0, expected)
     assert "weight_GB_s" in capsys.readouterr().out
+
+
+def test_bench_linear_times_the_fused_librarys_kernels(tmp_path):
+    """The q4x16 / q8x16 arms report the packed bytes (5/8 and 17/16 of a byte a weight) and the same products'
+    GFLOPS; an -amx arm runs only where the tiles do."""
+    import csv
+
+    from nanoserve.kernels.fused import load
+
+    kernels, why = load()
+    if kernels is None:
+        import pytest
+
+        pytest.skip(why)
+    assert main(["bench", "linear", "--rows", "16", "--dtypes", "float32", "q4x16", "q8x16-amx", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    rows = {r["dtype"]: r for r in csv.DictReader((tmp_path / "linear.csv").open())}
+    assert ("q8x16-amx" in rows) == (kernels.q4_tiles == "amx")
+    for name, bytes_a_weight in (("q4x16", 5 / 8), ("q8x16-amx", 17 / 16)):
+        if name in rows:
+            r = rows[name]
+            expected = float(r["weight_GB_s"]) / bytes_a_weight * 2 * 16
+            assert abs(float(r["GFLOPS"]) - expected) < 1e-6 * expected
