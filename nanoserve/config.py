@@ -65,6 +65,9 @@ class EngineConfig:
     max_model_len: int | None = _flag(None, "longest prompt + output; unset: the model's context, capped by the KV pool")
     max_num_seqs: int = _flag(64, "rows a step may run at once")
     max_num_batched_tokens: int = _flag(2048, "token budget of one step (decodes first, then prefill chunks)")
+    max_step_ms: float | None = _flag(None, "while streams decode, a step's prefill share is cut to fit this step "
+                                            "time (ms), from costs measured online; unset: the larger of 150 ms "
+                                            "and 4 decode steps; 0: off (the token budget alone)")
     block_size: int = _flag(16, "tokens per KV block (a power of two)")
     kv_cache_gib: float | None = _flag(None, "KV budget in GiB; unset: 1 GiB on CPU, gpu_memory_utilization on CUDA")
     gpu_memory_utilization: float = _flag(0.9, "share of the card the engine may fill (CUDA, KV budget unset)")
@@ -111,6 +114,8 @@ class EngineConfig:
             (self.max_num_batched_tokens >= self.max_num_seqs,
              f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
              f"({self.max_num_seqs}) so every running row can decode each step; raise it or lower max_num_seqs"),
+            (self.max_step_ms is None or self.max_step_ms >= 0,
+             f"max_step_ms must be >= 0 (0 turns the step-time budget off), got {self.max_step_ms}"),
             (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two, got {self.block_size}"),
             (self.max_model_len is None or self.max_model_len >= 2,

@@ -27,6 +27,7 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.stalls import StallWatch
 from nanoserve.stats import EngineStats, RowStats, SchedulerStats
+from nanoserve.step_budget import StepBudget
 from nanoserve.structured.grammars import Grammars
 
 log = logging.getLogger("nanoserve.engine")
@@ -52,7 +53,8 @@ class Engine:
         self.max_model_len, self.numerics = runner.max_model_len, runner.numerics
         self.kv = KVManager(runner.num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching,
                             cache_identity=(runner.loaded.name, config.quantization, str(runner.dtype)))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.step_budget = StepBudget(config.max_step_ms, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                  stats=runner.sampler.masker.stats)
@@ -139,8 +141,10 @@ class Engine:
 
     def _record_step(self, sched, seconds: float) -> None:
         self.output_processor.step_time(seconds)
+        prompts = tuple(dict.fromkeys(c.request.request_id for c in sched.prefills))
+        self.step_budget.observe(len(sched.decodes), sched.prefill_tokens, seconds, sched.cut_by_time, prompts)
         self.stalls.step(seconds, len(sched.decodes), sched.prefill_tokens, len(sched.preempted),
-                         running=len(self.scheduler.running))
+                         running=len(self.scheduler.running), prefill_requests=prompts)
 
     # ---- observation --------------------------------------------------------------------------------
     def audit(self) -> None:
@@ -168,7 +172,7 @@ class Engine:
             features={**runner.published(),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
                       "windows": self.output_processor.recent.snapshot(now, self._started),
-                      "stalls": self.stalls.as_dict()},
+                      "stalls": self.stalls.as_dict(), "step_budget": self.step_budget.as_dict()},
             latency=self.output_processor.latency(), prefix_cache=prefix,
         )
 

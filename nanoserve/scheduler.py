@@ -7,7 +7,9 @@ Policy (decode first, then chunked prefill):
 2. Running requests part-way through a long prompt continue with chunks from what budget remains.
 3. Waiting requests are admitted in arrival order while rows, budget and free blocks allow; admission never
    preempts, and nothing is admitted in a step that had to preempt.
-So a burst of new prompts can slow decodes (they share the step) but never stop them.
+So a burst of new prompts can slow decodes (they share the step) but never stop them. While decode rows run,
+the prefill share of a step is also cut to what fits in a target step time (step_budget.py), so a long prompt
+arriving beside a stream is read over several steps instead of freezing the stream for one long one.
 
 Where the K/V lives is the KV manager's (kv/manager.py): the scheduler asks it to admit, reserve and free, and
 with prefix caching an admitted request (new, or back from preemption) computes only what the cache does not
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from nanoserve.kv.manager import KVManager
 from nanoserve.request import Request, Status
 from nanoserve.stats import SchedulerStats
+from nanoserve.step_budget import StepBudget
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class SchedulerOutput:
     decodes: list[Chunk] = field(default_factory=list)
     prefills: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    cut_by_time: bool = False  # the step-time budget cut a prefill chunk short (step_budget.py)
 
     @property
     def empty(self) -> bool:
@@ -77,10 +81,12 @@ def stop_token(req: Request, token: int) -> tuple[bool, int | None]:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 step_budget: StepBudget | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_budget = step_budget or StepBudget(0, kv.block_size)  # 0: off, the token budget alone
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first to be preempted
         self.peak_running = 0
@@ -103,25 +109,37 @@ class Scheduler:
                 out.decodes.append(Chunk(req, req.num_computed, 1))
                 scheduled.add(id(req))
                 budget -= 1
+        timed = self.step_budget.prefill_limit(len(out.decodes), budget)  # beside decode rows: what fits in time
+        cut, budget = timed < budget, timed
         for req in [r for r in self.running if r.num_uncomputed > 1]:
             if budget <= 0:
                 break
-            n = min(req.num_uncomputed, budget)
+            n = self._chunk(req, req.num_computed, budget, cut, out)
             if req.status is Status.RUNNING and self._reserve(req, n, out, scheduled):
                 out.prefills.append(Chunk(req, req.num_computed, n))
                 scheduled.add(id(req))
                 budget -= n
-        self._admit(out, budget)
+        self._admit(out, budget, cut)
         self.peak_running = max(self.peak_running, len(self.running))
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _chunk(self, req: Request, start: int, budget: int, cut: bool, out: SchedulerOutput) -> int:
+        """Tokens of `req` from `start` this step: all that remain if the budget allows; a chunk the step-time
+        budget cut ends on a block boundary where one lies inside it."""
+        remaining = req.num_tokens - start
+        n = min(remaining, budget)
+        if cut and n < remaining:
+            out.cut_by_time = True
+            n = self.step_budget.cut(start, n, remaining)
+        return n
+
+    def _admit(self, out: SchedulerOutput, budget: int, cut: bool = False) -> None:
         """Waiting requests in arrival order, each with what the prefix cache holds of it, while rows, budget and
         blocks allow; none in a step that had to preempt."""
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.cached_prefix(req)
-            n = min(req.num_tokens - cached.num_tokens, budget)
+            n = self._chunk(req, cached.num_tokens, budget, cut, out)
             if not self.kv.admit(req, cached, n):
                 break
             self.waiting.popleft()

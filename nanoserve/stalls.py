@@ -43,16 +43,17 @@ class StallWatch:
         self._last_running = 0
 
     def step(self, seconds: float, decode_rows: int, prefill_tokens: int, preemptions: int, running: int = 0,
-             now: float | None = None) -> bool:
+             now: float | None = None, prefill_requests: tuple[str, ...] = ()) -> bool:
         """Judge one step that ended at `now` and left `running` requests running; True when it was a slow step
-        or closed a stretch whose throughput dropped."""
+        or closed a stretch whose throughput dropped. A slow step names the requests whose prompts it read."""
         now = time.monotonic() if now is None else now
-        slow = self._judge_step(seconds, decode_rows, prefill_tokens, preemptions)
+        slow = self._judge_step(seconds, decode_rows, prefill_tokens, preemptions, prefill_requests)
         dropped = self._follow_throughput(now, seconds, decode_rows, prefill_tokens, preemptions)
         self._last_end, self._last_running = now, running
         return slow or dropped
 
-    def _judge_step(self, seconds: float, decode_rows: int, prefill_tokens: int, preemptions: int) -> bool:
+    def _judge_step(self, seconds: float, decode_rows: int, prefill_tokens: int, preemptions: int,
+                    prefill_requests: tuple[str, ...] = ()) -> bool:
         self._seen += 1
         if self._seen % 16 == 1 or self._p99 is None:  # re-sorted every 16 steps, not every step
             ordered = sorted(self._steps)
@@ -63,7 +64,8 @@ class StallWatch:
             self.count += 1
             self.latest.append({"kind": "step", "at": time.strftime("%H:%M:%S"), "step_ms": round(1000 * seconds, 1),
                                 "p99_ms": round(1000 * self._p99, 1), "decode_rows": decode_rows,
-                                "prefill_tokens": prefill_tokens, "preemptions": preemptions})
+                                "prefill_tokens": prefill_tokens, "preemptions": preemptions,
+                                "prefill_requests": list(prefill_requests)})
         self._steps.append(seconds)
         return stalled
 

@@ -1,5 +1,6 @@
 """The sliding windows: latency p50 / p99 and finishes, aborts, errors and refusals per second over the last
-10 s, 1 min and 5 min, as the snapshot publishes them (`windows`, and the server's `refusals`)."""
+10 s, 1 min and 5 min, as the snapshot publishes them (`windows`, and the server's `refusals`); then the step-time
+budget (`step_budget`) and the latest stall (`stalls`)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,31 @@ def recent_text(stats: EngineStats) -> str:
     if refused:  # counted by the server's HTTP layer: an engine outside a server has none
         lines.append(f"{'refused/s':<10}" + "".join(f"{decimal(refused.get(n, 0.0), 2):>{WIDTH}}" for n in names))
     lines.append("latency p50 / p99 over each window; rates per second")
+    budget = budget_line(stats)
+    if budget:
+        lines.append(budget)
     lines.append(stall_line(stats))
     return "\n".join(lines)
+
+
+def budget_line(stats: EngineStats) -> str:
+    """The step-time budget in force (a step's prefill share beside running streams) with the costs behind it,
+    and the latest step that ran past it, with the prompt it was reading."""
+    budget = stats.features.get("step_budget")
+    if not budget:
+        return ""
+    if not budget["enabled"]:
+        return "step budget off (--max-step-ms 0): prefill takes the token budget beside streams"
+    costs = (f"decode step {decimal(budget['decode_step_ms'])} ms, prefill {decimal(budget['prefill_token_ms'], 2)} "
+             f"ms/token" if budget["decode_step_ms"] is not None and budget["prefill_token_ms"] is not None
+             else "costs not measured yet")
+    line = (f"step budget {decimal(budget['target_ms'])} ms ({budget['mode']}): {costs}; "
+            f"{count(budget['limited_steps'])} steps cut, {count(budget['steps_over_target'])} over")
+    latest = (budget.get("latest_over") or [None])[-1]
+    if latest is not None:
+        line += (f"; last over at {latest['at']}: {decimal(latest['step_ms'])} ms reading "
+                 f"{', '.join(latest['prefill_requests']) or 'no prompt'}")
+    return line
 
 
 def stall_line(stats: EngineStats) -> str:
@@ -46,7 +70,9 @@ def stall_line(stats: EngineStats) -> str:
     else:
         what = (f"step {decimal(latest['step_ms'])} ms (p99 {decimal(latest['p99_ms'])} ms), "
                 f"{count(latest['decode_rows'])} decode rows")
-    return (f"{counts}; last at {latest['at']}: {what}, {count(latest['prefill_tokens'])} prefill tokens, "
+    prompts = latest.get("prefill_requests") or []
+    reading = f" ({', '.join(prompts[:3])}{', ...' if len(prompts) > 3 else ''})" if prompts else ""
+    return (f"{counts}; last at {latest['at']}: {what}, {count(latest['prefill_tokens'])} prefill tokens{reading}, "
             f"{count(latest['preemptions'])} preemptions")
 
 

@@ -92,7 +92,7 @@ def main(args) -> int:
                          sum(w.nbytes for w in ws))
         xs = {i: torch.randn(m, i) for _, i in SHAPES}
         for name, (step, nbytes) in kernel_arms.items():
-            timed[name] = (best_seconds(lambda step=step: step(xs), args.repeats), nbytes)
+            timed[name] = (best_seconds(lambda step=step, xs=xs: step(xs), args.repeats), nbytes)
         for dt, (t, nbytes) in timed.items():
             rows.append({"rows": m, "dtype": dt, "ms_per_step": t * 1e3, "weight_GB_s": nbytes / t / 1e9,
                          "GFLOPS": 2 * m * params / t / 1e9, "share_of_stream_bw": nbytes / t / 1e9 / stream_gbs})

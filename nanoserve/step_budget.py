@@ -1,0 +1,119 @@
+"""StepBudget: how many prefill tokens a step may take beside running streams, sized by time rather than tokens.
+
+A token budget sized for a GPU is the wrong unit on a CPU: there a 2,048-token prefill step takes seconds, and
+every stream decoding beside it waits that long for its next token. So while decode rows are running, a step's
+prefill share is cut to what fits in a target time, from two costs measured online over the steps the engine
+already times:
+- a decode-only step's seconds (an exponential average);
+- the seconds each prefill token adds to a step that also decodes (the step's time past the decode estimate,
+  over its prefill tokens). Until such a step has run, a prefill-only step's time past the decode estimate per
+  token stands in, and before any prefill at all, FIRST_CHUNK tokens.
+
+With no decode rows running, prefill takes the whole token budget as before, so an idle server's time to first
+token does not change. The target is `--max-step-ms`, or, unset, the larger of FLOOR_S and DECODE_MULTIPLE
+decode steps; 0 turns the budget off. Chunk boundaries chosen this way change no output: the batch-invariant
+path computes a chunked prompt bitwise as it computes it whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+FLOOR_S = 0.150  # the auto target's floor: a pause a reader does not notice
+DECODE_MULTIPLE = 4.0  # ... or this many decode steps, whichever is longer
+ALPHA = 0.25  # weight of the newest step in each exponential average
+FIRST_CHUNK = 32  # prefill tokens beside decode rows before any prefill has been timed
+AIM = 0.9  # the share of the target a step's estimate is sized to (the estimates lag a growing context)
+KEPT = 8  # latest over-budget steps published
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 3)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+class StepBudget:
+    """The prefill share of each step while streams decode; `observe` feeds it every step's timing."""
+
+    def __init__(self, max_step_ms: float | None, block_size: int):
+        self.max_step_ms = max_step_ms
+        self.block_size = block_size
+        self.decode_s: float | None = None  # a decode-only step, seconds
+        self.mixed_token_s: float | None = None  # a prefill token beside decode rows, seconds
+        self.prefill_token_s: float | None = None  # a prefill token in a prefill-only step, seconds
+        self.limit: int | None = None  # the prefill tokens the last step beside decode rows was allowed
+        self.limited_steps = 0  # steps whose prefill the budget cut short
+        self.steps_over = 0  # steps with decode rows that ran past the target
+        self.latest_over: deque[dict] = deque(maxlen=KEPT)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_step_ms != 0
+
+    def target_s(self) -> float:
+        """The step time aimed at while decode rows run."""
+        if self.max_step_ms:
+            return self.max_step_ms / 1000
+        return max(FLOOR_S, DECODE_MULTIPLE * (self.decode_s or 0.0))
+
+    def token_s(self) -> float | None:
+        """Seconds a prefill token adds beside decode rows: measured there, else in a prefill-only step."""
+        return self.mixed_token_s if self.mixed_token_s is not None else self.prefill_token_s
+
+    def prefill_limit(self, decode_rows: int, tokens_left: int) -> int:
+        """Prefill tokens a step with `decode_rows` decode rows may take, out of the `tokens_left` its token
+        budget leaves: all of them with no decode row or the budget off; else what fits in the target (at least
+        one block, so a long prompt always advances)."""
+        if not self.enabled or decode_rows == 0:
+            return tokens_left
+        per_token = self.token_s()
+        if per_token is None:
+            fits = FIRST_CHUNK
+        else:
+            spare = AIM * self.target_s() - (self.decode_s or 0.0)
+            fits = int(spare / per_token) if per_token > 0 else tokens_left
+        self.limit = min(tokens_left, max(self.block_size, fits))
+        return self.limit
+
+    def cut(self, start: int, length: int, remaining: int) -> int:
+        """A chunk the time limit cut (`length` of the `remaining` tokens from `start`) ends on a block
+        boundary where one lies inside it, so the prefix cache names every block the chunk filled."""
+        if length >= remaining:
+            return length
+        end = start + length
+        aligned = end - end % self.block_size
+        return aligned - start if aligned > start else length
+
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float, cut: bool = False,
+                prefill_requests: tuple[str, ...] = ()) -> bool:
+        """Learn from one step; True when it had decode rows and ran past the target (kept, with the prompts
+        whose prefill it carried)."""
+        if cut:
+            self.limited_steps += 1
+        if decode_rows and not prefill_tokens:
+            self.decode_s = _average(self.decode_s, seconds)
+        elif prefill_tokens and not decode_rows:  # a step's fixed cost is about a decode step's: not the tokens'
+            self.prefill_token_s = _average(self.prefill_token_s,
+                                            max(0.0, seconds - (self.decode_s or 0.0)) / prefill_tokens)
+        elif prefill_tokens and self.decode_s is not None:
+            self.mixed_token_s = _average(self.mixed_token_s, max(0.0, seconds - self.decode_s) / prefill_tokens)
+        over = bool(decode_rows) and self.enabled and seconds > self.target_s()
+        if over:
+            self.steps_over += 1
+            self.latest_over.append({"at": time.strftime("%H:%M:%S"), "step_ms": round(1000 * seconds, 1),
+                                     "target_ms": round(1000 * self.target_s(), 1), "decode_rows": decode_rows,
+                                     "prefill_tokens": prefill_tokens, "prefill_requests": list(prefill_requests)})
+        return over
+
+    def as_dict(self) -> dict:
+        """The stats snapshot's `step_budget` section (and, its numbers, /metrics gauges)."""
+        mode = "off" if not self.enabled else ("flag" if self.max_step_ms else "auto")
+        return {"enabled": self.enabled, "mode": mode,
+                "target_ms": _ms(self.target_s()), "decode_step_ms": _ms(self.decode_s),
+                "prefill_token_ms": _ms(self.token_s()), "prefill_limit_tokens": self.limit,
+                "limited_steps": self.limited_steps, "steps_over_target": self.steps_over,
+                "latest_over": list(self.latest_over)}
