@@ -265,8 +265,9 @@ def test_q4_matmul_gives_a_row_the_same_bits_alone_in_a_crowd_and_on_any_threads
 
 @pytest.mark.parametrize("out", [48, 96])  # an odd and an even count of 16-output groups (the tiles take two)
 def test_q4_matmul_on_the_tile_unit_gives_the_vector_paths_bits(kernels, out):
-    """Calls of 16 rows and more run their rows in 16s on AMX where the machine has it: each row's product, and
-    what it adds into an output, is bit for bit the vector path's, and the tile rows are counted."""
+    """Calls of 6 rows and more run on AMX where the machine has it, 16 rows a tile (the last padded with zero
+    rows): each row's product, and what it adds into an output, is bit for bit the vector path's, and the tile
+    rows are counted."""
     if kernels.q4_tiles == "none":
         pytest.skip("no AMX tiles on this machine (or the OS does not grant them)")
     blocks = _q4_weight(out, 192)
@@ -283,7 +284,11 @@ def test_q4_matmul_on_the_tile_unit_gives_the_vector_paths_bits(kernels, out):
         kernels.use_tiles(True)
     counted = kernels.q4_tile_rows
     tiles = kernels.q4_matmul(packed, x, out)
-    assert kernels.q4_tile_rows - counted == 32  # two tiles of 16 rows; the last 5 on the vector path
+    assert kernels.q4_tile_rows - counted == 37  # three tiles, the last padded with zero rows
+    for rows in (5, 6, 9):  # below the tiles' threshold, at it, and one padded tile
+        counted = kernels.q4_tile_rows
+        assert torch.equal(kernels.q4_matmul(packed, x[:rows].contiguous(), out), vector[:rows])
+        assert (kernels.q4_tile_rows - counted) == (rows if rows >= 6 else 0)
     assert torch.equal(tiles, vector)
     assert torch.equal(kernels.q4_matmul(packed, x, out, add_to=before.clone()), vector_added)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-PARALLEL_FROM = 1 << 16  # query x key pairs of a step from which its attention runs on torch's thread count
+PARALLEL_FROM = 1 << 12  # query x key pairs of a step from which its attention runs on torch's thread count
 
 
 def step_tables(batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -224,7 +224,7 @@ class FusedKernels:
         return y
 
     def use_tiles(self, allowed: bool) -> bool:
-        """Let the 4- and 8-bit kernels' calls of 16 rows and more run on AMX (the default where the CPU and the OS
+        """Let the 4- and 8-bit kernels' calls of 6 rows and more run on AMX (the default where the CPU and the OS
         offer it) or keep them on the vector path; the bits are the same either way. Returns whether the tiles
         can run here."""
         return bool(self._q4_set_amx(int(allowed)))

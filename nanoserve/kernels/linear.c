@@ -27,6 +27,9 @@
 #define GROUP 32
 #define OUTS 16                      /* outputs packed together */
 #define AMX_ROWS 16                  /* rows a tile holds */
+#ifndef AMX_FROM
+#define AMX_FROM 6 /* rows from which a call takes the tiles (measured: 4 rows break even, 8 gain 1.4x) */
+#endif
 #define GROUP_BYTES (OUTS * GROUP / 2 + 2 * OUTS * 2) /* nibbles, then 16 f16 scales and 16 f16 zeros: 320 */
 
 /* ---- half precision, exactly ---------------------------------------------------------------------------- */
@@ -253,8 +256,8 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
 
 /* ---- AMX: 16 rows at a time on the tile unit ------------------------------------------------------------
  * The same integers as rows_dot (a group's 256 hi and lo dot products per 16 rows and 16 outputs, one tile
- * instruction each), then rows_dot's float operations row by row: the same bits, so which rows of a call take the
- * tiles changes nothing. Used where the compiler and the kernel allow it (Linux asks a process to request the
+ * instruction each), then rows_dot's float operations row by row: the same bits, so whether a call takes the
+ * tiles (from AMX_FROM rows; its last tile padded with zero rows) changes nothing. Used where the compiler and the kernel allow it (Linux asks a process to request the
  * tile state) and ns_q4_set_amx has not turned it off. */
 #if defined(ROW_TILE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -306,10 +309,10 @@ static inline void unpack_codes(const uint8_t *p, int8_t *codes) {
 
 /* rows_dot's float operations on one group's integer sums, for 16 rows */
 static inline void amx_accumulate(const uint8_t *p, const int32_t *high, const int32_t *lows, const float *xd,
-                                  const int32_t *xs, int64_t groups, int64_t b, __m512 *acc) {
+                                  const int32_t *xs, int64_t groups, int64_t b, int n, __m512 *acc) {
     __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
     __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
-    for (int i = 0; i < AMX_ROWS; i++) {
+    for (int i = 0; i < n; i++) {
         float d = xd[i * groups + b];
         int32_t sx = xs[i * groups + b]; /* c = 256 sum (q - 8) hi + sum (q - 8) lo = sum (q - 8) v, as rows_dot's */
         __m512i c = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + i * OUTS), 8),
@@ -320,9 +323,10 @@ static inline void amx_accumulate(const uint8_t *p, const int32_t *high, const i
     }
 }
 
-/* 16 rows against output groups wg (and wg2 when not NULL, the next 16 outputs) -> out [16, 16] (out2) */
+/* A tile of 16 rows against output groups wg (and wg2 when not NULL, the next 16 outputs) -> out [n, 16] (out2)
+ * for its first n rows (the rest are the zero rows padding a call's last tile) */
 static void amx_rows(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int64_t in, const int8_t *x,
-                     const float *xd, const int32_t *xs, float *out, float *out2) {
+                     const float *xd, const int32_t *xs, int n, float *out, float *out2) {
     _Alignas(64) int8_t codes[2][8 * 64];
     _Alignas(64) int32_t sums[4][AMX_ROWS * OUTS];
     __m512 acc[AMX_ROWS], acc2[AMX_ROWS];
@@ -346,16 +350,16 @@ static void amx_rows(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int6
         }
         _tile_stored(0, sums[0], 64);
         _tile_stored(1, sums[1], 64);
-        amx_accumulate(wg + b * GROUP_BYTES, sums[0], sums[1], xd, xs, groups, b, acc);
+        amx_accumulate(wg + b * GROUP_BYTES, sums[0], sums[1], xd, xs, groups, b, n, acc);
         if (wg2) {
             _tile_stored(2, sums[2], 64);
             _tile_stored(3, sums[3], 64);
-            amx_accumulate(wg2 + b * GROUP_BYTES, sums[2], sums[3], xd, xs, groups, b, acc2);
+            amx_accumulate(wg2 + b * GROUP_BYTES, sums[2], sums[3], xd, xs, groups, b, n, acc2);
         }
     }
-    for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
+    for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
     if (wg2)
-        for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out2 + i * OUTS, acc2[i]);
+        for (int i = 0; i < n; i++) _mm512_storeu_ps(out2 + i * OUTS, acc2[i]);
 }
 #define HAVE_AMX 1
 #else
@@ -365,8 +369,8 @@ static int amx_granted(void) { return 0; }
 static atomic_int amx_allowed = 1;
 static atomic_llong amx_rows_served = 0;
 
-/* Whether a call of `rows` rows takes the tiles for its rows in 16s (the same bits either way) */
-static int use_tiles(int64_t rows) { return rows >= AMX_ROWS && atomic_load(&amx_allowed) && amx_granted(); }
+/* Whether a call of `rows` rows runs on the tiles, 16 rows a tile, the last padded (the same bits either way) */
+static int use_tiles(int64_t rows) { return rows >= AMX_FROM && atomic_load(&amx_allowed) && amx_granted(); }
 
 /* The rows the tiles have computed since the library loaded: a measurement, for the stats snapshot */
 int64_t ns_q4_tile_rows(void) { return atomic_load(&amx_rows_served); }
@@ -393,7 +397,8 @@ static inline void store_outputs(const float *acc, int n, int64_t out, int64_t g
 }
 
 #ifdef HAVE_AMX
-/* q4_groups for rows a multiple of 16, on the tiles: two output groups at a time */
+/* q4_groups on the tiles, two output groups at a time; the activations hold whole tiles (the last padded with
+ * zero rows by the call) */
 static void amx_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
                        const int32_t *xs, int64_t rows, const float *bias, int accumulate, int64_t g0, int64_t g1,
                        float *y) {
@@ -402,9 +407,10 @@ static void amx_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *
     for (int64_t g = g0; g < g1; g += 2) {
         const uint8_t *wg = w + g * groups * GROUP_BYTES, *wg2 = g + 1 < g1 ? wg + groups * GROUP_BYTES : NULL;
         for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
-            amx_rows(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, acc[0], acc[1]);
-            store_outputs(acc[0], AMX_ROWS, out, g, bias, accumulate, y + r0 * out);
-            if (wg2) store_outputs(acc[1], AMX_ROWS, out, g + 1, bias, accumulate, y + r0 * out);
+            int n = rows - r0 < AMX_ROWS ? (int)(rows - r0) : AMX_ROWS;
+            amx_rows(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, n, acc[0], acc[1]);
+            store_outputs(acc[0], n, out, g, bias, accumulate, y + r0 * out);
+            if (wg2) store_outputs(acc[1], n, out, g + 1, bias, accumulate, y + r0 * out);
         }
     }
 }
@@ -418,11 +424,9 @@ static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
 #ifdef HAVE_AMX
     if (tiles) {
         amx_configure();
-        amx_groups(w, in, out, xq, xd, xs, rows - rows % AMX_ROWS, bias, accumulate, g0, g1, y);
+        amx_groups(w, in, out, xq, xd, xs, rows, bias, accumulate, g0, g1, y);
         _tile_release();
-        int64_t done = rows - rows % AMX_ROWS;
-        if (done == rows) return;
-        xq += done * 2 * in, xd += done * groups, xs += done * groups, y += done * out, rows -= done;
+        return;
     }
 #endif
     for (int64_t g = g0; g < g1; g++) {
@@ -523,7 +527,7 @@ static void row_dot8(const uint8_t *wg, int64_t groups, const int8_t *x, const f
 #ifdef HAVE_AMX
 /* 16 rows against output groups wg (and wg2): both planes' sums on the tiles, the codes tiled as packed */
 static void amx_rows8(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int64_t in, const int8_t *x,
-                      const float *xd, float *out, float *out2) {
+                      const float *xd, int n, float *out, float *out2) {
     _Alignas(64) int32_t sums[4][AMX_ROWS * OUTS];
     __m512 acc[2][AMX_ROWS];
     for (int i = 0; i < AMX_ROWS; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
@@ -551,7 +555,7 @@ static void amx_rows8(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int
         for (int half = 0; half < (wg2 ? 2 : 1); half++) {
             const uint8_t *p = (half ? wg2 : wg) + b * Q8_GROUP_BYTES;
             __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
-            for (int i = 0; i < AMX_ROWS; i++) {
+            for (int i = 0; i < n; i++) {
                 __m512i c = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[2 * half] + i * OUTS), 8),
                                              _mm512_load_si512(sums[2 * half + 1] + i * OUTS));
                 acc[half][i] = _mm512_add_ps(acc[half][i],
@@ -560,9 +564,9 @@ static void amx_rows8(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int
             }
         }
     }
-    for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out + i * OUTS, acc[0][i]);
+    for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[0][i]);
     if (wg2)
-        for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(out2 + i * OUTS, acc[1][i]);
+        for (int i = 0; i < n; i++) _mm512_storeu_ps(out2 + i * OUTS, acc[1][i]);
 }
 
 static void amx_groups8(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd, int64_t rows,
@@ -572,9 +576,10 @@ static void amx_groups8(const uint8_t *w, int64_t in, int64_t out, const int8_t 
     for (int64_t g = g0; g < g1; g += 2) {
         const uint8_t *wg = w + g * groups * Q8_GROUP_BYTES, *wg2 = g + 1 < g1 ? wg + groups * Q8_GROUP_BYTES : NULL;
         for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
-            amx_rows8(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, acc[0], acc[1]);
-            store_outputs(acc[0], AMX_ROWS, out, g, bias, accumulate, y + r0 * out);
-            if (wg2) store_outputs(acc[1], AMX_ROWS, out, g + 1, bias, accumulate, y + r0 * out);
+            int n = rows - r0 < AMX_ROWS ? (int)(rows - r0) : AMX_ROWS;
+            amx_rows8(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, n, acc[0], acc[1]);
+            store_outputs(acc[0], n, out, g, bias, accumulate, y + r0 * out);
+            if (wg2) store_outputs(acc[1], n, out, g + 1, bias, accumulate, y + r0 * out);
         }
     }
 }
@@ -587,11 +592,10 @@ static void q8_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
     int64_t groups = in / GROUP;
 #ifdef HAVE_AMX
     if (tiles) {
-        int64_t done = rows - rows % AMX_ROWS;
         amx_configure();
-        amx_groups8(w, in, out, xq, xd, done, bias, accumulate, g0, g1, y);
+        amx_groups8(w, in, out, xq, xd, rows, bias, accumulate, g0, g1, y);
         _tile_release();
-        xq += done * 2 * in, xd += done * groups, xh += done * groups, y += done * out, rows -= done;
+        return;
     }
 #else
     (void)tiles;
@@ -634,7 +638,7 @@ typedef struct {
     int64_t in, out, rows;
     float *y;
     int64_t chunks;
-    int accumulate, tiles; /* tiles: rows in 16s go to the tile unit */
+    int accumulate, tiles; /* tiles: the rows go to the tile unit, 16 a tile */
     int eight_bit;         /* q8x16 weights (else q4x16) */
 } Job;
 
@@ -776,17 +780,20 @@ static void run_on_pool(Job job, int threads) {
 static int matmul(int eight_bit, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out,
                   const float *bias, float *y, int32_t threads, int32_t accumulate) {
     int64_t groups = in / GROUP;
-    int8_t *xq = malloc((size_t)(rows * 2 * in));
-    float *xd = malloc(sizeof(float) * (size_t)(rows * groups));
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(rows * groups * 2)), *xh = xs + rows * groups;
+    int tiles = use_tiles(rows);
+    int64_t held = tiles ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows; /* the tiles read whole tiles */
+    int8_t *xq = malloc((size_t)(held * 2 * in));
+    float *xd = calloc((size_t)(held * groups), sizeof(float));
+    int32_t *xs = calloc((size_t)(held * groups * 2), sizeof(int32_t)), *xh = xs + held * groups;
     if (!xq || !xd || !xs) {
         free(xq), free(xd), free(xs);
         return -1;
     }
+    memset(xq + rows * 2 * in, 0, (size_t)((held - rows) * 2 * in)); /* zero rows: they reach no output */
     quantize_rows(x, rows, in, xq, xd, xs, eight_bit ? xh : NULL);
-    Job job = {w, xq, xd, bias, xs, xh, in, out, rows, y, 1, accumulate, use_tiles(rows), eight_bit};
+    Job job = {w, xq, xd, bias, xs, xh, in, out, rows, y, 1, accumulate, tiles, eight_bit};
     run_pooled(job, threads);
-    if (job.tiles) atomic_fetch_add(&amx_rows_served, rows - rows % AMX_ROWS);
+    if (job.tiles) atomic_fetch_add(&amx_rows_served, rows);
     free(xq), free(xd), free(xs);
     return 0;
 }
