@@ -18,6 +18,7 @@ COLUMNS = ["arm", "mixed_tok_s", "mixed_seconds", "output_tokens", "rows_at_once
            "single_share_of_bound"]
 # the same engine on eager torch ops, beside one on the fused CPU kernels (which run wherever a C compiler does)
 EAGER = ["nanoserve --no-fused-cpu-kernels"] if find_compiler() else []
+BUDGET_OFF = "nanoserve --max-step-ms 0"  # the step-time budget off: what smooth streams cost the workload
 WORKLOAD = ["--num-requests", "4", "--prompt-len", "8", "16", "--output-len", "4", "8", "--single-tokens", "8",
             "--repeats", "2", "--hf-batch", "2", "--max-model-len", "128", "--kv-cache-gib", "0.01"]
 
@@ -55,10 +56,11 @@ def check_arms(rows: list[dict], result: dict, arms: list[str]) -> None:
 
 def test_bench_throughput_puts_nanoserve_its_dense_self_and_transformers_in_one_table(tiny_gguf, tmp_path, capsys):
     rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-llama-cpp"], tmp_path)
-    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", *EAGER, "nanoserve dense",
+    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", BUDGET_OFF, *EAGER, "nanoserve dense",
                               "transformers"])
     assert result["linear"]["format"] == ("q4x16" if EAGER else "int4")  # on the fused library where it runs
-    peers = ("nanoserve_no_batch_invariant", *(["nanoserve_no_fused_cpu_kernels"] if EAGER else []),
+    peers = ("nanoserve_no_batch_invariant", "nanoserve_max_step_ms_0",
+             *(["nanoserve_no_fused_cpu_kernels"] if EAGER else []),
              "nanoserve_dense", "transformers")
     assert set(result["ratios"]) == {f"{kind}_vs_{arm}" for kind in ("mixed", "single") for arm in peers}
     printed = capsys.readouterr().out.splitlines()
@@ -71,7 +73,7 @@ def test_bench_throughput_runs_llama_cpp_on_the_same_file(tiny_gguf, tmp_path):
         "llama_cpp", reason="llama-cpp-python is not installed (pip install 'nanoserve[peers]'), so llama.cpp's "
                             "arm is not checked here")
     rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf"], tmp_path)
-    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", *EAGER, "nanoserve dense", "llama.cpp"])
+    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", BUDGET_OFF, *EAGER, "nanoserve dense", "llama.cpp"])
     assert result["llama_cpp_python"] == llama_cpp.__version__
     assert {"mixed_vs_llamacpp", "single_vs_llamacpp"} <= set(result["ratios"])
 
@@ -84,20 +86,21 @@ def test_bench_throughput_from_the_quick_start_install_leaves_the_peers_out_and_
     assert "transformers arm left out: transformers is not installed (pip install 'nanoserve[hf]'" in run.stdout
     assert "llama.cpp arm left out: llama-cpp-python is not installed (pip install 'nanoserve[peers]'" in run.stdout
     rows, result = read_results(tmp_path)
-    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", *EAGER, "nanoserve dense"])
+    check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", BUDGET_OFF, *EAGER, "nanoserve dense"])
 
 
 def test_bench_throughput_measures_determinism_from_either_side(tiny_gguf, tmp_path):
     """Run without batch invariance, the arm beside it is the batch-invariant engine, and the other way round;
-    --skip-invariance-arm leaves it out, and --skip-eager-arm the one on eager torch ops."""
+    --skip-invariance-arm leaves it out, --skip-budget-arm the one without the step-time budget, and
+    --skip-eager-arm the one on eager torch ops."""
     rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf", "--skip-llama-cpp",
                               "--no-batch-invariant"], tmp_path)
-    check_arms(rows, result, ["nanoserve", "nanoserve --batch-invariant", *EAGER, "nanoserve dense"])
+    check_arms(rows, result, ["nanoserve", "nanoserve --batch-invariant", BUDGET_OFF, *EAGER, "nanoserve dense"])
     assert result["flags"]["batch_invariant"] is False
     assert {"mixed_vs_nanoserve_batch_invariant", "single_vs_nanoserve_batch_invariant"} <= set(result["ratios"])
     rows, _ = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf", "--skip-llama-cpp",
                          "--skip-invariance-arm"], tmp_path)
-    assert [row["arm"] for row in rows] == ["nanoserve", *EAGER, "nanoserve dense"]
+    assert [row["arm"] for row in rows] == ["nanoserve", BUDGET_OFF, *EAGER, "nanoserve dense"]
     rows, _ = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf", "--skip-llama-cpp",
-                         "--skip-invariance-arm", "--skip-eager-arm"], tmp_path)
+                         "--skip-invariance-arm", "--skip-budget-arm", "--skip-eager-arm"], tmp_path)
     assert [row["arm"] for row in rows] == ["nanoserve", "nanoserve dense"]

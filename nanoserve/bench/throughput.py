@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp's arm")
     p.add_argument("--skip-eager-arm", action="store_true",
                    help="leave out the arm on eager torch ops where the fused CPU kernels run (what they buy)")
+    p.add_argument("--skip-budget-arm", action="store_true",
+                   help="leave out the arm with the step-time budget off (--max-step-ms 0): what smooth streams "
+                        "cost this workload")
     p.add_argument("--skip-invariance-arm", action="store_true",
                    help="leave out the arm with batch invariance switched the other way (the cost of determinism)")
     p.add_argument("--out", default="bench-results")
@@ -166,6 +169,7 @@ def transformers_for(args, engine):
 
 
 EAGER = "nanoserve --no-fused-cpu-kernels"
+BUDGET_OFF = "nanoserve --max-step-ms 0"
 
 
 def invariance_arm(flags: dict) -> str:
@@ -176,8 +180,9 @@ def invariance_arm(flags: dict) -> str:
 def build_arms(args, flags: dict) -> dict:
     """nanoserve as configured, then the engines it is measured against in this process: under tensor
     parallelism the same model on one rank (and over gloo when the ranks exchange through shared memory);
-    otherwise the same engine with batch invariance switched (what determinism costs), on eager torch ops where
-    it runs the fused CPU kernels (what they buy) and, on the 4-bit path, its dense float32 self."""
+    otherwise the same engine with batch invariance switched (what determinism costs), with the step-time budget
+    off (what smooth streams cost), on eager torch ops where it runs the fused CPU kernels (what they buy) and, on
+    the 4-bit path, its dense float32 self."""
     from nanoserve import LLM
 
     arms = {"nanoserve": LLM(**flags)}
@@ -189,6 +194,8 @@ def build_arms(args, flags: dict) -> dict:
     else:
         if not args.skip_invariance_arm:  # the same engine with batch invariance switched: what determinism costs
             arms[invariance_arm(flags)] = LLM(**{**flags, "batch_invariant": not flags["batch_invariant"]})
+        if not args.skip_budget_arm and flags.get("max_step_ms") != 0:  # the token budget alone beside decodes
+            arms[BUDGET_OFF] = LLM(**{**flags, "max_step_ms": 0})
         if not args.skip_eager_arm and engine.stats().features.get("fused", {}).get("active"):
             arms[EAGER] = LLM(**{**flags, "fused_cpu_kernels": False})  # the same engine on eager torch ops
         if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
@@ -269,7 +276,8 @@ def arm_ratios(flags: dict, rows: list[dict], mixed: dict[str, dict]) -> dict[st
     """nanoserve's mixed and single-stream tok/s over each other arm's, for the arms that ran."""
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
-    for other in (invariance_arm(flags), EAGER, "nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers", LLAMA_CPP):
+    for other in (invariance_arm(flags), BUDGET_OFF, EAGER, "nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers",
+                  LLAMA_CPP):
         if other in by_arm:
             ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
             ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \
