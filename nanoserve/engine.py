@@ -78,18 +78,21 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, user: str | None = None,
-                    cache_salt: str | None = None, session_id: str | None = None) -> str:
+                    cache_salt: str | None = None, session_id: str | None = None, streamed: bool = True) -> str:
         """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated.
 
         `user` names who sent it (OpenAI's field) and `session_id` the conversation or agent session it belongs
         to (vLLM's); its rows in the stats snapshot carry both. With a `cache_salt` (vLLM's) the request shares
         prefix-cache blocks only with requests that carry the same salt. With `params.n` > 1 the request is n
-        sequences sharing the prompt (see SamplingParams.for_completion).
+        sequences sharing the prompt (see SamplingParams.for_completion). `streamed` says whether someone sees its
+        tokens as they come: only a streamed request's decode rows hold other prompts' prefill to the step-time
+        budget (a request answered at its end wants throughput, not smooth gaps).
         """
         group = self.admission.sequences(prompt, params, request_id, arrival_time=arrival_time, user=user,
                                          cache_salt=cache_salt, session_id=session_id)
         self.output_processor.add(group)
         for req in group:
+            req.streamed = streamed
             self.scheduler.add(req)
         return group[0].request_id
 
@@ -142,7 +145,8 @@ class Engine:
     def _record_step(self, sched, seconds: float) -> None:
         self.output_processor.step_time(seconds)
         prompts = tuple(dict.fromkeys(c.request.request_id for c in sched.prefills))
-        self.step_budget.observe(len(sched.decodes), sched.prefill_tokens, seconds, sched.cut_by_time, prompts)
+        self.step_budget.observe(len(sched.decodes), sched.prefill_tokens, seconds, sched.cut_by_time, prompts,
+                                 streams=sched.streamed_decodes)
         self.stalls.step(seconds, len(sched.decodes), sched.prefill_tokens, len(sched.preempted),
                          running=len(self.scheduler.running), prefill_requests=prompts)
 

@@ -49,7 +49,7 @@ class LLM:
         ids = []
         try:
             for (prompt, salt), p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, cache_salt=salt))
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt, streamed=False))  # answered at the end
         except Exception:
             for rid in ids:  # refuse the whole call without leaving half of it queued
                 self.engine.abort(rid)

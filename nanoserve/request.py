@@ -51,6 +51,7 @@ class Request:
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt (vLLM's)
     matcher: object | None = None  # its structured output's grammar state (nanoserve.structured.Matcher)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (usage)
+    streamed: bool = True  # someone sees its tokens as they come (a stream): the step-time budget protects it
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.
     serial: int = field(default_factory=lambda: next(_serials))

@@ -8,8 +8,8 @@ Policy (decode first, then chunked prefill):
 3. Waiting requests are admitted in arrival order while rows, budget and free blocks allow; admission never
    preempts, and nothing is admitted in a step that had to preempt.
 So a burst of new prompts can slow decodes (they share the step) but never stop them. While decode rows run,
-the prefill share of a step is also cut to what fits in a target step time (step_budget.py), so a long prompt
-arriving beside a stream is read over several steps instead of freezing the stream for one long one.
+the prefill share of a step is also cut to what fits in a target step time (step_budget.py) when one of them is
+streamed, so a long prompt arriving beside a stream is read over several steps instead of freezing it for one.
 
 Where the K/V lives is the KV manager's (kv/manager.py): the scheduler asks it to admit, reserve and free, and
 with prefix caching an admitted request (new, or back from preemption) computes only what the cache does not
@@ -51,6 +51,11 @@ class SchedulerOutput:
     prefills: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     cut_by_time: bool = False  # the step-time budget cut a prefill chunk short (step_budget.py)
+
+    @property
+    def streamed_decodes(self) -> int:
+        """Decode rows someone sees token by token: the rows a slow step keeps waiting."""
+        return sum(1 for c in self.decodes if c.request.streamed)
 
     @property
     def empty(self) -> bool:
@@ -109,7 +114,7 @@ class Scheduler:
                 out.decodes.append(Chunk(req, req.num_computed, 1))
                 scheduled.add(id(req))
                 budget -= 1
-        timed = self.step_budget.prefill_limit(len(out.decodes), budget)  # beside decode rows: what fits in time
+        timed = self.step_budget.prefill_limit(out.streamed_decodes, budget)  # beside streams: what fits in time
         cut, budget = timed < budget, timed
         for req in [r for r in self.running if r.num_uncomputed > 1]:
             if budget <= 0:

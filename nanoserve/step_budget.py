@@ -1,16 +1,16 @@
 """StepBudget: how many prefill tokens a step may take beside running streams, sized by time rather than tokens.
 
 A token budget sized for a GPU is the wrong unit on a CPU: there a 2,048-token prefill step takes seconds, and
-every stream decoding beside it waits that long for its next token. So while decode rows are running, a step's
-prefill share is cut to what fits in a target time, from two costs measured online over the steps the engine
-already times:
+every stream decoding beside it waits that long for its next token. So while a streamed request is decoding (one
+whose client sees tokens as they come; a request answered at its end wants throughput), a step's prefill share
+is cut to what fits in a target time, from two costs measured online over the steps the engine already times:
 - a decode-only step's seconds (an exponential average);
 - the seconds each prefill token adds to a step that also decodes (the step's time past the decode estimate,
   over its prefill tokens). Until such a step has run, a prefill-only step's time past the decode estimate per
   token stands in, and before any prefill at all, FIRST_CHUNK tokens.
 
-With no decode rows running, prefill takes the whole token budget as before, so an idle server's time to first
-token does not change. The target is `--max-step-ms`, or, unset, the larger of FLOOR_S and DECODE_MULTIPLE
+With no stream decoding, prefill takes the whole token budget as before, so an idle server's time to first token
+and an offline batch's throughput do not change. The target is `--max-step-ms`, or, unset, the larger of FLOOR_S and DECODE_MULTIPLE
 decode steps; 0 turns the budget off. Chunk boundaries chosen this way change no output: the batch-invariant
 path computes a chunked prompt bitwise as it computes it whole.
 """
@@ -64,11 +64,11 @@ class StepBudget:
         """Seconds a prefill token adds beside decode rows: measured there, else in a prefill-only step."""
         return self.mixed_token_s if self.mixed_token_s is not None else self.prefill_token_s
 
-    def prefill_limit(self, decode_rows: int, tokens_left: int) -> int:
-        """Prefill tokens a step with `decode_rows` decode rows may take, out of the `tokens_left` its token
-        budget leaves: all of them with no decode row or the budget off; else what fits in the target (at least
-        one block, so a long prompt always advances)."""
-        if not self.enabled or decode_rows == 0:
+    def prefill_limit(self, streams: int, tokens_left: int) -> int:
+        """Prefill tokens a step with `streams` streamed decode rows may take, out of the `tokens_left` its token
+        budget leaves: all of them with no stream waiting or the budget off; else what fits in the target (at
+        least one block, so a long prompt always advances)."""
+        if not self.enabled or streams == 0:
             return tokens_left
         per_token = self.token_s()
         if per_token is None:
@@ -89,9 +89,9 @@ class StepBudget:
         return aligned - start if aligned > start else length
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float, cut: bool = False,
-                prefill_requests: tuple[str, ...] = ()) -> bool:
-        """Learn from one step; True when it had decode rows and ran past the target (kept, with the prompts
-        whose prefill it carried)."""
+                prefill_requests: tuple[str, ...] = (), streams: int | None = None) -> bool:
+        """Learn from one step; True when a stream waited on it (`streams` of its decode rows are streamed; all
+        of them when not said) and it ran past the target (kept, with the prompts whose prefill it carried)."""
         if cut:
             self.limited_steps += 1
         if decode_rows and not prefill_tokens:
@@ -101,7 +101,7 @@ class StepBudget:
                                             max(0.0, seconds - (self.decode_s or 0.0)) / prefill_tokens)
         elif prefill_tokens and self.decode_s is not None:
             self.mixed_token_s = _average(self.mixed_token_s, max(0.0, seconds - self.decode_s) / prefill_tokens)
-        over = bool(decode_rows) and self.enabled and seconds > self.target_s()
+        over = bool(decode_rows if streams is None else streams) and self.enabled and seconds > self.target_s()
         if over:
             self.steps_over += 1
             self.latest_over.append({"at": time.strftime("%H:%M:%S"), "step_ms": round(1000 * seconds, 1),

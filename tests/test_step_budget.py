@@ -88,6 +88,36 @@ def test_the_flag_sets_the_target_and_zero_turns_the_budget_off():
     assert [c.length for c in off.schedule().prefills] == [1750]
 
 
+def test_only_a_streamed_row_holds_prefill_to_the_budget():
+    """A request answered at its end (offline generate, a non-streaming HTTP request) wants throughput: decode
+    rows of such requests leave the long prompt its whole token budget."""
+    sched, budget = _scheduler(None)
+    batch = _request("batch", 8)
+    batch.streamed = False
+    sched.add(batch)
+    _run(sched, sched.schedule())
+    budget.observe(decode_rows=1, prefill_tokens=0, seconds=0.030)
+    budget.observe(decode_rows=1, prefill_tokens=100, seconds=0.230)
+    sched.add(_request("long", 1750))
+    out = sched.schedule()
+    assert len(out.decodes) == 1 and [c.length for c in out.prefills] == [1750] and not out.cut_by_time
+
+
+def test_offline_generate_is_answered_at_the_end_so_its_rows_are_not_streams(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+    engine = llm.engine
+    seen = []
+    step = engine.step
+
+    def watching():
+        seen.extend(r.streamed for r in engine.scheduler.running)
+        return step()
+
+    engine.step = watching
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert seen and not any(seen)
+
+
 def test_a_step_past_its_target_is_counted_with_the_prompt_it_read():
     budget = StepBudget(None, 16)
     budget.observe(decode_rows=1, prefill_tokens=0, seconds=0.030)

@@ -120,4 +120,4 @@ class RouteContext:
         """The request's grammar compiled, then its prompts (n each) admitted to the engine as one Fanout."""
         await compiled(engine, params)
         return await Fanout(self.host, prompts, params, rid, self.prompt_tokens_details).open(
-            body.user, body.cache_salt, body.session_id)
+            body.user, body.cache_salt, body.session_id, streamed=bool(getattr(body, "stream", False)))

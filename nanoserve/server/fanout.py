@@ -46,12 +46,13 @@ class Fanout:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt}"
 
     async def open(self, user: str | None = None, cache_salt: str | None = None,
-                   session_id: str | None = None) -> Fanout:
+                   session_id: str | None = None, streamed: bool = True) -> Fanout:
         """Submit every prompt (a refusal raises here, before any response is started, and frees the rest)."""
         try:
             for p, ids in enumerate(self.prompts):
                 self._streams.append(await self.host.open(ids, self.params, request_id=self.engine_id(p), user=user,
-                                                            cache_salt=cache_salt, session_id=session_id))
+                                                            cache_salt=cache_salt, session_id=session_id,
+                                                            streamed=streamed))
         except BaseException:
             await self.close()
             raise

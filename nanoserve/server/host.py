@@ -55,6 +55,7 @@ class _Add:
     user: str | None = None
     cache_salt: str | None = None
     session_id: str | None = None
+    streamed: bool = True
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -195,8 +196,8 @@ class EngineHost:
         return self._send(prompt, params, sink, request_id, user, cache_salt, session_id).result(timeout)
 
     def _send(self, prompt, params, sink, request_id, user=None, cache_salt=None,
-              session_id=None) -> concurrent.futures.Future:
-        cmd = _Add(prompt, params, request_id, sink, user, cache_salt, session_id)
+              session_id=None, streamed: bool = True) -> concurrent.futures.Future:
+        cmd = _Add(prompt, params, request_id, sink, user, cache_salt, session_id, streamed)
         self._enqueue(cmd, bounded=True)
         return cmd.accepted
 
@@ -240,8 +241,10 @@ class EngineHost:
         self._wake.set()
 
     async def open(self, prompt, params: SamplingParams, request_id: str | None = None, user: str | None = None,
-                   cache_salt: str | None = None, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                   cache_salt: str | None = None, session_id: str | None = None,
+                   streamed: bool = True) -> AsyncIterator[RequestOutput]:
         """Submit now (a refusal raises here, before any response is started) and return the output stream.
+        `streamed`: the client sees the tokens as they come (Engine.add_request).
 
         Closing the stream before its last output (a client that went away) aborts the request.
         """
@@ -252,7 +255,8 @@ class EngineHost:
             loop.call_soon_threadsafe(outputs.put, item)  # raises once the loop is closed: the host aborts
 
         # Awaiting the engine thread's answer holds no executor thread, however many clients arrive at once.
-        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user, cache_salt, session_id))
+        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user, cache_salt, session_id,
+                                                   streamed))
         return self._stream(rid, outputs)
 
     async def _stream(self, rid: str, outputs: OutputCollector) -> AsyncIterator[RequestOutput]:
@@ -399,7 +403,8 @@ class EngineHost:
                 continue
             try:
                 rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, user=cmd.user,
-                                              cache_salt=cmd.cache_salt, session_id=cmd.session_id)
+                                              cache_salt=cmd.cache_salt, session_id=cmd.session_id,
+                                              streamed=cmd.streamed)
             except Exception as e:
                 cmd.accepted.set_exception(e)
                 continue
