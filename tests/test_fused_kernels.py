@@ -304,38 +304,6 @@ def test_the_4bit_linears_run_on_the_q4x16_kernel_and_the_flag_puts_them_back(ti
     assert off.engine.stats().features["linear"]["format"] == "int4"
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 build is an x86-64 one")
-def test_q4_matmul_gives_the_same_bits_built_for_avx2_and_for_plain_c(kernels, tmp_path):
-    """linear.c built as an AVX2-only machine and as a machine with no vector extensions builds it: each product
-    is the native build's, bit for bit (the integer sums are exact, the float part the same operations)."""
-    import ctypes
-    import subprocess
-    from importlib import resources
-
-    source = resources.files("nanoserve.kernels").joinpath("linear.c").read_bytes()
-    (tmp_path / "linear.c").write_bytes(source)
-    blocks = _q4_weight(64, 192)
-    x = torch.randn(5, 192)
-    native = kernels.q4_matmul(kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros), x, 64)
-    for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}.items():
-        library = tmp_path / f"{name}.so"
-        subprocess.run([find_compiler(), "-O2", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", *flags,
-                        str(tmp_path / "linear.c"), "-o", str(library), "-lm"], check=True)
-        lib = ctypes.CDLL(str(library))
-        lib.ns_q4_isa.restype = ctypes.c_char_p
-        assert lib.ns_q4_isa().decode() == name
-        lib.ns_q4_packed_bytes.restype = ctypes.c_int64
-        packed = torch.empty(lib.ns_q4_packed_bytes(ctypes.c_int64(64), ctypes.c_int64(192)), dtype=torch.uint8)
-        lib.ns_q4_pack(ctypes.c_void_p(blocks.codes.contiguous().data_ptr()), ctypes.c_void_p(blocks.scales.data_ptr()),
-                       ctypes.c_void_p(blocks.zeros.data_ptr()), ctypes.c_int64(64), ctypes.c_int64(192),
-                       ctypes.c_void_p(packed.data_ptr()))
-        y = torch.empty(5, 64)
-        assert lib.ns_q4_matmul(ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(5),
-                                ctypes.c_int64(192), ctypes.c_int64(64), None, ctypes.c_void_p(y.data_ptr()),
-                                ctypes.c_int32(2), ctypes.c_int32(0)) == 0
-        assert torch.equal(y, native), name
-
-
 def _q8_weight(out: int, k: int, seed: int = 7):
     from nanoserve.model.quant.blocks import Int8Blocks
 
@@ -387,26 +355,44 @@ def test_a_q8_0_head_runs_on_the_8bit_kernel_where_it_is_vectorized(tmp_path, ke
             torch.testing.assert_close(build()(x).double(), _q8_reference(blocks, x), rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 build is an x86-64 one")
-def test_q8_matmul_gives_the_same_bits_built_for_avx2_and_for_plain_c(kernels, tmp_path):
+@pytest.fixture(scope="module")
+def variant_builds(tmp_path_factory) -> dict:
+    """The kernels built as an AVX2-only machine and as a machine with no vector extensions would build them."""
     import ctypes
     import subprocess
     from importlib import resources
 
-    (tmp_path / "linear.c").write_bytes(resources.files("nanoserve.kernels").joinpath("linear.c").read_bytes())
-    blocks = _q8_weight(32, 128)
-    x = torch.randn(5, 128)
-    native = kernels.q8_matmul(kernels.q8_pack(blocks.codes, blocks.scales), x, 32)
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    from nanoserve.kernels.build import SOURCES
+    from nanoserve.kernels.fused import FusedKernels
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 build is an x86-64 one")
+    folder = tmp_path_factory.mktemp("variants")
+    for name in SOURCES:
+        (folder / name).write_bytes(resources.files("nanoserve.kernels").joinpath(name).read_bytes())
+    builds = {}
     for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}.items():
-        library = tmp_path / f"{name}.so"
+        library = folder / f"{name}.so"
         subprocess.run([find_compiler(), "-O2", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", *flags,
-                        str(tmp_path / "linear.c"), "-o", str(library), "-lm"], check=True)
-        lib = ctypes.CDLL(str(library))
-        lib.ns_q8_packed_bytes.restype = ctypes.c_int64
-        packed = torch.empty(lib.ns_q8_packed_bytes(i64(32), i64(128)), dtype=torch.uint8)
-        lib.ns_q8_pack(p(blocks.codes.data_ptr()), p(blocks.scales.data_ptr()), i64(32), i64(128), p(packed.data_ptr()))
-        y = torch.empty(5, 32)
-        assert lib.ns_q8_matmul(p(packed.data_ptr()), p(x.data_ptr()), i64(5), i64(128), i64(32), None,
-                                p(y.data_ptr()), ctypes.c_int32(2), ctypes.c_int32(0)) == 0
-        assert torch.equal(y, native), name
+                        *(str(folder / n) for n in SOURCES), "-o", str(library), "-lm"], check=True)
+        builds[name] = FusedKernels(ctypes.CDLL(str(library)), str(library))
+    return builds
+
+
+def _product(kernels, bits: int, x: torch.Tensor) -> torch.Tensor:
+    if bits == 4:
+        blocks = _q4_weight(64, 192)
+        return kernels.q4_matmul(kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros), x, 64)
+    blocks = _q8_weight(64, 192)
+    return kernels.q8_matmul(kernels.q8_pack(blocks.codes, blocks.scales), x, 64)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_linear_kernels_give_the_same_bits_built_for_avx2_and_for_plain_c(kernels, variant_builds, bits):
+    """linear.c built for an AVX2-only machine and for one with no vector extensions: each product is the native
+    build's, bit for bit (the integer sums are exact, the float part the same operations)."""
+    x = torch.randn(5, 192)
+    native = _product(kernels, bits, x)
+    for name, variant in variant_builds.items():
+        assert variant.q4_isa == name
+        assert torch.equal(_product(variant, bits, x), native), name

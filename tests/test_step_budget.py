@@ -158,23 +158,6 @@ def test_chunks_sized_by_timing_change_no_output(tiny_checkpoint, monkeypatch):
     assert a == b
 
 
-def _stream_gaps(url: str, arrived: threading.Event, gaps: list[float]) -> None:
-    """Stream a completion, recording the gap before each chunk once the long prompt has been sent."""
-    import httpx
-
-    body = {"model": "default", "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 90,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    last = None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            if last is not None and arrived.is_set():
-                gaps.append(now - last)
-            last = now
-
-
 def test_a_live_stream_keeps_flowing_while_a_long_prompt_is_read():
     """The default model on a live server: a stream is running when a 1,750-token prompt arrives. Read in one
     step (the token budget alone) it would hold the stream for its whole prefill; under the step-time budget the
@@ -182,12 +165,14 @@ def test_a_live_stream_keeps_flowing_while_a_long_prompt_is_read():
     import httpx
 
     from nanoserve import EngineConfig
+    from nanoserve.bench.budget import stream_gaps
     from nanoserve.server.serve import Server
 
     server = Server(EngineConfig(max_model_len=2048, kv_cache_gib=0.25), port=0, served_model_name="default").start()
     try:
         arrived, gaps = threading.Event(), []
-        stream = threading.Thread(target=_stream_gaps, args=(server.url, arrived, gaps))
+        stream = threading.Thread(target=stream_gaps, args=(server.url, 90, arrived, gaps, []),
+                                  kwargs={"model": "default"})
         stream.start()
         assert wait_until(lambda: httpx.get(server.url + "/health").json()["scheduler"]["generation_tokens_total"]
                           >= 10, timeout=60)

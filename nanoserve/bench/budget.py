@@ -34,8 +34,11 @@ def add_parser(sub) -> None:
     add_engine_flags(p)
 
 
-def _stream(url: str, n: int, arrived: threading.Event, gaps: list[float], seen: list[int]) -> None:
-    body = {"model": "bench", "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": n,
+def stream_gaps(url: str, n: int, arrived: threading.Event, gaps: list[float], seen: list[int],
+                model: str = "bench") -> None:
+    """Stream an n-token completion from `url`, counting its chunks in `seen` and, once `arrived` is set, adding
+    the gap before each chunk to `gaps` (seconds)."""
+    body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": n,
             "temperature": 0, "ignore_eos": True, "stream": True}
     last = None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
@@ -66,7 +69,7 @@ def _round(url: str, args, rng: random.Random, vocab: int) -> dict:
 
     idle = _ttft(url, fresh())
     arrived, gaps, seen = threading.Event(), [], []
-    stream = threading.Thread(target=_stream, args=(url, args.stream_tokens, arrived, gaps, seen))
+    stream = threading.Thread(target=stream_gaps, args=(url, args.stream_tokens, arrived, gaps, seen))
     stream.start()
     while len(seen) < args.arrive_after and stream.is_alive():
         time.sleep(0.005)

@@ -323,6 +323,33 @@ static inline void amx_accumulate(const uint8_t *p, const int32_t *high, const i
     }
 }
 
+/* Input group b's integer sums for a tile of 16 rows: sums[0] and [1] the hi and lo planes against `codes` (a
+ * group's signed codes for 16 outputs, as a tile: 8 rows of 4 inputs x 16 outputs), [2] and [3] against `codes2`
+ * when it is not NULL. The two output groups share the activation tiles and give the tile unit independent work. */
+static inline void tile_sums(const int8_t *x, int64_t in, int64_t b, const void *codes, const void *codes2,
+                             int32_t sums[4][AMX_ROWS * OUTS]) {
+    _tile_loadd(4, x + b * 2 * GROUP, 2 * in);
+    _tile_loadd(5, x + b * 2 * GROUP + GROUP, 2 * in);
+    _tile_loadd(6, codes, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbssd(0, 4, 6); /* hi signed times codes signed */
+    _tile_dpbusd(1, 5, 6); /* lo unsigned times codes signed */
+    if (codes2) {
+        _tile_loadd(7, codes2, 64);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_dpbssd(2, 4, 7);
+        _tile_dpbusd(3, 5, 7);
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if (codes2) {
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+}
+
 /* A tile of 16 rows against output groups wg (and wg2 when not NULL, the next 16 outputs) -> out [n, 16] (out2)
  * for its first n rows (the rest are the zero rows padding a call's last tile) */
 static void amx_rows(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int64_t in, const int8_t *x,
@@ -334,28 +361,9 @@ static void amx_rows(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int6
     for (int64_t b = 0; b < groups; b++) {
         unpack_codes(wg + b * GROUP_BYTES, codes[0]);
         if (wg2) unpack_codes(wg2 + b * GROUP_BYTES, codes[1]);
-        _tile_loadd(4, x + b * 2 * GROUP, 2 * in);
-        _tile_loadd(5, x + b * 2 * GROUP + GROUP, 2 * in);
-        _tile_loadd(6, codes[0], 64);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_dpbssd(0, 4, 6); /* hi signed times codes signed */
-        _tile_dpbusd(1, 5, 6); /* lo unsigned times codes signed */
-        if (wg2) {
-            _tile_loadd(7, codes[1], 64);
-            _tile_zero(2);
-            _tile_zero(3);
-            _tile_dpbssd(2, 4, 7);
-            _tile_dpbusd(3, 5, 7);
-        }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
+        tile_sums(x, in, b, codes[0], wg2 ? codes[1] : NULL, sums);
         amx_accumulate(wg + b * GROUP_BYTES, sums[0], sums[1], xd, xs, groups, b, n, acc);
-        if (wg2) {
-            _tile_stored(2, sums[2], 64);
-            _tile_stored(3, sums[3], 64);
-            amx_accumulate(wg2 + b * GROUP_BYTES, sums[2], sums[3], xd, xs, groups, b, n, acc2);
-        }
+        if (wg2) amx_accumulate(wg2 + b * GROUP_BYTES, sums[2], sums[3], xd, xs, groups, b, n, acc2);
     }
     for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
     if (wg2)
@@ -392,56 +400,6 @@ static inline void store_outputs(const float *acc, int n, int64_t out, int64_t g
         for (int l = 0; l < OUTS; l++) {
             float v = bias ? acc[i * OUTS + l] + bias[g * OUTS + l] : acc[i * OUTS + l];
             yr[l] = accumulate ? yr[l] + v : v;
-        }
-    }
-}
-
-#ifdef HAVE_AMX
-/* q4_groups on the tiles, two output groups at a time; the activations hold whole tiles (the last padded with
- * zero rows by the call) */
-static void amx_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
-                       const int32_t *xs, int64_t rows, const float *bias, int accumulate, int64_t g0, int64_t g1,
-                       float *y) {
-    int64_t groups = in / GROUP;
-    _Alignas(64) float acc[2][AMX_ROWS * OUTS];
-    for (int64_t g = g0; g < g1; g += 2) {
-        const uint8_t *wg = w + g * groups * GROUP_BYTES, *wg2 = g + 1 < g1 ? wg + groups * GROUP_BYTES : NULL;
-        for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
-            int n = rows - r0 < AMX_ROWS ? (int)(rows - r0) : AMX_ROWS;
-            amx_rows(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, n, acc[0], acc[1]);
-            store_outputs(acc[0], n, out, g, bias, accumulate, y + r0 * out);
-            if (wg2) store_outputs(acc[1], n, out, g + 1, bias, accumulate, y + r0 * out);
-        }
-    }
-}
-#endif
-
-/* y[r, 16 g .. 16 g + 16) for rows [0, rows) and output groups [g0, g1) */
-static void q4_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
-                      const int32_t *xs, int64_t rows, const float *bias, int accumulate, int tiles, int64_t g0,
-                      int64_t g1, float *y) {
-    int64_t groups = in / GROUP;
-#ifdef HAVE_AMX
-    if (tiles) {
-        amx_configure();
-        amx_groups(w, in, out, xq, xd, xs, rows, bias, accumulate, g0, g1, y);
-        _tile_release();
-        return;
-    }
-#endif
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *wg = w + g * groups * GROUP_BYTES;
-        for (int64_t r0 = 0; r0 < rows;) {
-            float acc[4 * OUTS];
-#ifdef ROW_TILE
-            int n = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            rows_dot(wg, groups, in, n, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, acc);
-#else
-            int n = 1;
-            row_dot(wg, groups, xq + r0 * 2 * in, xd + r0 * groups, xs + r0 * groups, acc);
-#endif
-            store_outputs(acc, n, out, g, bias, accumulate, y + r0 * out);
-            r0 += n;
         }
     }
 }
@@ -527,31 +485,13 @@ static void row_dot8(const uint8_t *wg, int64_t groups, const int8_t *x, const f
 #ifdef HAVE_AMX
 /* 16 rows against output groups wg (and wg2): both planes' sums on the tiles, the codes tiled as packed */
 static void amx_rows8(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int64_t in, const int8_t *x,
-                      const float *xd, int n, float *out, float *out2) {
+                      const float *xd, const int32_t *xs, int n, float *out, float *out2) {
+    (void)xs; /* the tiles take the codes signed: no correction by the hi plane's sums */
     _Alignas(64) int32_t sums[4][AMX_ROWS * OUTS];
     __m512 acc[2][AMX_ROWS];
     for (int i = 0; i < AMX_ROWS; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < groups; b++) {
-        _tile_loadd(4, x + b * 2 * GROUP, 2 * in);
-        _tile_loadd(5, x + b * 2 * GROUP + GROUP, 2 * in);
-        _tile_loadd(6, wg + b * Q8_GROUP_BYTES, 64);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_dpbssd(0, 4, 6); /* hi signed times codes signed */
-        _tile_dpbusd(1, 5, 6); /* lo unsigned times codes signed */
-        if (wg2) {
-            _tile_loadd(7, wg2 + b * Q8_GROUP_BYTES, 64);
-            _tile_zero(2);
-            _tile_zero(3);
-            _tile_dpbssd(2, 4, 7);
-            _tile_dpbusd(3, 5, 7);
-        }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        if (wg2) {
-            _tile_stored(2, sums[2], 64);
-            _tile_stored(3, sums[3], 64);
-        }
+        tile_sums(x, in, b, wg + b * Q8_GROUP_BYTES, wg2 ? wg2 + b * Q8_GROUP_BYTES : NULL, sums);
         for (int half = 0; half < (wg2 ? 2 : 1); half++) {
             const uint8_t *p = (half ? wg2 : wg) + b * Q8_GROUP_BYTES;
             __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
@@ -569,31 +509,70 @@ static void amx_rows8(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int
         for (int i = 0; i < n; i++) _mm512_storeu_ps(out2 + i * OUTS, acc[1][i]);
 }
 
-static void amx_groups8(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd, int64_t rows,
-                        const float *bias, int accumulate, int64_t g0, int64_t g1, float *y) {
+#endif
+
+/* ---- the two kernels, on the tiles or the vectors --------------------------------------------------------- */
+
+#ifndef ROW_TILE /* one row at a time: the vector paths' signature over row_dot and row_dot8 */
+#define ROW_TILE 1
+static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                     const int32_t *xs, float *out) {
+    (void)in, (void)n;
+    row_dot(wg, groups, x, xd, xs, out);
+}
+static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                      const int32_t *xh, float *out) {
+    (void)in, (void)n, (void)xh;
+    row_dot8(wg, groups, x, xd, out);
+}
+#endif
+
+typedef void (*VectorRows)(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                           const int32_t *sums, float *out);
+typedef void (*TileRows)(const uint8_t *wg, const uint8_t *wg2, int64_t groups, int64_t in, const int8_t *x,
+                         const float *xd, const int32_t *sums, int n, float *out, float *out2);
+
+/* A kernel: its packed group's bytes, its rows on the vectors (up to ROW_TILE at a time) and on the tiles. `sums`
+ * is the per-row-group integer each takes: the code sums (4-bit), the hi plane's sums (8-bit). */
+typedef struct {
+    int64_t group_bytes;
+    VectorRows vector;
+    TileRows tiles;
+} Kernel;
+
+#ifdef HAVE_AMX
+static const Kernel Q4 = {GROUP_BYTES, rows_dot, amx_rows}, Q8 = {Q8_GROUP_BYTES, rows_dot8, amx_rows8};
+
+/* Output groups [g0, g1) on the tiles, two at a time; the activations hold whole tiles (the last padded with
+ * zero rows by the call) */
+static void tile_groups(const Kernel *k, const uint8_t *w, int64_t in, int64_t out, const int8_t *xq,
+                        const float *xd, const int32_t *sums, int64_t rows, const float *bias, int accumulate,
+                        int64_t g0, int64_t g1, float *y) {
     int64_t groups = in / GROUP;
     _Alignas(64) float acc[2][AMX_ROWS * OUTS];
     for (int64_t g = g0; g < g1; g += 2) {
-        const uint8_t *wg = w + g * groups * Q8_GROUP_BYTES, *wg2 = g + 1 < g1 ? wg + groups * Q8_GROUP_BYTES : NULL;
+        const uint8_t *wg = w + g * groups * k->group_bytes, *wg2 = g + 1 < g1 ? wg + groups * k->group_bytes : NULL;
         for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
             int n = rows - r0 < AMX_ROWS ? (int)(rows - r0) : AMX_ROWS;
-            amx_rows8(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, n, acc[0], acc[1]);
+            k->tiles(wg, wg2, groups, in, xq + r0 * 2 * in, xd + r0 * groups, sums + r0 * groups, n, acc[0], acc[1]);
             store_outputs(acc[0], n, out, g, bias, accumulate, y + r0 * out);
             if (wg2) store_outputs(acc[1], n, out, g + 1, bias, accumulate, y + r0 * out);
         }
     }
 }
+#else
+static const Kernel Q4 = {GROUP_BYTES, rows_dot, NULL}, Q8 = {Q8_GROUP_BYTES, rows_dot8, NULL};
 #endif
 
-/* q4_groups for 8-bit weights */
-static void q8_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *xq, const float *xd,
-                      const int32_t *xh, int64_t rows, const float *bias, int accumulate, int tiles, int64_t g0,
-                      int64_t g1, float *y) {
+/* y[r, 16 g .. 16 g + 16) for rows [0, rows) and output groups [g0, g1) */
+static void kernel_groups(const Kernel *k, const uint8_t *w, int64_t in, int64_t out, const int8_t *xq,
+                          const float *xd, const int32_t *sums, int64_t rows, const float *bias, int accumulate,
+                          int tiles, int64_t g0, int64_t g1, float *y) {
     int64_t groups = in / GROUP;
 #ifdef HAVE_AMX
     if (tiles) {
         amx_configure();
-        amx_groups8(w, in, out, xq, xd, rows, bias, accumulate, g0, g1, y);
+        tile_groups(k, w, in, out, xq, xd, sums, rows, bias, accumulate, g0, g1, y);
         _tile_release();
         return;
     }
@@ -601,17 +580,11 @@ static void q8_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
     (void)tiles;
 #endif
     for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *wg = w + g * groups * Q8_GROUP_BYTES;
+        const uint8_t *wg = w + g * groups * k->group_bytes;
         for (int64_t r0 = 0; r0 < rows;) {
-            float acc[4 * OUTS];
-#ifdef ROW_TILE
+            float acc[ROW_TILE * OUTS];
             int n = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            rows_dot8(wg, groups, in, n, xq + r0 * 2 * in, xd + r0 * groups, xh + r0 * groups, acc);
-#else
-            int n = 1;
-            (void)xh;
-            row_dot8(wg, groups, xq + r0 * 2 * in, xd + r0 * groups, acc);
-#endif
+            k->vector(wg, groups, in, n, xq + r0 * 2 * in, xd + r0 * groups, sums + r0 * groups, acc);
             store_outputs(acc, n, out, g, bias, accumulate, y + r0 * out);
             r0 += n;
         }
@@ -631,15 +604,15 @@ static void q8_groups(const uint8_t *w, int64_t in, int64_t out, const int8_t *x
 #define CLOSED 0xffffffffu
 
 typedef struct {
+    const Kernel *kernel;
     const uint8_t *w;
     const int8_t *xq;
     const float *xd, *bias;
-    const int32_t *xs, *xh;
+    const int32_t *sums; /* the kernel's per-row-group integers (Kernel) */
     int64_t in, out, rows;
     float *y;
     int64_t chunks;
     int accumulate, tiles; /* tiles: the rows go to the tile unit, 16 a tile */
-    int eight_bit;         /* q8x16 weights (else q4x16) */
 } Job;
 
 static struct {
@@ -661,12 +634,8 @@ static inline void relax(void) {
 
 static void run_chunk(const Job *job, int64_t chunk) {
     int64_t total = job->out / OUTS, g0 = total * chunk / job->chunks, g1 = total * (chunk + 1) / job->chunks;
-    if (job->eight_bit)
-        q8_groups(job->w, job->in, job->out, job->xq, job->xd, job->xh, job->rows, job->bias, job->accumulate,
-                  job->tiles, g0, g1, job->y);
-    else
-        q4_groups(job->w, job->in, job->out, job->xq, job->xd, job->xs, job->rows, job->bias, job->accumulate,
-                  job->tiles, g0, g1, job->y);
+    kernel_groups(job->kernel, job->w, job->in, job->out, job->xq, job->xd, job->sums, job->rows, job->bias,
+                  job->accumulate, job->tiles, g0, g1, job->y);
 }
 
 /* Claims and runs chunks of job `generation` until none is left (or the job is no longer that one). */
@@ -791,7 +760,7 @@ static int matmul(int eight_bit, const uint8_t *w, const float *x, int64_t rows,
     }
     memset(xq + rows * 2 * in, 0, (size_t)((held - rows) * 2 * in)); /* zero rows: they reach no output */
     quantize_rows(x, rows, in, xq, xd, xs, eight_bit ? xh : NULL);
-    Job job = {w, xq, xd, bias, xs, xh, in, out, rows, y, 1, accumulate, tiles, eight_bit};
+    Job job = {eight_bit ? &Q8 : &Q4, w, xq, xd, bias, eight_bit ? xh : xs, in, out, rows, y, 1, accumulate, tiles};
     run_pooled(job, threads);
     if (job.tiles) atomic_fetch_add(&amx_rows_served, rows);
     free(xq), free(xd), free(xs);
