@@ -135,7 +135,7 @@ class Scheduler:
         n = min(remaining, budget)
         if cut and n < remaining:
             out.cut_by_time = True
-            n = self.step_budget.cut(start, n, remaining)
+            n = self.step_budget.cut(start, n)
         return n
 
     def _admit(self, out: SchedulerOutput, budget: int, cut: bool = False) -> None:

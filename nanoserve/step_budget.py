@@ -79,11 +79,9 @@ class StepBudget:
         self.limit = min(tokens_left, max(self.block_size, fits))
         return self.limit
 
-    def cut(self, start: int, length: int, remaining: int) -> int:
-        """A chunk the time limit cut (`length` of the `remaining` tokens from `start`) ends on a block
-        boundary where one lies inside it, so the prefix cache names every block the chunk filled."""
-        if length >= remaining:
-            return length
+    def cut(self, start: int, length: int) -> int:
+        """A chunk the time limit cut short (`length` tokens from `start`) ends on a block boundary where one
+        lies inside it, so the prefix cache names every block the chunk filled."""
         end = start + length
         aligned = end - end % self.block_size
         return aligned - start if aligned > start else length

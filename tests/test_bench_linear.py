@@ -37,7 +37,7 @@ def test_bench_linear_times_the_fused_librarys_kernels(tmp_path):
     assert main(["bench", "linear", "--rows", "16", "--dtypes", "float32", "q4x16", "q8x16-amx", "--repeats", "1",
                  "--out", str(tmp_path)]) == 0
     rows = {r["dtype"]: r for r in csv.DictReader((tmp_path / "linear.csv").open())}
-    assert ("q8x16-amx" in rows) == (kernels.q4_tiles == "amx")
+    assert ("q8x16-amx" in rows) == (kernels.tiles == "amx")
     for name, bytes_a_weight in (("q4x16", 5 / 8), ("q8x16-amx", 17 / 16)):
         if name in rows:
             r = rows[name]

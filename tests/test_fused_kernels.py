@@ -268,7 +268,7 @@ def test_q4_matmul_on_the_tile_unit_gives_the_vector_paths_bits(kernels, out):
     """Calls of 6 rows and more run on AMX where the machine has it, 16 rows a tile (the last padded with zero
     rows): each row's product, and what it adds into an output, is bit for bit the vector path's, and the tile
     rows are counted."""
-    if kernels.q4_tiles == "none":
+    if kernels.tiles == "none":
         pytest.skip("no AMX tiles on this machine (or the OS does not grant them)")
     blocks = _q4_weight(out, 192)
     packed = kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros)
@@ -282,13 +282,13 @@ def test_q4_matmul_on_the_tile_unit_gives_the_vector_paths_bits(kernels, out):
         vector_added = kernels.q4_matmul(packed, x, out, add_to=before.clone())
     finally:
         kernels.use_tiles(True)
-    counted = kernels.q4_tile_rows
+    counted = kernels.tile_rows
     tiles = kernels.q4_matmul(packed, x, out)
-    assert kernels.q4_tile_rows - counted == 37  # three tiles, the last padded with zero rows
+    assert kernels.tile_rows - counted == 37  # three tiles, the last padded with zero rows
     for rows in (5, 6, 9):  # below the tiles' threshold, at it, and one padded tile
-        counted = kernels.q4_tile_rows
+        counted = kernels.tile_rows
         assert torch.equal(kernels.q4_matmul(packed, x[:rows].contiguous(), out), vector[:rows])
-        assert (kernels.q4_tile_rows - counted) == (rows if rows >= 6 else 0)
+        assert (kernels.tile_rows - counted) == (rows if rows >= 6 else 0)
     assert torch.equal(tiles, vector)
     assert torch.equal(kernels.q4_matmul(packed, x, out, add_to=before.clone()), vector_added)
 
@@ -343,7 +343,7 @@ def test_q8_matmul_is_its_formula_and_a_row_is_the_same_alone_in_a_crowd_and_on_
         kernels.use_tiles(True)
 
 
-def test_a_q8_0_head_runs_on_the_8bit_kernel_where_it_is_vectorized(tmp_path, kernels):
+def test_a_q8_0_head_runs_on_the_8bit_kernel_where_it_is_vectorized(kernels):
     from nanoserve.model.quant.install import head_forms
 
     blocks = _q8_weight(64, 96)

@@ -46,7 +46,7 @@ def _kernel_arms(names: list[str]) -> dict:
     arms = {}
     for name in wanted:
         tiles = name.endswith("-amx")
-        if tiles and kernels.q4_tiles == "none":
+        if tiles and kernels.tiles == "none":
             print(f"left out {name}: no AMX tiles here")
             continue
         eight = name.startswith("q8")

@@ -64,10 +64,10 @@ class FusedKernels:
         # the raw C entries (packed, x, rows, in, out, bias, y, threads, accumulate) -> 0, or -1 out of memory: for
         # a caller that checked its tensors once (model/quant/linears.py's KernelLinear)
         self.q4_call, self.q8_call = self._q4_matmul, self._q8_matmul
-        self._q4_set_amx, self._q4_tile_rows = lib.ns_q4_set_amx, lib.ns_q4_tile_rows
-        self._q4_set_amx.argtypes, self._q4_set_amx.restype = (ctypes.c_int,), ctypes.c_int
-        self._q4_tile_rows.argtypes, self._q4_tile_rows.restype = (), _i64
-        self.q4_tiles = "amx" if self._q4_set_amx(1) else "none"  # the tile unit wide 4-bit calls run on
+        self._set_tiles, self._tile_rows = lib.ns_set_tiles, lib.ns_tile_rows
+        self._set_tiles.argtypes, self._set_tiles.restype = (ctypes.c_int,), ctypes.c_int
+        self._tile_rows.argtypes, self._tile_rows.restype = (), _i64
+        self.tiles = "amx" if self._set_tiles(1) else "none"  # the tile unit wide 4- and 8-bit calls run on
         self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
 
@@ -227,12 +227,12 @@ class FusedKernels:
         """Let the 4- and 8-bit kernels' calls of 6 rows and more run on AMX (the default where the CPU and the OS
         offer it) or keep them on the vector path; the bits are the same either way. Returns whether the tiles
         can run here."""
-        return bool(self._q4_set_amx(int(allowed)))
+        return bool(self._set_tiles(int(allowed)))
 
     @property
-    def q4_tile_rows(self) -> int:
+    def tile_rows(self) -> int:
         """Rows the tile unit has computed in the 4- and 8-bit kernels since the library loaded (counted in C)."""
-        return self._q4_tile_rows()
+        return self._tile_rows()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's largest value's index, as torch.argmax(dim=-1) (first on a tie, a NaN first of all), for

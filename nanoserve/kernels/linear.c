@@ -258,7 +258,7 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
  * The same integers as rows_dot (a group's 256 hi and lo dot products per 16 rows and 16 outputs, one tile
  * instruction each), then rows_dot's float operations row by row: the same bits, so whether a call takes the
  * tiles (from AMX_FROM rows; its last tile padded with zero rows) changes nothing. Used where the compiler and the kernel allow it (Linux asks a process to request the
- * tile state) and ns_q4_set_amx has not turned it off. */
+ * tile state) and ns_set_tiles has not turned it off. */
 #if defined(ROW_TILE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -381,11 +381,11 @@ static atomic_llong amx_rows_served = 0;
 static int use_tiles(int64_t rows) { return rows >= AMX_FROM && atomic_load(&amx_allowed) && amx_granted(); }
 
 /* The rows the tiles have computed since the library loaded: a measurement, for the stats snapshot */
-int64_t ns_q4_tile_rows(void) { return atomic_load(&amx_rows_served); }
+int64_t ns_tile_rows(void) { return atomic_load(&amx_rows_served); }
 
 /* Turns the AMX path off (0) or back on (1); returns whether it can run here (built for it, and the tiles granted):
  * the tests compare its bits with the vector path's, the benchmark its speed. */
-int ns_q4_set_amx(int allowed) {
+int ns_set_tiles(int allowed) {
     atomic_store(&amx_allowed, allowed != 0);
     return amx_granted();
 }

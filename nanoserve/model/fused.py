@@ -22,8 +22,8 @@ class FusedStatus:
         out = {"active": self.active, "reason": self.reason}
         if self.kernels is not None:
             out.update(library=self.kernels.path, calls=dict(self.kernels.calls), rows=dict(self.kernels.rows),
-                       q4_isa=self.kernels.q4_isa, q4_tiles=self.kernels.q4_tiles,
-                       q4_tile_rows=self.kernels.q4_tile_rows)
+                       q4_isa=self.kernels.q4_isa, tiles=self.kernels.tiles,
+                       tile_rows=self.kernels.tile_rows)
         return out
 
 
