@@ -396,3 +396,32 @@ def test_the_linear_kernels_give_the_same_bits_built_for_avx2_and_for_plain_c(ke
     for name, variant in variant_builds.items():
         assert variant.q4_isa == name
         assert torch.equal(_product(variant, bits, x), native), name
+
+
+@pytest.mark.parametrize("heads, kv, dim", [(6, 2, 64), (8, 1, 80), (5, 5, 40)])
+def test_each_build_attends_a_query_alike_in_a_chunk_and_alone(kernels, variant_builds, heads, kv, dim):
+    """The native, AVX2-only and plain-C builds of fused.c, over a prefill chunk beside two decode rows: in each,
+    a query's output is the same bits in the chunk, alone, and on two threads (how its queries are grouped into
+    score passes and value groups changes no chain), and close to the native build's. The builds differ from each
+    other in the last bits: a softmax sum runs in as many lanes as the machine's vectors hold."""
+    torch.manual_seed(11)
+    block_size, tokens = 16, 29
+    k_cache, v_cache = torch.randn(kv, 9, dim, block_size), torch.randn(kv, 9, block_size, dim)
+    tables = torch.tensor([[3, 0, 0], [5, 1, 2], [8, 6, 4]])
+    row_of = torch.tensor([0, 1] + [2] * tokens)
+    keys_of = torch.tensor([7, 40] + list(range(12, 12 + tokens)))
+    q = torch.randn(row_of.numel(), heads, dim)
+    most = tables.shape[1] * block_size
+
+    def attend(lib, rows, threads=1):
+        return lib.attention(q[rows].contiguous(), kv, k_cache, v_cache, tables, row_of[rows].contiguous(),
+                             keys_of[rows].contiguous(), 0.1, lib.attention_scratch(heads // kv, most, dim, threads),
+                             most, torch.float32, threads)
+
+    every = slice(None)
+    for name, lib in {"native": kernels, **variant_builds}.items():
+        together = attend(lib, every)
+        assert torch.equal(attend(lib, every, 2), together), name
+        for t in (0, 1, 2, 9, 10, 17, 30):
+            assert torch.equal(attend(lib, slice(t, t + 1))[0], together[t]), (name, t)
+        torch.testing.assert_close(together, attend(kernels, every), rtol=1e-5, atol=1e-6)

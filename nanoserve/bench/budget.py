@@ -30,14 +30,16 @@ def add_parser(sub) -> None:
     p.add_argument("--stream-tokens", type=int, default=200, help="tokens the running stream generates")
     p.add_argument("--arrive-after", type=int, default=20, help="stream tokens before the long prompt is sent")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--also-ms", type=float, nargs="*", default=[], metavar="MS",
+                   help="more arms, each with the budget's target set to MS (--max-step-ms MS)")
     p.add_argument("--out", default="bench-results")
     add_engine_flags(p)
 
 
 def stream_gaps(url: str, n: int, arrived: threading.Event, gaps: list[float], seen: list[int],
-                model: str = "bench") -> None:
-    """Stream an n-token completion from `url`, counting its chunks in `seen` and, once `arrived` is set, adding
-    the gap before each chunk to `gaps` (seconds)."""
+                model: str = "bench", quiet: list[float] | None = None) -> None:
+    """Stream an n-token completion from `url`, counting its chunks in `seen` and adding the gap before each
+    chunk (seconds) to `gaps` once `arrived` is set, to `quiet` (when given) before."""
     body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": n,
             "temperature": 0, "ignore_eos": True, "stream": True}
     last = None
@@ -49,6 +51,8 @@ def stream_gaps(url: str, n: int, arrived: threading.Event, gaps: list[float], s
             seen.append(1)
             if last is not None and arrived.is_set():
                 gaps.append(now - last)
+            elif last is not None and quiet is not None:
+                quiet.append(now - last)
             last = now
 
 
@@ -68,23 +72,26 @@ def _round(url: str, args, rng: random.Random, vocab: int) -> dict:
         return [rng.randrange(100, vocab) for _ in range(args.long_prompt)]
 
     idle = _ttft(url, fresh())
-    arrived, gaps, seen = threading.Event(), [], []
-    stream = threading.Thread(target=stream_gaps, args=(url, args.stream_tokens, arrived, gaps, seen))
+    arrived, gaps, quiet, seen = threading.Event(), [], [], []
+    stream = threading.Thread(target=stream_gaps, args=(url, args.stream_tokens, arrived, gaps, seen),
+                              kwargs={"quiet": quiet})
     stream.start()
     while len(seen) < args.arrive_after and stream.is_alive():
         time.sleep(0.005)
     arrived.set()
     beside = _ttft(url, fresh())
     stream.join()
-    return {"idle_ttft_s": idle, "ttft_s": beside, "gaps": gaps}
+    return {"idle_ttft_s": idle, "ttft_s": beside, "gaps": gaps, "quiet_gaps": quiet}
 
 
 def _row(arm: str, rounds: list[dict]) -> dict:
     gaps = [g for r in rounds for g in r["gaps"]]
+    quiet = statistics.median(g for r in rounds for g in r["quiet_gaps"])
     p50, p99 = percentiles(gaps, 0.5, 0.99)
     idle, beside = (statistics.median(r[k] for r in rounds) for k in ("idle_ttft_s", "ttft_s"))
-    return {"arm": arm, "gap_p50_ms": 1000 * p50, "gap_p99_ms": 1000 * p99, "gap_max_ms": 1000 * max(gaps),
-            "max_over_median": max(gaps) / p50, "long_ttft_s": beside, "idle_ttft_s": idle,
+    return {"arm": arm, "quiet_p50_ms": 1000 * quiet, "gap_p50_ms": 1000 * p50, "gap_p99_ms": 1000 * p99,
+            "gap_max_ms": 1000 * max(gaps), "max_over_median": max(gaps) / p50,
+            "max_over_quiet": max(gaps) / quiet, "long_ttft_s": beside, "idle_ttft_s": idle,
             "ttft_over_idle": beside / idle}
 
 
@@ -93,8 +100,9 @@ def main(args) -> int:
     from nanoserve.server.serve import Server
 
     flags = engine_flags(args)
+    arms = {**ARMS, **{f"budget --max-step-ms {ms:g}": {"max_step_ms": ms} for ms in args.also_ms}}
     servers = {arm: Server(EngineConfig.from_flags(**{**flags, **extra}), port=0, served_model_name="bench").start()
-               for arm, extra in ARMS.items()}
+               for arm, extra in arms.items()}
     try:
         vocab = next(iter(servers.values())).engine.model_config.vocab_size
         rng = random.Random(0)

@@ -208,7 +208,14 @@ typedef __m512 vec;
 #define vfma _mm512_fmadd_ps
 #define vset1 _mm512_set1_ps
 #define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
 #define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+/* 2^n for integral n, as exp_poly builds it */
+static inline vec vpow2(vec n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 typedef __m256 vec;
@@ -218,7 +225,13 @@ typedef __m256 vec;
 #define vfma _mm256_fmadd_ps
 #define vset1 _mm256_set1_ps
 #define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
 #define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+static inline vec vpow2(vec n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 #else
 typedef struct { float x[4]; } vec;
 #define VLEN 4
@@ -237,7 +250,35 @@ static inline vec vadd(vec a, vec b) {
     for (int k = 0; k < 4; k++) a.x[k] += b.x[k];
     return a;
 }
+static inline vec vsub(vec a, vec b) {
+    for (int k = 0; k < 4; k++) a.x[k] -= b.x[k];
+    return a;
+}
+#define VEXP_PER_LANE /* no vector unit: exp_poly lane by lane */
 #endif
+
+/* exp_poly of every lane, operation for operation (the clamps keep a NaN as the scalar's comparisons do), so a
+ * lane's bits are the scalar's */
+static inline vec vexp(vec x) {
+#ifdef VEXP_PER_LANE
+    for (int k = 0; k < VLEN; k++) x.x[k] = exp_poly(x.x[k]);
+    return x;
+#else
+    x = vmax(vset1(-87.33654f), x);
+    x = vmin(vset1(88.72283f), x);
+    vec n = vsub(vadd(vmul(x, vset1(1.44269504088896341f)), vset1(12582912.0f)), vset1(12582912.0f));
+    vec r = vfma(n, vset1(-0.693359375f), x);
+    r = vfma(n, vset1(2.12194440e-4f), r);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    vec y = vadd(vfma(p, vmul(r, r), r), vset1(1.0f));
+    return vmul(y, vpow2(n));
+#endif
+}
 
 /* the lanes of v added pairwise */
 static inline float lanes_sum(vec v) {
@@ -248,15 +289,22 @@ static inline float lanes_sum(vec v) {
     return x[0];
 }
 
-/* the largest of x[0, n) (n > 0) */
+/* the largest of x[0, n) (n > 0), in four running maxima (max is exact in any order; a NaN makes every output
+ * of the softmax NaN whichever maximum it meets) */
 static float max_of(const float *x, int64_t n) {
     float top = x[0];
     int64_t j = 0;
-    if (n >= VLEN) {
-        vec m = vload(x);
-        for (j = VLEN; j + VLEN <= n; j += VLEN) m = vmax(m, vload(x + j));
+    if (n >= 4 * VLEN) {
+        vec m0 = vload(x), m1 = vload(x + VLEN), m2 = vload(x + 2 * VLEN), m3 = vload(x + 3 * VLEN);
+        for (j = 4 * VLEN; j + 4 * VLEN <= n; j += 4 * VLEN) {
+            m0 = vmax(m0, vload(x + j));
+            m1 = vmax(m1, vload(x + j + VLEN));
+            m2 = vmax(m2, vload(x + j + 2 * VLEN));
+            m3 = vmax(m3, vload(x + j + 3 * VLEN));
+        }
+        m0 = vmax(vmax(m0, m1), vmax(m2, m3));
         float lanes[VLEN];
-        vstore(lanes, m);
+        vstore(lanes, m0);
         for (int k = 0; k < VLEN; k++) top = lanes[k] > top ? lanes[k] : top;
     }
     for (; j < n; j++) top = x[j] > top ? x[j] : top;
@@ -273,103 +321,215 @@ static float sum_of(const float *x, int64_t n) {
     for (; j < n; j++) total += x[j];
     return total;
 }
-#define CHUNK (2 * VLEN) /* elements of a running sum held in registers */
+#if VLEN == 16
+#define VCHUNK 4 /* value vectors a query's sum holds in registers: 4 queries x 4 fill half of AVX-512's 32 */
+#else
+#define VCHUNK 2
+#endif
+#define SCORE_QUERIES 8 /* queries whose score chains run side by side: two FMA units of 4 cycles' latency */
+#define VALUE_QUERIES 4 /* queries whose value sums share each value row's loads */
 
-/* s_i[o] = q_i . k_o for up to 4 queries and the keys o of one transposed block kb [dim, block_size]: each sum
- * over dim in order with fused multiply-adds, VLEN keys at a time, the queries' chains side by side. */
-static void scores_of_block(const float *const *q, int32_t nq, const float *restrict kb, int32_t dim,
-                            int32_t block_size, float *const *s) {
+#define INLINE static inline __attribute__((always_inline))
+
+/* s_i[o0 + k] = q_i . k_(o0 + k) for nq queries and VLEN keys of a transposed block kb [dim, block_size]: each
+ * sum over dim in order with fused multiply-adds, the queries' chains side by side (nq a constant where inlined,
+ * so the chains live in registers). qt holds the queries transposed, [dim, SCORE_QUERIES]: one pointer walks
+ * them all. */
+INLINE void score_lanes(const float *restrict qt, int32_t nq, const float *restrict kb, int32_t dim,
+                        int32_t block_size, int32_t o0, float (*s)[256]) {
+    vec r[SCORE_QUERIES];
+    for (int32_t i = 0; i < nq; i++) r[i] = vset1(0.0f);
+    for (int32_t d = 0; d < dim; d++) {
+        vec k = vload(kb + (int64_t)d * block_size + o0);
+        const float *qd = qt + (int64_t)d * SCORE_QUERIES;
+        for (int32_t i = 0; i < nq; i++) r[i] = vfma(vset1(qd[i]), k, r[i]);
+    }
+    for (int32_t i = 0; i < nq; i++) vstore(s[i] + o0, r[i]);
+}
+
+/* s_i[o] = q_i . k_o for up to SCORE_QUERIES queries (qt, transposed) and the keys o of one transposed block kb
+ * [dim, block_size], VLEN keys at a time: which queries share a pass changes no chain, and eight chains keep
+ * two FMA units of four cycles' latency busy. */
+static void scores_of_block(const float *restrict qt, int32_t nq, const float *restrict kb, int32_t dim,
+                            int32_t block_size, float (*s)[256]) {
     int32_t o0 = 0;
     for (; o0 + VLEN <= block_size; o0 += VLEN) {
-        vec r0 = vset1(0.0f), r1 = r0, r2 = r0, r3 = r0;
-        for (int32_t d = 0; d < dim; d++) {
-            vec k = vload(kb + (int64_t)d * block_size + o0);
-            r0 = vfma(vset1(q[0][d]), k, r0);
-            if (nq > 1) r1 = vfma(vset1(q[1][d]), k, r1);
-            if (nq > 2) r2 = vfma(vset1(q[2][d]), k, r2);
-            if (nq > 3) r3 = vfma(vset1(q[3][d]), k, r3);
+        switch (nq) {
+        case 8: score_lanes(qt, 8, kb, dim, block_size, o0, s); break;
+        case 7: score_lanes(qt, 7, kb, dim, block_size, o0, s); break;
+        case 6: score_lanes(qt, 6, kb, dim, block_size, o0, s); break;
+        case 5: score_lanes(qt, 5, kb, dim, block_size, o0, s); break;
+        case 4: score_lanes(qt, 4, kb, dim, block_size, o0, s); break;
+        case 3: score_lanes(qt, 3, kb, dim, block_size, o0, s); break;
+        case 2: score_lanes(qt, 2, kb, dim, block_size, o0, s); break;
+        default: score_lanes(qt, 1, kb, dim, block_size, o0, s); break;
         }
-        vstore(s[0] + o0, r0);
-        if (nq > 1) vstore(s[1] + o0, r1);
-        if (nq > 2) vstore(s[2] + o0, r2);
-        if (nq > 3) vstore(s[3] + o0, r3);
     }
     for (int32_t i = 0; i < nq; i++)
         for (int32_t o = o0; o < block_size; o++) {
             float r = 0.0f;
-            for (int32_t d = 0; d < dim; d++) r = fmaf(q[i][d], kb[(int64_t)d * block_size + o], r);
+            for (int32_t d = 0; d < dim; d++)
+                r = fmaf(qt[(int64_t)d * SCORE_QUERIES + i], kb[(int64_t)d * block_size + o], r);
             s[i][o] = r;
         }
 }
 
-/* a[d] += sum over o < span of e[o] * vb[o][d], in order of o for each d, CHUNK elements of a in registers */
-static void add_weighted_rows(float *restrict a, const float *restrict e, const float *restrict vb, int64_t span,
-                              int32_t dim) {
-    int32_t d0 = 0;
-    for (; d0 + CHUNK <= dim; d0 += CHUNK) {
-        vec r0 = vload(a + d0), r1 = vload(a + d0 + VLEN);
-        for (int64_t o = 0; o < span; o++) {
-            vec eo = vset1(e[o]);
-            const float *v = vb + o * dim + d0;
-            r0 = vfma(eo, vload(v), r0);
-            r1 = vfma(eo, vload(v + VLEN), r1);
+/* a_i[d0, d0 + VCHUNK VLEN) += sum over o < common of e_i[o] * vb[o][...]: nq queries' sums side by side in
+ * registers (nq a constant where inlined), each value row loaded once for all of them. */
+INLINE void weigh_common(float *const *a, const float *const *e, int32_t nq, int64_t common, const float *restrict vb,
+                         int32_t dim, int32_t d0) {
+    vec r[VALUE_QUERIES][VCHUNK];
+    for (int32_t i = 0; i < nq; i++)
+        for (int32_t c = 0; c < VCHUNK; c++) r[i][c] = vload(a[i] + d0 + c * VLEN);
+    for (int64_t o = 0; o < common; o++) {
+        const float *v = vb + o * dim + d0;
+        vec vs[VCHUNK];
+        for (int32_t c = 0; c < VCHUNK; c++) vs[c] = vload(v + c * VLEN);
+        for (int32_t i = 0; i < nq; i++) {
+            vec eo = vset1(e[i][o]);
+            for (int32_t c = 0; c < VCHUNK; c++) r[i][c] = vfma(eo, vs[c], r[i][c]);
         }
-        vstore(a + d0, r0);
-        vstore(a + d0 + VLEN, r1);
     }
-    for (int32_t d = d0; d < dim; d++)
-        for (int64_t o = 0; o < span; o++) a[d] = fmaf(e[o], vb[o * dim + d], a[d]);
+    for (int32_t i = 0; i < nq; i++)
+        for (int32_t c = 0; c < VCHUNK; c++) vstore(a[i] + d0 + c * VLEN, r[i][c]);
+}
+
+/* a_i[d] += sum over o < span_i of e_i[o] * vb[o][d], in order of o for each (i, d), for nq <= VALUE_QUERIES
+ * queries over one block's value rows: the keys every query has (common) side by side, then each query's
+ * remaining keys alone. Each a_i[d] is the same chain of fused multiply-adds in key order however the queries
+ * are grouped. */
+static void add_weighted_rows(float *const *a, const float *const *e, const int64_t *span, int32_t nq,
+                              const float *restrict vb, int32_t dim) {
+    int64_t common = span[0];
+    for (int32_t i = 1; i < nq; i++) common = span[i] < common ? span[i] : common;
+    int32_t d0 = 0;
+    for (; d0 + VCHUNK * VLEN <= dim; d0 += VCHUNK * VLEN) {
+        switch (nq) {
+        case 4: weigh_common(a, e, 4, common, vb, dim, d0); break;
+        case 3: weigh_common(a, e, 3, common, vb, dim, d0); break;
+        case 2: weigh_common(a, e, 2, common, vb, dim, d0); break;
+        default: weigh_common(a, e, 1, common, vb, dim, d0); break;
+        }
+        for (int32_t i = 0; i < nq; i++)
+            for (int32_t c = 0; c < VCHUNK; c++) {
+                vec r = vload(a[i] + d0 + c * VLEN);
+                for (int64_t o = common; o < span[i]; o++)
+                    r = vfma(vset1(e[i][o]), vload(vb + o * dim + d0 + c * VLEN), r);
+                vstore(a[i] + d0 + c * VLEN, r);
+            }
+    }
+    for (; d0 + VLEN <= dim; d0 += VLEN)
+        for (int32_t i = 0; i < nq; i++) {
+            vec r = vload(a[i] + d0);
+            for (int64_t o = 0; o < span[i]; o++) r = vfma(vset1(e[i][o]), vload(vb + o * dim + d0), r);
+            vstore(a[i] + d0, r);
+        }
+    for (int32_t i = 0; i < nq; i++)
+        for (int32_t d = d0; d < dim; d++)
+            for (int64_t o = 0; o < span[i]; o++) a[i][d] = fmaf(e[i][o], vb[o * dim + d], a[i][d]);
 }
 
 int64_t ns_attention_scratch(int32_t group, int64_t max_keys, int32_t dim) {
-    return (int64_t)QUERY_TILE * group * (max_keys + dim);
+    /* scores, sums, and the queries transposed in passes of SCORE_QUERIES */
+    return (int64_t)QUERY_TILE * group * (max_keys + 2 * dim) + (int64_t)SCORE_QUERIES * dim;
 }
 
-static void attend_tile(const float *q, int64_t t0, int32_t count, int32_t heads, int32_t group, int32_t g,
-                        int32_t dim, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                        int32_t block_size, const int64_t *table, const int64_t *keys_of, float scale,
-                        float *scores, int64_t stride, float *acc, void *out, int32_t out_kind) {
-    int32_t nq = count * group;
-    int64_t most = 0;
-    for (int32_t c = 0; c < count; c++) most = keys_of[t0 + c] > most ? keys_of[t0 + c] : most;
+/* the tile's queries q_i (i < nq: token t0 + i / group, head g * group + i % group) into qt, transposed in passes
+ * of SCORE_QUERIES, [pass, dim, SCORE_QUERIES] (a last pass's missing queries zero) */
+static void transpose_queries(const float *q, int64_t t0, int32_t nq, int32_t heads, int32_t group, int32_t g,
+                              int32_t dim, float *qt) {
+    int32_t passes = (nq + SCORE_QUERIES - 1) / SCORE_QUERIES;
+    memset(qt, 0, sizeof(float) * (size_t)passes * SCORE_QUERIES * (size_t)dim);
+    for (int32_t i = 0; i < nq; i++) {
+        const float *qi = q + ((t0 + i / group) * heads + (int64_t)g * group + i % group) * dim;
+        float *dst = qt + (int64_t)(i / SCORE_QUERIES) * SCORE_QUERIES * dim + i % SCORE_QUERIES;
+        for (int32_t d = 0; d < dim; d++) dst[(int64_t)d * SCORE_QUERIES] = qi[d];
+    }
+}
+
+/* scores[i][j] = scale * (q_i . k_j) for each query i of the tile and each key j it may see, block by block:
+ * a block's keys are read once for every pass of queries that reaches it */
+static void tile_scores(const float *qt, int32_t nq, int32_t group, int64_t t0, int32_t dim, const float *k_cache,
+                        int64_t num_blocks, int32_t block_size, int32_t g, const int64_t *table,
+                        const int64_t *keys_of, float scale, float *scores, int64_t stride) {
     int64_t block_elems = (int64_t)dim * block_size;
-    for (int64_t j0 = 0; j0 < most; j0 += block_size) {
-        const float *kb = k_cache + ((int64_t)g * num_blocks + table[j0 / block_size]) * block_elems;
-        const float *qs[4];
-        float *outs[4], spill[4][256];
-        int32_t held[4], n = 0;
-        for (int32_t i = 0; i <= nq; i++) {
-            if (n == 4 || (i == nq && n > 0)) {
-                scores_of_block(qs, n, kb, dim, block_size, outs);
-                for (int32_t m = 0; m < n; m++) {
-                    int64_t keys = keys_of[t0 + held[m] / group];
-                    int64_t span = keys - j0 < block_size ? keys - j0 : block_size;
-                    for (int64_t o = 0; o < span; o++) scores[held[m] * stride + j0 + o] = spill[m][o] * scale;
-                }
-                n = 0;
+    float spill[SCORE_QUERIES][256];
+    for (int32_t i0 = 0; i0 < nq; i0 += SCORE_QUERIES) {
+        int32_t n = nq - i0 < SCORE_QUERIES ? nq - i0 : SCORE_QUERIES;
+        int64_t most = 0;
+        for (int32_t m = 0; m < n; m++) {
+            int64_t keys = keys_of[t0 + (i0 + m) / group];
+            most = keys > most ? keys : most;
+        }
+        const float *pass = qt + (int64_t)(i0 / SCORE_QUERIES) * SCORE_QUERIES * dim;
+        for (int64_t j0 = 0; j0 < most; j0 += block_size) {
+            const float *kb = k_cache + ((int64_t)g * num_blocks + table[j0 / block_size]) * block_elems;
+            scores_of_block(pass, n, kb, dim, block_size, spill);
+            for (int32_t m = 0; m < n; m++) {
+                int64_t left = keys_of[t0 + (i0 + m) / group] - j0;
+                float *row = scores + (i0 + m) * stride + j0;
+                for (int64_t o = 0; o < (left < block_size ? left : block_size); o++) row[o] = spill[m][o] * scale;
             }
-            if (i == nq || j0 >= keys_of[t0 + i / group]) continue;
-            qs[n] = q + ((t0 + i / group) * heads + (int64_t)g * group + i % group) * dim;
-            outs[n] = spill[n];
-            held[n++] = i;
         }
     }
+}
+
+/* each query's scores row, in place, to exp(score - the row's max); its value sum zeroed */
+static void tile_exponents(int32_t nq, int32_t group, int64_t t0, const int64_t *keys_of, int32_t dim,
+                           float *scores, int64_t stride, float *acc) {
     for (int32_t i = 0; i < nq; i++) {
         int64_t keys = keys_of[t0 + i / group];
         float *row = scores + i * stride;
         float top = keys > 0 ? max_of(row, keys) : 0.0f;
-        for (int64_t j = 0; j < keys; j++) row[j] = exp_poly(row[j] - top);
+        int64_t j = 0;
+        for (; j + VLEN <= keys; j += VLEN) vstore(row + j, vexp(vsub(vload(row + j), vset1(top))));
+        for (; j < keys; j++) row[j] = exp_poly(row[j] - top);
         for (int32_t d = 0; d < dim; d++) acc[(int64_t)i * dim + d] = 0.0f;
     }
-    for (int32_t i = 0; i < nq; i++) { /* a query's sum stays in registers over all its keys */
-        int64_t keys = keys_of[t0 + i / group];
-        float *a = acc + (int64_t)i * dim;
-        const float *e = scores + i * stride;
+}
+
+/* acc_i += the weighted value rows of each query's keys, VALUE_QUERIES queries side by side so each block's
+ * values are read once for all of them */
+static void tile_values(int32_t nq, int32_t group, int64_t t0, const int64_t *keys_of, int32_t dim,
+                        const float *v_cache, int64_t num_blocks, int32_t block_size, int32_t g, const int64_t *table,
+                        const float *scores, int64_t stride, float *acc) {
+    int64_t block_elems = (int64_t)dim * block_size;
+    for (int32_t i0 = 0; i0 < nq; i0 += VALUE_QUERIES) {
+        int32_t n = nq - i0 < VALUE_QUERIES ? nq - i0 : VALUE_QUERIES;
+        int64_t keys = 0;
+        for (int32_t m = 0; m < n; m++) {
+            int64_t own = keys_of[t0 + (i0 + m) / group];
+            keys = own > keys ? own : keys;
+        }
         for (int64_t j0 = 0; j0 < keys; j0 += block_size) {
             const float *vb = v_cache + ((int64_t)g * num_blocks + table[j0 / block_size]) * block_elems;
-            add_weighted_rows(a, e + j0, vb, keys - j0 < block_size ? keys - j0 : block_size, dim);
+            float *as[VALUE_QUERIES];
+            const float *es[VALUE_QUERIES];
+            int64_t spans[VALUE_QUERIES];
+            int32_t held = 0;
+            for (int32_t m = 0; m < n; m++) {
+                int64_t left = keys_of[t0 + (i0 + m) / group] - j0;
+                if (left <= 0) continue;
+                as[held] = acc + (int64_t)(i0 + m) * dim;
+                es[held] = scores + (i0 + m) * stride + j0;
+                spans[held++] = left < block_size ? left : block_size;
+            }
+            add_weighted_rows(as, es, spans, held, vb, dim);
         }
     }
+}
+
+/* one tile's queries (count consecutive tokens of one table row, the `group` heads of kv head g each): scores,
+ * exponents, weighted values, and the sum divided out into out */
+static void attend_tile(const float *q, int64_t t0, int32_t count, int32_t heads, int32_t group, int32_t g,
+                        int32_t dim, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                        int32_t block_size, const int64_t *table, const int64_t *keys_of, float scale,
+                        float *scores, int64_t stride, float *acc, float *qt, void *out, int32_t out_kind) {
+    int32_t nq = count * group;
+    transpose_queries(q, t0, nq, heads, group, g, dim, qt);
+    tile_scores(qt, nq, group, t0, dim, k_cache, num_blocks, block_size, g, table, keys_of, scale, scores, stride);
+    tile_exponents(nq, group, t0, keys_of, dim, scores, stride, acc);
+    tile_values(nq, group, t0, keys_of, dim, v_cache, num_blocks, block_size, g, table, scores, stride, acc);
     for (int32_t i = 0; i < nq; i++) {
         int64_t t = t0 + i / group, keys = keys_of[t];
         int64_t out_at = (t * heads + (int64_t)g * group + i % group) * dim;
@@ -397,12 +557,13 @@ static void *attention_worker(void *arg) {
     int32_t group = job->heads / job->kv_heads;
     float *scores = job->scratch + job->thread * job->scratch_each;
     float *acc = scores + (int64_t)QUERY_TILE * group * job->max_keys;
+    float *qt = acc + (int64_t)QUERY_TILE * group * job->dim;
     for (int64_t item = job->thread; item < job->tiles * job->kv_heads; item += job->threads) {
         int64_t tile = item / job->kv_heads, t0 = job->tile_start[tile];
         int32_t count = (int32_t)(job->tile_start[tile + 1] - t0), g = (int32_t)(item % job->kv_heads);
         attend_tile(job->q, t0, count, job->heads, group, g, job->dim, job->k_cache, job->v_cache, job->num_blocks,
                     job->block_size, job->tables + job->row_of[t0] * job->width, job->keys_of, job->scale, scores,
-                    job->max_keys, acc, job->out, job->out_kind);
+                    job->max_keys, acc, qt, job->out, job->out_kind);
     }
     return NULL;
 }
