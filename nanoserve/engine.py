@@ -19,6 +19,7 @@ from nanoserve.admission import Admission
 from nanoserve.config import EngineConfig
 from nanoserve.kv.manager import KVManager
 from nanoserve.model.loader import LoadedModel
+from nanoserve.model.quant.linears import row_quantum
 from nanoserve.output_processor import OutputProcessor
 from nanoserve.outputs import RequestOutput
 from nanoserve.request import Request
@@ -53,7 +54,7 @@ class Engine:
         self.max_model_len, self.numerics = runner.max_model_len, runner.numerics
         self.kv = KVManager(runner.num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching,
                             cache_identity=(runner.loaded.name, config.quantization, str(runner.dtype)))
-        self.step_budget = StepBudget(config.max_step_ms, config.block_size)
+        self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids,

@@ -114,7 +114,7 @@ class Scheduler:
                 out.decodes.append(Chunk(req, req.num_computed, 1))
                 scheduled.add(id(req))
                 budget -= 1
-        timed = self.step_budget.prefill_limit(out.streamed_decodes, budget)  # beside streams: what fits in time
+        timed = self.step_budget.prefill_limit(out.streamed_decodes, budget, len(out.decodes))  # what fits in time
         cut, budget = timed < budget, timed
         for req in [r for r in self.running if r.num_uncomputed > 1]:
             if budget <= 0:

@@ -10,9 +10,15 @@ is cut to what fits in a target time, from two costs measured online over the st
   token stands in, and before any prefill at all, FIRST_CHUNK tokens.
 
 With no stream decoding, prefill takes the whole token budget as before, so an idle server's time to first token
-and an offline batch's throughput do not change. The target is `--max-step-ms`, or, unset, the larger of FLOOR_S and DECODE_MULTIPLE
-decode steps; 0 turns the budget off. Chunk boundaries chosen this way change no output: the batch-invariant
-path computes a chunked prompt bitwise as it computes it whole.
+and an offline batch's throughput do not change. The target is `--max-step-ms`, or, unset, DECODE_MULTIPLE decode
+steps (at least FLOOR_S); 0 turns the budget off. Chunk boundaries chosen this way change no output: the
+batch-invariant path computes a chunked prompt bitwise as it computes it whole.
+
+Where they cost nothing, cuts fall on the units the work comes in. Where the linears run on a tile unit (AMX,
+16 rows a tile, the last padded), a step's rows fill whole tiles: one decode row beside 15 prefill tokens costs
+a tile, beside 16 it costs two. A long chunk ends on a KV block boundary, which drops under an eighth of it; a
+short one keeps its length, since a block is named in the prefix cache at the end of the step that fills it
+wherever the chunk ended.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
-FLOOR_S = 0.150  # the auto target's floor: a pause a reader does not notice
-DECODE_MULTIPLE = 4.0  # ... or this many decode steps, whichever is longer
+DECODE_MULTIPLE = 4.0  # the auto target: a stream's gap grows at most this many decode steps while prompts are read
+FLOOR_S = 0.025  # ... and at least this (a decode step timed unusually fast must not make chunks tiny)
 ALPHA = 0.25  # weight of the newest step in each exponential average
 FIRST_CHUNK = 32  # prefill tokens beside decode rows before any prefill has been timed
 AIM = 0.9  # the share of the target a step's estimate is sized to (the estimates lag a growing context)
+ALIGN_FROM = 8  # blocks in a cut chunk from which it ends on a block boundary (dropping under an eighth of it)
 KEPT = 8  # latest over-budget steps published
 
 
@@ -39,9 +46,10 @@ def _average(old: float | None, new: float) -> float:
 class StepBudget:
     """The prefill share of each step while streams decode; `observe` feeds it every step's timing."""
 
-    def __init__(self, max_step_ms: float | None, block_size: int):
+    def __init__(self, max_step_ms: float | None, block_size: int, row_quantum: int = 1):
         self.max_step_ms = max_step_ms
         self.block_size = block_size
+        self.row_quantum = row_quantum  # rows the linears compute as one unit (a tile's height, else 1)
         self.decode_s: float | None = None  # a decode-only step, seconds
         self.mixed_token_s: float | None = None  # a prefill token beside decode rows, seconds
         self.prefill_token_s: float | None = None  # a prefill token in a prefill-only step, seconds
@@ -64,10 +72,11 @@ class StepBudget:
         """Seconds a prefill token adds beside decode rows: measured there, else in a prefill-only step."""
         return self.mixed_token_s if self.mixed_token_s is not None else self.prefill_token_s
 
-    def prefill_limit(self, streams: int, tokens_left: int) -> int:
-        """Prefill tokens a step with `streams` streamed decode rows may take, out of the `tokens_left` its token
-        budget leaves: all of them with no stream waiting or the budget off; else what fits in the target (at
-        least one block, so a long prompt always advances)."""
+    def prefill_limit(self, streams: int, tokens_left: int, decode_rows: int | None = None) -> int:
+        """Prefill tokens a step with `streams` streamed decode rows (`decode_rows` in all; as many when not
+        said) may take, out of the `tokens_left` its token budget leaves: all of them with no stream waiting or
+        the budget off; else what fits in the target, in whole row units beside the decode rows, and at least
+        one block (or the rest of the first unit), so a long prompt always advances."""
         if not self.enabled or streams == 0:
             return tokens_left
         per_token = self.token_s()
@@ -76,15 +85,25 @@ class StepBudget:
         else:
             spare = AIM * self.target_s() - (self.decode_s or 0.0)
             fits = int(spare / per_token) if per_token > 0 else tokens_left
-        self.limit = min(tokens_left, max(self.block_size, fits))
+        self.limit = min(tokens_left, self._whole_units(streams if decode_rows is None else decode_rows, fits))
         return self.limit
 
+    def _whole_units(self, rows: int, fits: int) -> int:
+        """At most `fits` prefill tokens that with `rows` decode rows fill whole row units (never fewer than the
+        first unit's rest); with no unit, at least a block."""
+        unit = self.row_quantum
+        if unit <= 1:
+            return max(self.block_size, fits)
+        return max(unit - rows % unit, (rows + fits) // unit * unit - rows)
+
     def cut(self, start: int, length: int) -> int:
-        """A chunk the time limit cut short (`length` tokens from `start`) ends on a block boundary where one
-        lies inside it, so the prefix cache names every block the chunk filled."""
+        """A chunk the time limit cut short (`length` tokens from `start`): a long one ends on a block boundary
+        inside it, so the prefix cache names every block it filled; a short one keeps its length (aligning it
+        would drop a large share of it, and fill a tile short)."""
+        if length < ALIGN_FROM * self.block_size:
+            return length
         end = start + length
-        aligned = end - end % self.block_size
-        return aligned - start if aligned > start else length
+        return end - end % self.block_size - start
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float, cut: bool = False,
                 prefill_requests: tuple[str, ...] = (), streams: int | None = None) -> bool:
@@ -110,7 +129,7 @@ class StepBudget:
     def as_dict(self) -> dict:
         """The stats snapshot's `step_budget` section (and, its numbers, /metrics gauges)."""
         mode = "off" if not self.enabled else ("flag" if self.max_step_ms else "auto")
-        return {"enabled": self.enabled, "mode": mode,
+        return {"enabled": self.enabled, "mode": mode, "row_quantum": self.row_quantum,
                 "target_ms": _ms(self.target_s()), "decode_step_ms": _ms(self.decode_s),
                 "prefill_token_ms": _ms(self.token_s()), "prefill_limit_tokens": self.limit,
                 "limited_steps": self.limited_steps, "steps_over_target": self.steps_over,

@@ -15,7 +15,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kv.manager import KVManager
 from nanoserve.request import Request
 from nanoserve.scheduler import Scheduler
-from nanoserve.step_budget import FIRST_CHUNK, FLOOR_S, StepBudget
+from nanoserve.step_budget import DECODE_MULTIPLE, FIRST_CHUNK, StepBudget
 
 from .helpers import wait_until
 
@@ -45,30 +45,50 @@ def test_an_idle_server_prefills_with_the_whole_token_budget():
 
 
 def test_beside_a_stream_a_long_prompt_is_read_in_chunks_that_fit_the_target():
-    """Scripted costs: a decode step 30 ms, a prefill token beside it 2 ms. The auto target is then 150 ms (more
-    than 4 decode steps), 0.9 of it leaves 105 ms, 52 tokens: cut to a block boundary, 48."""
+    """Scripted costs: a decode step 1/32 s, a prefill token beside it 1/4096 s. The auto target is then 4 decode
+    steps, 125 ms; 0.9 of it less the decode leaves 81.25 ms, 332 tokens: a long chunk, cut to the block boundary
+    inside it."""
     sched, budget = _scheduler(None)
     sched.add(_request("stream", 8))
     _run(sched, sched.schedule())  # the stream's prompt, alone: the whole prompt
-    budget.observe(decode_rows=1, prefill_tokens=0, seconds=0.030)
+    budget.observe(decode_rows=1, prefill_tokens=0, seconds=1 / 32)
     sched.add(_request("long", 1750))
     out = sched.schedule()
     assert len(out.decodes) == 1 and [c.length for c in out.prefills] == [FIRST_CHUNK]  # no prefill timed yet
     assert out.cut_by_time
     _run(sched, out)
-    budget.observe(decode_rows=1, prefill_tokens=FIRST_CHUNK, seconds=0.030 + 0.002 * FIRST_CHUNK, cut=True)
-    assert budget.target_s() == pytest.approx(FLOOR_S)
+    budget.observe(decode_rows=1, prefill_tokens=FIRST_CHUNK, seconds=1 / 32 + FIRST_CHUNK / 4096, cut=True)
+    assert budget.target_s() == pytest.approx(DECODE_MULTIPLE / 32)
     sizes = []
-    for _ in range(5):
+    for _ in range(4):
         out = sched.schedule()
         (chunk,) = out.prefills
         assert (chunk.start + chunk.length) % 16 == 0  # the prefix cache names every block it filled
         sizes.append(chunk.length)
         _run(sched, out)
-        budget.observe(decode_rows=1, prefill_tokens=chunk.length, seconds=0.030 + 0.002 * chunk.length,
+        budget.observe(decode_rows=1, prefill_tokens=chunk.length, seconds=1 / 32 + chunk.length / 4096,
                        cut=out.cut_by_time)
-    assert sizes == [48] * 5
-    assert budget.as_dict()["limited_steps"] == 6 and budget.as_dict()["prefill_limit_tokens"] == 52
+    assert sizes == [320] * 4  # 32 + 332 = 364 ends in the block that starts at 352
+    assert budget.as_dict()["limited_steps"] == 5 and budget.as_dict()["prefill_limit_tokens"] == 332
+
+
+@pytest.mark.parametrize("decode_rows, token_s, chunk", [(1, 1 / 512, 31), (3, 1 / 512, 29), (1, 1 / 64, 15),
+                                                         (16, 1 / 512, 32)])
+def test_where_the_linears_run_on_tiles_a_step_fills_whole_tiles(decode_rows, token_s, chunk):
+    """A tile holds 16 rows and the last is padded: a step's decode rows and prefill tokens together fill whole
+    tiles (one decode row beside 31 tokens, not 41; at least the first tile's rest, 15, when fewer fit)."""
+    budget = StepBudget(None, block_size=16, row_quantum=16)
+    sched = Scheduler(KVManager(512, 16), max_num_seqs=20, max_num_batched_tokens=2048, step_budget=budget)
+    for i in range(decode_rows):
+        sched.add(_request(f"stream-{i}", 8))
+    _run(sched, sched.schedule())
+    budget.observe(decode_rows=decode_rows, prefill_tokens=0, seconds=1 / 32)
+    budget.observe(decode_rows=decode_rows, prefill_tokens=64, seconds=1 / 32 + 64 * token_s)
+    sched.add(_request("long", 1750))
+    out = sched.schedule()
+    (prefill,) = out.prefills
+    assert len(out.decodes) == decode_rows and prefill.length == chunk and out.cut_by_time
+    assert (decode_rows + chunk) % 16 == 0
 
 
 def test_the_flag_sets_the_target_and_zero_turns_the_budget_off():
@@ -150,7 +170,7 @@ def test_chunks_sized_by_timing_change_no_output(tiny_checkpoint, monkeypatch):
     timed = LLM(model=path, max_model_len=512, kv_cache_gib=0.02, enable_prefix_caching=False)
     rng = random.Random(3)
     monkeypatch.setattr(timed.engine.step_budget, "prefill_limit",
-                        lambda rows, left: left if rows == 0 else min(left, rng.randrange(1, 70)))
+                        lambda rows, left, decodes=None: left if rows == 0 else min(left, rng.randrange(1, 70)))
     prompts = [[(i * 37 + j) % 200 + 3 for j in range(n)] for i, n in enumerate((5, 300, 170, 41, 260))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     a, b = _answers(whole, prompts, params), _answers(timed, prompts, params)

@@ -327,51 +327,53 @@ static float sum_of(const float *x, int64_t n) {
 #define VCHUNK 2
 #endif
 #define SCORE_QUERIES 8 /* queries whose score chains run side by side: two FMA units of 4 cycles' latency */
+#if VLEN == 16
+#define SCORE_COLUMNS 2 /* key columns a pass reads together: 16 chains, each broadcast used twice (32 registers) */
+#else
+#define SCORE_COLUMNS 1 /* 16 registers hold no more */
+#endif
 #define VALUE_QUERIES 4 /* queries whose value sums share each value row's loads */
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* s_i[o0 + k] = q_i . k_(o0 + k) for nq queries and VLEN keys of a transposed block kb [dim, block_size]: each
- * sum over dim in order with fused multiply-adds, the queries' chains side by side (nq a constant where inlined,
- * so the chains live in registers). qt holds the queries transposed, [dim, SCORE_QUERIES]: one pointer walks
- * them all. */
-INLINE void score_lanes(const float *restrict qt, int32_t nq, const float *restrict kb, int32_t dim,
-                        int32_t block_size, int32_t o0, float (*s)[256]) {
-    vec r[SCORE_QUERIES];
-    for (int32_t i = 0; i < nq; i++) r[i] = vset1(0.0f);
+/* A key column: VLEN consecutive keys of one transposed block, key k of dimension d at col[d * block_size + k].
+ * s_i[c][k] = q_i . key k of column c, for nq queries and ncols columns side by side (nq x ncols chains, each
+ * query's broadcast shared by the columns; both constants where inlined, so the chains live in registers). Each
+ * score is its sum over dim in order with fused multiply-adds, whatever shares the pass. qt holds the queries
+ * transposed, [dim, SCORE_QUERIES]. */
+INLINE void score_columns(const float *restrict qt, int32_t nq, int32_t ncols, const float *const *col, int32_t dim,
+                          int32_t block_size, float (*s)[SCORE_QUERIES][VLEN]) {
+    vec r[SCORE_COLUMNS][SCORE_QUERIES];
+    for (int32_t c = 0; c < ncols; c++)
+        for (int32_t i = 0; i < nq; i++) r[c][i] = vset1(0.0f);
     for (int32_t d = 0; d < dim; d++) {
-        vec k = vload(kb + (int64_t)d * block_size + o0);
+        vec k[SCORE_COLUMNS];
+        for (int32_t c = 0; c < ncols; c++) k[c] = vload(col[c] + (int64_t)d * block_size);
         const float *qd = qt + (int64_t)d * SCORE_QUERIES;
-        for (int32_t i = 0; i < nq; i++) r[i] = vfma(vset1(qd[i]), k, r[i]);
+        for (int32_t i = 0; i < nq; i++) {
+            vec b = vset1(qd[i]);
+            for (int32_t c = 0; c < ncols; c++) r[c][i] = vfma(b, k[c], r[c][i]);
+        }
     }
-    for (int32_t i = 0; i < nq; i++) vstore(s[i] + o0, r[i]);
+    for (int32_t c = 0; c < ncols; c++)
+        for (int32_t i = 0; i < nq; i++) vstore(s[c][i], r[c][i]);
 }
 
-/* s_i[o] = q_i . k_o for up to SCORE_QUERIES queries (qt, transposed) and the keys o of one transposed block kb
- * [dim, block_size], VLEN keys at a time: which queries share a pass changes no chain, and eight chains keep
- * two FMA units of four cycles' latency busy. */
-static void scores_of_block(const float *restrict qt, int32_t nq, const float *restrict kb, int32_t dim,
-                            int32_t block_size, float (*s)[256]) {
-    int32_t o0 = 0;
-    for (; o0 + VLEN <= block_size; o0 += VLEN) {
-        switch (nq) {
-        case 8: score_lanes(qt, 8, kb, dim, block_size, o0, s); break;
-        case 7: score_lanes(qt, 7, kb, dim, block_size, o0, s); break;
-        case 6: score_lanes(qt, 6, kb, dim, block_size, o0, s); break;
-        case 5: score_lanes(qt, 5, kb, dim, block_size, o0, s); break;
-        case 4: score_lanes(qt, 4, kb, dim, block_size, o0, s); break;
-        case 3: score_lanes(qt, 3, kb, dim, block_size, o0, s); break;
-        case 2: score_lanes(qt, 2, kb, dim, block_size, o0, s); break;
-        default: score_lanes(qt, 1, kb, dim, block_size, o0, s); break;
-        }
+#define SCORE_CASE(n)                                                                                              \
+    case n:                                                                                                        \
+        if (ncols == SCORE_COLUMNS) score_columns(qt, n, SCORE_COLUMNS, col, dim, block_size, s);                  \
+        else score_columns(qt, n, 1, col, dim, block_size, s);                                                     \
+        break;
+
+/* score_columns for nq <= SCORE_QUERIES queries and ncols <= SCORE_COLUMNS columns */
+static void scores_of_columns(const float *restrict qt, int32_t nq, int32_t ncols, const float *const *col,
+                              int32_t dim, int32_t block_size, float (*s)[SCORE_QUERIES][VLEN]) {
+    switch (nq) {
+    SCORE_CASE(8) SCORE_CASE(7) SCORE_CASE(6) SCORE_CASE(5) SCORE_CASE(4) SCORE_CASE(3) SCORE_CASE(2)
+    default:
+        if (ncols == SCORE_COLUMNS) score_columns(qt, 1, SCORE_COLUMNS, col, dim, block_size, s);
+        else score_columns(qt, 1, 1, col, dim, block_size, s);
     }
-    for (int32_t i = 0; i < nq; i++)
-        for (int32_t o = o0; o < block_size; o++) {
-            float r = 0.0f;
-            for (int32_t d = 0; d < dim; d++)
-                r = fmaf(qt[(int64_t)d * SCORE_QUERIES + i], kb[(int64_t)d * block_size + o], r);
-            s[i][o] = r;
-        }
 }
 
 /* a_i[d0, d0 + VCHUNK VLEN) += sum over o < common of e_i[o] * vb[o][...]: nq queries' sums side by side in
@@ -449,27 +451,57 @@ static void transpose_queries(const float *q, int64_t t0, int32_t nq, int32_t he
 
 /* scores[i][j] = scale * (q_i . k_j) for each query i of the tile and each key j it may see, block by block:
  * a block's keys are read once for every pass of queries that reaches it */
+/* the pending columns' scores (at key positions at[c]) into each query's row, scaled, up to its keys */
+static void store_scores(int32_t n, int32_t ncols, const int64_t *at, float (*spill)[SCORE_QUERIES][VLEN],
+                         const int64_t *keys, float scale, float *rows, int64_t stride) {
+    for (int32_t c = 0; c < ncols; c++)
+        for (int32_t m = 0; m < n; m++) {
+            int64_t left = keys[m] - at[c];
+            float *row = rows + m * stride + at[c];
+            for (int64_t o = 0; o < (left < VLEN ? left : VLEN); o++) row[o] = spill[c][m][o] * scale;
+        }
+}
+
+/* scores[i][j] = scale * (q_i . k_j) for each query i of the tile and each key j it may see: per pass of
+ * SCORE_QUERIES queries, the key columns up to the pass's last key, SCORE_COLUMNS at a time (a block's keys
+ * past its last whole column one by one) */
 static void tile_scores(const float *qt, int32_t nq, int32_t group, int64_t t0, int32_t dim, const float *k_cache,
                         int64_t num_blocks, int32_t block_size, int32_t g, const int64_t *table,
                         const int64_t *keys_of, float scale, float *scores, int64_t stride) {
     int64_t block_elems = (int64_t)dim * block_size;
-    float spill[SCORE_QUERIES][256];
+    float spill[SCORE_COLUMNS][SCORE_QUERIES][VLEN];
     for (int32_t i0 = 0; i0 < nq; i0 += SCORE_QUERIES) {
         int32_t n = nq - i0 < SCORE_QUERIES ? nq - i0 : SCORE_QUERIES;
-        int64_t most = 0;
+        int64_t keys[SCORE_QUERIES], most = 0, at[SCORE_COLUMNS];
         for (int32_t m = 0; m < n; m++) {
-            int64_t keys = keys_of[t0 + (i0 + m) / group];
-            most = keys > most ? keys : most;
+            keys[m] = keys_of[t0 + (i0 + m) / group];
+            most = keys[m] > most ? keys[m] : most;
         }
-        const float *pass = qt + (int64_t)(i0 / SCORE_QUERIES) * SCORE_QUERIES * dim;
+        const float *pass = qt + (int64_t)(i0 / SCORE_QUERIES) * SCORE_QUERIES * dim, *col[SCORE_COLUMNS];
+        float *rows = scores + i0 * stride;
+        int32_t held = 0;
         for (int64_t j0 = 0; j0 < most; j0 += block_size) {
             const float *kb = k_cache + ((int64_t)g * num_blocks + table[j0 / block_size]) * block_elems;
-            scores_of_block(pass, n, kb, dim, block_size, spill);
-            for (int32_t m = 0; m < n; m++) {
-                int64_t left = keys_of[t0 + (i0 + m) / group] - j0;
-                float *row = scores + (i0 + m) * stride + j0;
-                for (int64_t o = 0; o < (left < block_size ? left : block_size); o++) row[o] = spill[m][o] * scale;
+            int32_t o0 = 0;
+            for (; o0 + VLEN <= block_size && j0 + o0 < most; o0 += VLEN) {
+                col[held] = kb + o0, at[held++] = j0 + o0;
+                if (held == SCORE_COLUMNS) {
+                    scores_of_columns(pass, n, held, col, dim, block_size, spill);
+                    store_scores(n, held, at, spill, keys, scale, rows, stride);
+                    held = 0;
+                }
             }
+            for (int32_t o = o0; o < block_size && j0 + o < most; o++)
+                for (int32_t m = 0; m < n; m++) {
+                    float r = 0.0f;
+                    for (int32_t d = 0; d < dim; d++)
+                        r = fmaf(pass[(int64_t)d * SCORE_QUERIES + m], kb[(int64_t)d * block_size + o], r);
+                    if (j0 + o < keys[m]) rows[m * stride + j0 + o] = r * scale;
+                }
+        }
+        if (held) {
+            scores_of_columns(pass, n, held, col, dim, block_size, spill);
+            store_scores(n, held, at, spill, keys, scale, rows, stride);
         }
     }
 }

@@ -15,6 +15,7 @@ from nanoserve.kernels.build import build
 
 KIND = {torch.float32: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 1024  # fused.c's per-head scratch
+TILE_HEIGHT = 16  # rows of activations an AMX tile holds
 
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 SIGNATURES = {
@@ -68,6 +69,7 @@ class FusedKernels:
         self._set_tiles.argtypes, self._set_tiles.restype = (ctypes.c_int,), ctypes.c_int
         self._tile_rows.argtypes, self._tile_rows.restype = (), _i64
         self.tiles = "amx" if self._set_tiles(1) else "none"  # the tile unit wide 4- and 8-bit calls run on
+        self._tiles_on = self.tiles != "none"
         self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
 
@@ -227,7 +229,15 @@ class FusedKernels:
         """Let the 4- and 8-bit kernels' calls of 6 rows and more run on AMX (the default where the CPU and the OS
         offer it) or keep them on the vector path; the bits are the same either way. Returns whether the tiles
         can run here."""
-        return bool(self._set_tiles(int(allowed)))
+        can = bool(self._set_tiles(int(allowed)))
+        self._tiles_on = can and allowed
+        return can
+
+    @property
+    def row_quantum(self) -> int:
+        """Rows the 4- and 8-bit kernels compute as one unit in a wide call: a tile's height on the tile unit
+        (linear.c pads the last tile with zero rows, so a call of 17 rows costs what one of 32 does), else 1."""
+        return TILE_HEIGHT if self._tiles_on else 1
 
     @property
     def tile_rows(self) -> int:

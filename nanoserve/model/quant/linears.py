@@ -129,6 +129,13 @@ class KernelLinear(PackedLinear):
         return y
 
 
+def row_quantum(model: nn.Module) -> int:
+    """Rows `model`'s 4- and 8-bit linears compute as one unit in a wide call: a tile's height where they run on
+    the fused library's tile unit (a step's cost steps up a tile at a time), else 1."""
+    kernels = next((m.kernels for m in model.modules() if isinstance(m, KernelLinear)), None)
+    return 1 if kernels is None else kernels.row_quantum
+
+
 class Q4Linear(KernelLinear):
     """4-bit codes in groups of 32 (Int4Blocks) on the fused library's 4-bit x 16-bit kernel (kernels/linear.c):
     float32 in, each row's groups of 32 quantized to 16-bit codes inside the call, float32 out. An output depends on its
