@@ -4,7 +4,8 @@ A token budget sized for a GPU is the wrong unit on a CPU: there a 2,048-token p
 every stream decoding beside it waits that long for its next token. So while a streamed request is decoding (one
 whose client sees tokens as they come; a request answered at its end wants throughput), a step's prefill share
 is cut to what fits in a target time, from two costs measured online over the steps the engine already times:
-- a decode-only step's seconds (an exponential average);
+- a decode-only step's seconds (the median of the latest DECODE_WINDOW: one slow step, a page fault or another
+  process's burst, must not loosen the target for the next dozen);
 - the seconds each prefill token adds to a step that also decodes (the step's time past the decode estimate,
   over its prefill tokens). Until such a step has run, a prefill-only step's time past the decode estimate per
   token stands in, and before any prefill at all, FIRST_CHUNK tokens.
@@ -23,12 +24,14 @@ wherever the chunk ended.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 
 DECODE_MULTIPLE = 4.0  # the auto target: a stream's gap grows at most this many decode steps while prompts are read
 FLOOR_S = 0.025  # ... and at least this (a decode step timed unusually fast must not make chunks tiny)
-ALPHA = 0.25  # weight of the newest step in each exponential average
+ALPHA = 0.25  # weight of the newest step in the prefill cost's exponential average (the cost grows with context)
+DECODE_WINDOW = 32  # latest decode-only steps whose median is the decode step
 FIRST_CHUNK = 32  # prefill tokens beside decode rows before any prefill has been timed
 AIM = 0.9  # the share of the target a step's estimate is sized to (the estimates lag a growing context)
 ALIGN_FROM = 8  # blocks in a cut chunk from which it ends on a block boundary (dropping under an eighth of it)
@@ -51,6 +54,7 @@ class StepBudget:
         self.block_size = block_size
         self.row_quantum = row_quantum  # rows the linears compute as one unit (a tile's height, else 1)
         self.decode_s: float | None = None  # a decode-only step, seconds
+        self._decode_steps: deque[float] = deque(maxlen=DECODE_WINDOW)
         self.mixed_token_s: float | None = None  # a prefill token beside decode rows, seconds
         self.prefill_token_s: float | None = None  # a prefill token in a prefill-only step, seconds
         self.limit: int | None = None  # the prefill tokens the last step beside decode rows was allowed
@@ -112,7 +116,8 @@ class StepBudget:
         if cut:
             self.limited_steps += 1
         if decode_rows and not prefill_tokens:
-            self.decode_s = _average(self.decode_s, seconds)
+            self._decode_steps.append(seconds)
+            self.decode_s = statistics.median(self._decode_steps)
         elif prefill_tokens and not decode_rows:  # a step's fixed cost is about a decode step's: not the tokens'
             self.prefill_token_s = _average(self.prefill_token_s,
                                             max(0.0, seconds - (self.decode_s or 0.0)) / prefill_tokens)

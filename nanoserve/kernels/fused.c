@@ -578,30 +578,36 @@ typedef struct {
     const float *q, *k_cache, *v_cache;
     const int64_t *tables, *row_of, *keys_of, *tile_start;
     int64_t width, num_blocks, max_keys, tiles, scratch_each;
-    int32_t heads, kv_heads, dim, block_size, out_kind, threads, thread;
+    int32_t heads, kv_heads, dim, block_size, out_kind;
     float scale, *scratch;
     void *out;
 } AttentionJob;
 
-/* Work items (tile, kv head) k, k + threads, ...: which thread computes an item changes none of its numbers. */
-static void *attention_worker(void *arg) {
-    const AttentionJob *job = arg;
+/* linear.c's thread pool: part c of `chunks` of a task for every c, on up to `threads` threads (slot < threads) */
+void ns_pool_run(void (*run)(const void *, int64_t, int64_t, int32_t), const void *task, int64_t chunks,
+                 int32_t threads);
+
+/* Part `chunk` of `chunks` of the work items (tile, kv head), on the workspace of `slot`: which thread computes
+ * an item changes none of its numbers. */
+static void attention_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    const AttentionJob *job = task;
     int32_t group = job->heads / job->kv_heads;
-    float *scores = job->scratch + job->thread * job->scratch_each;
+    float *scores = job->scratch + slot * job->scratch_each;
     float *acc = scores + (int64_t)QUERY_TILE * group * job->max_keys;
     float *qt = acc + (int64_t)QUERY_TILE * group * job->dim;
-    for (int64_t item = job->thread; item < job->tiles * job->kv_heads; item += job->threads) {
+    int64_t items = job->tiles * job->kv_heads;
+    for (int64_t item = items * chunk / chunks; item < items * (chunk + 1) / chunks; item++) {
         int64_t tile = item / job->kv_heads, t0 = job->tile_start[tile];
         int32_t count = (int32_t)(job->tile_start[tile + 1] - t0), g = (int32_t)(item % job->kv_heads);
         attend_tile(job->q, t0, count, job->heads, group, g, job->dim, job->k_cache, job->v_cache, job->num_blocks,
                     job->block_size, job->tables + job->row_of[t0] * job->width, job->keys_of, job->scale, scores,
                     job->max_keys, acc, qt, job->out, job->out_kind);
     }
-    return NULL;
 }
 
 /* threads: how many to split the work over (the caller's choice by the work's size; scratch holds that many
- * workspaces of ns_attention_scratch floats). */
+ * workspaces of ns_attention_scratch floats). The items are claimed one at a time on linear.c's pool, whose
+ * threads are already running: a call that started its own paid about 60 us for them, thirty times a step. */
 void ns_attention(const float *q, int64_t tokens, int32_t heads, int32_t kv_heads, int32_t dim, const float *k_cache,
                   const float *v_cache, int64_t num_blocks, int32_t block_size, const int64_t *tables, int64_t width,
                   const int64_t *row_of, const int64_t *keys_of, float scale, float *scratch, int64_t max_keys,
@@ -616,21 +622,14 @@ void ns_attention(const float *q, int64_t tokens, int32_t heads, int32_t kv_head
         t0 += count;
     }
     tile_start[tiles] = tokens;
-    if (threads > 64) threads = 64;
-    if (threads < 1 || tiles * kv_heads < 2) threads = 1;
-    AttentionJob jobs[64];
-    pthread_t ids[64];
-    for (int32_t k = 0; k < threads; k++) {
-        jobs[k] = (AttentionJob){q, k_cache, v_cache, tables, row_of, keys_of, tile_start, width, num_blocks,
-                                 max_keys, tiles, ns_attention_scratch(heads / kv_heads, max_keys, dim), heads,
-                                 kv_heads, dim, block_size, out_kind, threads, k, scale, scratch, out};
-    }
-    int32_t started = 1;
-    for (; started < threads; started++)
-        if (pthread_create(&ids[started], NULL, attention_worker, &jobs[started]) != 0) break;
-    for (int32_t k = started; k < threads; k++) attention_worker(&jobs[k]); /* a thread that did not start */
-    attention_worker(&jobs[0]);
-    for (int32_t k = 1; k < started; k++) pthread_join(ids[k], NULL);
+    AttentionJob job = {q, k_cache, v_cache, tables, row_of, keys_of, tile_start, width, num_blocks, max_keys, tiles,
+                        ns_attention_scratch(heads / kv_heads, max_keys, dim), heads, kv_heads, dim, block_size,
+                        out_kind, scale, scratch, out};
+    int64_t items = tiles * kv_heads;
+    if (threads > 1 && items > 1)
+        ns_pool_run(attention_chunk, &job, items, threads);
+    else
+        attention_chunk(&job, 0, 1, 0);
     free(tile_start);
 }
 

@@ -603,6 +603,7 @@ static void kernel_groups(const Kernel *k, const uint8_t *w, int64_t in, int64_t
                         * the ops between steps (torch's own threads among them) get the core back soon after */
 #define CLOSED 0xffffffffu
 
+/* A matmul call's shared inputs: its output groups are what the pool's chunks divide */
 typedef struct {
     const Kernel *kernel;
     const uint8_t *w;
@@ -611,8 +612,18 @@ typedef struct {
     const int32_t *sums; /* the kernel's per-row-group integers (Kernel) */
     int64_t in, out, rows;
     float *y;
-    int64_t chunks;
     int accumulate, tiles; /* tiles: the rows go to the tile unit, 16 a tile */
+} Matmul;
+
+/* A job: run(task, chunk, chunks, slot) computes part `chunk` of `chunks` of the task on the thread in `slot`
+ * (0 the caller, 1.. the workers; below `threads`, so a task may keep a workspace per slot). Which thread takes
+ * a chunk changes none of its numbers. */
+typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
+typedef struct {
+    ChunkFn run;
+    const void *task;
+    int64_t chunks;
+    int32_t threads;
 } Job;
 
 static struct {
@@ -624,7 +635,11 @@ static struct {
     int workers, sleeping;
     Job job;
     pthread_t ids[MAX_THREADS];
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, {0}, {0}};
+    struct {
+        unsigned born; /* the generation when the worker was made: any later one is a job */
+        int32_t slot;
+    } starts[MAX_THREADS];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, {0}, {0}, {{0, 0}}};
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -632,14 +647,18 @@ static inline void relax(void) {
 #endif
 }
 
-static void run_chunk(const Job *job, int64_t chunk) {
-    int64_t total = job->out / OUTS, g0 = total * chunk / job->chunks, g1 = total * (chunk + 1) / job->chunks;
-    kernel_groups(job->kernel, job->w, job->in, job->out, job->xq, job->xd, job->sums, job->rows, job->bias,
-                  job->accumulate, job->tiles, g0, g1, job->y);
+static void matmul_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    const Matmul *m = task;
+    int64_t total = m->out / OUTS, g0 = total * chunk / chunks, g1 = total * (chunk + 1) / chunks;
+    (void)slot;
+    kernel_groups(m->kernel, m->w, m->in, m->out, m->xq, m->xd, m->sums, m->rows, m->bias, m->accumulate, m->tiles,
+                  g0, g1, m->y);
 }
 
-/* Claims and runs chunks of job `generation` until none is left (or the job is no longer that one). */
-static void take_chunks(const Job *job, unsigned generation) {
+/* Claims and runs chunks of job `generation` until none is left (or the job is no longer that one); a slot the
+ * job has no room for claims none. */
+static void take_chunks(const Job *job, unsigned generation, int32_t slot) {
+    if (slot >= job->threads) return;
     for (;;) {
         uint64_t seen = atomic_load_explicit(&pool.claim, memory_order_acquire);
         uint32_t next = (uint32_t)seen;
@@ -647,7 +666,7 @@ static void take_chunks(const Job *job, unsigned generation) {
         if (!atomic_compare_exchange_weak_explicit(&pool.claim, &seen, seen + 1, memory_order_acq_rel,
                                                    memory_order_relaxed))
             continue;
-        run_chunk(job, next);
+        job->run(job->task, next, job->chunks, slot);
         atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
     }
 }
@@ -659,7 +678,8 @@ static int64_t now_ns(void) {
 }
 
 static void *worker(void *arg) {
-    unsigned seen = (unsigned)(uintptr_t)arg; /* the generation when it was made: any later one is a job */
+    unsigned seen = pool.starts[(intptr_t)arg].born;
+    int32_t slot = pool.starts[(intptr_t)arg].slot;
     for (;;) {
         unsigned now;
         int64_t since = now_ns();
@@ -678,7 +698,7 @@ static void *worker(void *arg) {
         }
         seen = now;
         Job job = pool.job; /* torn only if the job is already over: then every claim below fails */
-        take_chunks(&job, now);
+        take_chunks(&job, now, slot);
     }
     return NULL;
 }
@@ -693,10 +713,7 @@ static void forget_pool_in_child(void) { /* a forked child has none of the paren
     pthread_cond_init(&pool.wake, NULL);
 }
 
-static void run_alone(Job job) {
-    job.chunks = 1;
-    run_chunk(&job, 0);
-}
+static void run_alone(Job job) { job.run(job.task, 0, 1, 0); }
 
 static void run_on_pool(Job job, int threads);
 
@@ -719,18 +736,17 @@ static void run_on_pool(Job job, int threads) {
     }
     threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
     while (pool.workers < threads - 1) {
-        uintptr_t born = atomic_load(&pool.generation);
-        if (pthread_create(&pool.ids[pool.workers], NULL, worker, (void *)born) != 0) break;
+        int k = pool.workers;
+        pool.starts[k].born = atomic_load(&pool.generation), pool.starts[k].slot = k + 1;
+        if (pthread_create(&pool.ids[k], NULL, worker, (void *)(intptr_t)k) != 0) break;
         pthread_detach(pool.ids[pool.workers]);
         pool.workers++;
     }
-    job.chunks = threads == 1 || pool.workers == 0 ? 1 : (int64_t)threads * CHUNKS_PER_THREAD;
-    int64_t groups = job.out / OUTS;
-    if (job.chunks > groups) job.chunks = groups > 0 ? groups : 1;
-    if (job.chunks == 1) {
-        run_chunk(&job, 0);
+    if (threads == 1 || pool.workers == 0 || job.chunks <= 1) {
+        run_alone(job);
         return;
     }
+    job.threads = threads;
     unsigned generation = atomic_load(&pool.generation) + 1;
     pool.job = job;
     atomic_store(&pool.finished, 0);
@@ -739,9 +755,15 @@ static void run_on_pool(Job job, int threads) {
     pthread_mutex_lock(&pool.lock);
     if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-    take_chunks(&job, generation);
+    take_chunks(&job, generation, 0);
     while (atomic_load_explicit(&pool.finished, memory_order_acquire) < job.chunks) relax();
     atomic_store_explicit(&pool.claim, ((uint64_t)generation << 32) | CLOSED, memory_order_release);
+}
+
+/* Runs part c of `chunks` of `task` for every c on up to `threads` threads of this pool (fused.c's attention
+ * shares it: a call that started threads of its own paid about 60 us for them). run's slot is below threads. */
+void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads) {
+    run_pooled((Job){run, task, chunks, threads}, threads);
 }
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
@@ -760,9 +782,11 @@ static int matmul(int eight_bit, const uint8_t *w, const float *x, int64_t rows,
     }
     memset(xq + rows * 2 * in, 0, (size_t)((held - rows) * 2 * in)); /* zero rows: they reach no output */
     quantize_rows(x, rows, in, xq, xd, xs, eight_bit ? xh : NULL);
-    Job job = {eight_bit ? &Q8 : &Q4, w, xq, xd, bias, eight_bit ? xh : xs, in, out, rows, y, 1, accumulate, tiles};
-    run_pooled(job, threads);
-    if (job.tiles) atomic_fetch_add(&amx_rows_served, rows);
+    Matmul task = {eight_bit ? &Q8 : &Q4, w, xq, xd, bias, eight_bit ? xh : xs, in, out, rows, y, accumulate, tiles};
+    int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD, out_groups = out / OUTS;
+    if (chunks > out_groups) chunks = out_groups > 0 ? out_groups : 1;
+    run_pooled((Job){matmul_chunk, &task, chunks, threads}, threads);
+    if (tiles) atomic_fetch_add(&amx_rows_served, rows);
     free(xq), free(xd), free(xs);
     return 0;
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import queue
 import threading
@@ -76,6 +77,15 @@ class _Call:
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
+def _freeze_heap() -> None:
+    """Collect once, then move every object left (the loaded model, the tokenizer, torch's and the libraries'
+    own) out of the cycle collector's reach. A full collection walks some 300,000 of them for about 100 ms, and
+    it runs when Python decides, inside a step: a pause in every stream the engine is serving. Objects made
+    while serving are collected as usual; shutdown unfreezes."""
+    gc.collect()
+    gc.freeze()
+
+
 class EngineHost:
     """Owns one Engine and the thread that steps it."""
 
@@ -101,6 +111,7 @@ class EngineHost:
     def start(self) -> EngineHost:
         if self._thread is not None:
             raise RuntimeError("the host is already running")
+        _freeze_heap()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
         self._thread.start()
@@ -118,6 +129,7 @@ class EngineHost:
         if self._thread.is_alive():
             raise RuntimeError(f"the engine thread did not stop within {timeout}s")
         self._thread = None
+        gc.unfreeze()  # what _freeze_heap kept: a released engine's cycles can be collected again
         self._refuse_pending()
 
     def restart(self, config, drain: bool = False, timeout: float | None = 120.0,
