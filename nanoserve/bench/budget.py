@@ -1,8 +1,9 @@
 """`nanoserve bench budget`: a stream beside an arriving long prompt, with the step-time budget on and off.
 
 What a person chatting feels when someone else sends a long prompt: the gaps between the stream's chunks once
-the long prompt arrives (p50, p99, max, and max over median), and that prompt's time to first token beside the
-stream against its time on an idle server. Each arm is a live server in this process (the budget's default, and
+the long prompt arrives (p50, p99, max), against the same stream's median gap alone on the server (quiet_p50:
+the pace its reader is used to; max_over_quiet is the freeze they notice), and that prompt's time to first
+token beside the stream against its time on an idle server. Each arm is a live server in this process (the budget's default, and
 `--max-step-ms 0`, the token budget alone), the rounds interleaved so a noisy machine hits both alike; every long
 prompt is new (no prefix-cache hit).
 """
@@ -67,14 +68,15 @@ def _ttft(url: str, prompt: list[int]) -> float:
 
 
 def _round(url: str, args, rng: random.Random, vocab: int) -> dict:
-    """One idle TTFT, then the stream with the long prompt arriving beside it."""
+    """One idle TTFT, the stream alone (its quiet gaps), then the stream with the long prompt arriving beside it."""
     def fresh() -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(args.long_prompt)]
 
     idle = _ttft(url, fresh())
-    arrived, gaps, quiet, seen = threading.Event(), [], [], []
-    stream = threading.Thread(target=stream_gaps, args=(url, args.stream_tokens, arrived, gaps, seen),
-                              kwargs={"quiet": quiet})
+    quiet = []
+    stream_gaps(url, args.stream_tokens, threading.Event(), [], [], quiet=quiet)
+    arrived, gaps, seen = threading.Event(), [], []
+    stream = threading.Thread(target=stream_gaps, args=(url, args.stream_tokens, arrived, gaps, seen))
     stream.start()
     while len(seen) < args.arrive_after and stream.is_alive():
         time.sleep(0.005)
