@@ -49,6 +49,8 @@ def budget_line(stats: EngineStats) -> str:
              else "costs not measured yet")
     line = (f"step budget {decimal(budget['target_ms'])} ms ({budget['mode']}): {costs}; "
             f"{count(budget['limited_steps'])} steps cut, {count(budget['steps_over_target'])} over")
+    if budget.get("row_quantum", 1) > 1:
+        line += f"; chunks fill {budget['row_quantum']}-row tiles"
     latest = (budget.get("latest_over") or [None])[-1]
     if latest is not None:
         line += (f"; last over at {latest['at']}: {decimal(latest['step_ms'])} ms reading "
