@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,8 @@ class EngineConfig:
                                        "through shared memory between CPU ranks on one x86-64 machine, else "
                                        "through the group's backend; backend always uses gloo / NCCL",
                                choices=("auto", "backend"))
+    speculative_config: str | None = _flag(None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                                                 "\"num_speculative_tokens\": 4}' (prompt lookup; outputs unchanged)")
     distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
                                              "before the engine stops with an error (start-up: at least 120)")
 
@@ -155,16 +158,29 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; choose one of "
                               f"{', '.join(QUANTIZATIONS)}")
+        self._check_speculative()
         if self.dtype != "auto" and _ALIASES.get(self.dtype, self.dtype) not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; choose auto, {', '.join(DTYPES)}")
 
+    def _check_speculative(self) -> None:
+        from nanoserve.speculative.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and not self.batch_invariant:
+            raise ConfigError("speculative decoding keeps a draft only where it equals the token decoding one at a "
+                              "time would pick, which needs a position's logits to be the same bits in any step: "
+                              "turn batch_invariant back on, or speculative_config off")
+
     @classmethod
     def from_flags(cls, **flags) -> EngineConfig:
-        """Build from keyword flags, refusing unknown names with the list of known ones."""
+        """Build from keyword flags, refusing unknown names with the list of known ones. speculative_config may
+        be a dict (as vLLM's LLM takes it); it is kept as JSON."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(flags) - known)
         if unknown:
             raise ConfigError(f"unknown engine flag(s) {unknown}; known flags: {sorted(known)}")
+        if isinstance(flags.get("speculative_config"), dict):
+            flags["speculative_config"] = json.dumps(flags["speculative_config"])
         return cls(**flags)
 
     def torch_device(self) -> torch.device:

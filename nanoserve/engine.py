@@ -26,6 +26,8 @@ from nanoserve.request import Request
 from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler
+from nanoserve.speculative.config import SpeculativeConfig
+from nanoserve.speculative.drafter import Drafter
 from nanoserve.stalls import StallWatch
 from nanoserve.stats import EngineStats, RowStats, SchedulerStats
 from nanoserve.step_budget import StepBudget
@@ -55,7 +57,10 @@ class Engine:
         self.kv = KVManager(runner.num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching,
                             cache_identity=(runner.loaded.name, config.quantization, str(runner.dtype)))
         self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.drafter = Drafter(spec) if spec is not None else None
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget,
+                                   self.drafter)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                  stats=runner.sampler.masker.stats)
@@ -127,13 +132,26 @@ class Engine:
         started = time.perf_counter()
         try:
             result = self.runner.execute(sched)
-            self.scheduler.update_from_output(sched, result)
-            for req in self.output_processor.process(result):  # ended by a stop string
-                self.scheduler.finish(req, "stop")
+            self._apply(sched, result)
         except Exception as error:
             raise self._fail(sched, error) from error
         self._record_step(sched, time.perf_counter() - started)
         return self.output_processor.outputs()
+
+    def _apply(self, sched, result) -> None:
+        """The step's tokens onto its requests, a token a request at a time (a verified draft's kept tokens in
+        order, so a stop on one of them ends the request there, as it would one token a step)."""
+        first, *later = result.layers()
+        self.scheduler.update_from_output(sched, first)
+        for req in self.output_processor.process(first):  # ended by a stop string
+            self.scheduler.finish(req, "stop")
+        for layer in later:
+            layer = layer.without_finished()
+            self.scheduler.append(layer)
+            for req in self.output_processor.process(layer):
+                self.scheduler.finish(req, "stop")
+        if self.drafter is not None:
+            self.drafter.observe(sched, result.accepted)
 
     def _fail(self, sched, error: Exception) -> StepFailed:
         """Retire every request of the failed step (all n sequences of each) with finish reason "error"."""
@@ -177,7 +195,8 @@ class Engine:
             features={**runner.published(),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
                       "windows": self.output_processor.recent.snapshot(now, self._started),
-                      "stalls": self.stalls.as_dict(), "step_budget": self.step_budget.as_dict()},
+                      "stalls": self.stalls.as_dict(), "step_budget": self.step_budget.as_dict(),
+                      **({"speculative": self.drafter.as_dict()} if self.drafter is not None else {})},
             latency=self.output_processor.latency(), prefix_cache=prefix,
         )
 

@@ -161,7 +161,8 @@ class OutputProcessor:
         prompt_logprobs = None
         if first.prompt_logprobs is not None and first.num_computed >= len(first.prompt_ids):
             prompt_logprobs = LogprobSequence(first.prompt_logprobs, text)
-        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions)
+        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions,
+                                 req.spec_draft_tokens, req.spec_accepted_tokens)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_tuple, [completion], done, delta, delta_ids, metrics,
             prompt_logprobs, first.num_cached_tokens,

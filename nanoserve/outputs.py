@@ -159,6 +159,8 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int
+    spec_draft_tokens: int = 0  # tokens drafted for it by speculative decoding, and of those, kept
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ class Request:
     matcher: object | None = None  # its structured output's grammar state (nanoserve.structured.Matcher)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (usage)
     streamed: bool = True  # someone sees its tokens as they come (a stream): the step-time budget protects it
+    spec_draft_tokens: int = 0  # tokens drafted for it (speculative decoding), and of those, kept
+    spec_accepted_tokens: int = 0
+    spec_judged_from: tuple[int, int] = (0, 0)  # (drafted, kept) when its acceptance was last judged
+    spec_paused_until: int = 0  # the drafter's step from which it may draft again
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.
     serial: int = field(default_factory=lambda: next(_serials))

@@ -33,11 +33,13 @@ from nanoserve.step_budget import StepBudget
 
 @dataclass(frozen=True)
 class Chunk:
-    """Compute tokens [start, start+length) of `request` this step."""
+    """Compute tokens [start, start+length) of `request` this step; a decode chunk may carry `drafts`, tokens
+    guessed to follow it, whose positions the step computes too and its sampling verifies (speculative/)."""
 
     request: Request
     start: int
     length: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def completes(self) -> bool:
@@ -63,7 +65,11 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.length for c in self.prefills)
+        return len(self.decodes) + self.draft_tokens + sum(c.length for c in self.prefills)
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(len(c.drafts) for c in self.decodes)
 
     @property
     def prefill_tokens(self) -> int:
@@ -87,8 +93,9 @@ def stop_token(req: Request, token: int) -> tuple[bool, int | None]:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 step_budget: StepBudget | None = None):
+                 step_budget: StepBudget | None = None, drafter=None):
         self.kv = kv
+        self.drafter = drafter  # speculative.Drafter: a decode row's drafted tokens, or None (off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_budget = step_budget or StepBudget(0, kv.block_size)  # 0: off, the token budget alone
@@ -114,6 +121,8 @@ class Scheduler:
                 out.decodes.append(Chunk(req, req.num_computed, 1))
                 scheduled.add(id(req))
                 budget -= 1
+        if self.drafter is not None:
+            budget -= self._draft(out, budget)
         timed = self.step_budget.prefill_limit(out.streamed_decodes, budget, len(out.decodes))  # what fits in time
         cut, budget = timed < budget, timed
         for req in [r for r in self.running if r.num_uncomputed > 1]:
@@ -127,6 +136,17 @@ class Scheduler:
         self._admit(out, budget, cut)
         self.peak_running = max(self.peak_running, len(self.running))
         return out
+
+    def _draft(self, out: SchedulerOutput, budget: int) -> int:
+        """Give decode rows the drafts the drafter proposes, while the token budget lasts and free blocks hold
+        them (a draft never preempts anyone); returns the tokens they take."""
+        taken = 0
+        for i, chunk in enumerate(out.decodes):
+            drafts = self.drafter.propose(chunk.request, budget - taken, len(out.decodes))
+            if drafts and self.kv.reserve(chunk.request, 1 + len(drafts)):
+                out.decodes[i] = Chunk(chunk.request, chunk.start, 1, drafts)
+                taken += len(drafts)
+        return taken
 
     def _chunk(self, req: Request, start: int, budget: int, cut: bool, out: SchedulerOutput) -> int:
         """Tokens of `req` from `start` this step: all that remain if the budget allows; a chunk the step-time
@@ -181,11 +201,17 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result) -> None:
         """The step ran: its chunks' K/V are in the cache, and each sampled row gets its token (a StepResult)."""
         self.kv.confirm()
+        accepted = getattr(result, "accepted", {})
         for chunk in (*out.decodes, *out.prefills):
             req = chunk.request
-            req.num_computed += chunk.length
+            req.num_computed += chunk.length + accepted.get(req.serial, 0)  # drafts the step kept are computed
             if not req.output_ids and chunk.completes:  # a prompt's first completion
                 self.prompt_tokens += len(req.prompt_ids)
+        self.append(result)
+
+    def append(self, result) -> None:
+        """Each sampled row's token onto its request (one token a request: a speculative step's later tokens
+        come as later results, so a request that ends on one never gets the next)."""
         for req, token in zip(result.sampled, result.token_ids):
             self._append(req, token)
 

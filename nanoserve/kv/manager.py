@@ -97,7 +97,7 @@ class KVManager:
             return False
         if need > 0:
             req.blocks.extend(self._pool.allocate(need))
-        self._name_blocks(req, req.num_computed + num_new)
+        self._name_blocks(req, min(req.num_computed + num_new, req.num_tokens))  # drafted tokens are not known yet
         return True
 
     def free(self, req, *, finished: bool) -> None:

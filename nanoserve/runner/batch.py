@@ -20,38 +20,49 @@ def decode_rows(requests: list, positions: list[int], block_size: int) -> tuple[
     return ids, slots, [p + 1 for p in positions]
 
 
-def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list[tuple]]:
+def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list[tuple], list[tuple]]:
     """The StepBatch for any mix of decodes and prefill chunks (a SchedulerOutput), the requests it samples (in
-    logits order), and the (request, position) pairs whose logits score the next prompt token (prompt_logprobs).
+    logits order), the (request, position) pairs whose logits score the next prompt token (prompt_logprobs), and
+    for each sampled row the drafted tokens before its position (() but in a verified draft's run).
 
-    Logits come back for the sampled rows first, then for those prompt positions, in the returned order.
+    A decode row with drafts is computed as a segment over its last token and its drafts, each position
+    sampled: its rows come together, in position order. Logits come back for the sampled rows first, then for
+    those prompt positions, in the returned order.
     """
     bs = block_size
     logits_at: list[int] = []
     sampled: list = []
     prompt_at: list[int] = []
     prompt_rows: list[tuple] = []
-    decodes = sched.decodes + [c for c in sched.prefills if c.length == 1]
-    prefills = [c for c in sched.prefills if c.length > 1]
+    decodes = [c for c in sched.decodes if not c.drafts] + [c for c in sched.prefills if c.length == 1]
+    prefills = [c for c in sched.decodes if c.drafts] + [c for c in sched.prefills if c.length > 1]
+    before: list[tuple] = []
     positions = [c.start for c in decodes]
     ids, slots, lens = decode_rows([c.request for c in decodes], positions, bs)
     for row, c in enumerate(decodes):
-        _mark(c, row, logits_at, sampled)
+        _mark(c, row, logits_at, sampled, before)
         _mark_prompt(c, row, prompt_at, prompt_rows)
     width = max((-(-n // bs) for n in lens), default=0)
     table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
     segments, tables, blocks = [], [], []
     for c in prefills:
-        req = c.request
+        req, length = c.request, c.length + len(c.drafts)
         start = len(ids)
         ids.extend(req.tokens(c.start, c.start + c.length))
-        span = range(c.start, c.start + c.length)
+        ids.extend(c.drafts)
+        span = range(c.start, c.start + length)
         positions.extend(span)
         slots.extend(req.blocks[p // bs] * bs + p % bs for p in span)
         tables.append(req.blocks)
-        blocks.append(torch.tensor(req.blocks[: -(-(c.start + c.length) // bs)], dtype=torch.long, device=device))
-        segments.append(PrefillSegment(start, c.length, c.start))
-        _mark(c, len(ids) - 1, logits_at, sampled)
+        blocks.append(torch.tensor(req.blocks[: -(-(c.start + length) // bs)], dtype=torch.long, device=device))
+        segments.append(PrefillSegment(start, length, c.start))
+        if c.drafts:
+            for j in range(length):  # every position of a verified draft is sampled
+                logits_at.append(start + j)
+                sampled.append(req)
+                before.append(c.drafts[:j])
+        else:
+            _mark(c, len(ids) - 1, logits_at, sampled, before)
         _mark_prompt(c, start, prompt_at, prompt_rows)
     batch = StepBatch(
         input_ids=torch.tensor(ids, device=device),
@@ -65,14 +76,15 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         shared_pasts=share_pasts(segments, tables, bs, device),
         prefill_blocks=tuple(blocks),
     )
-    return batch, sampled, prompt_rows
+    return batch, sampled, prompt_rows, before
 
 
-def _mark(chunk, index: int, logits_at: list[int], sampled: list) -> None:
+def _mark(chunk, index: int, logits_at: list[int], sampled: list, before: list) -> None:
     """A chunk that computes its request's last token has that token's logits sampled."""
     if chunk.completes:
         logits_at.append(index)
         sampled.append(chunk.request)
+        before.append(())
 
 
 def _mark_prompt(chunk, first: int, prompt_at: list[int], prompt_rows: list) -> None:

@@ -26,6 +26,7 @@ from nanoserve.runner.decode.path import DecodePath
 from nanoserve.runner.result import StepResult
 from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import Sampler, SamplingRow
+from nanoserve.speculative.verify import accept
 from nanoserve.structured.mask import GrammarMasker
 
 log = logging.getLogger("nanoserve.engine")
@@ -86,29 +87,35 @@ class ModelRunner:
     # ---- a step ---------------------------------------------------------------------------------------
     def execute(self, sched) -> StepResult:
         """Compute the scheduled chunks' K/V and logits, score their prompt logprobs, sample the rows that end a
-        sequence's known tokens."""
+        sequence's known tokens, and keep the drafts that sampling agrees with (speculative/verify.py)."""
         self.steps += 1
-        logits, sampled, prompt_rows = self._logits(sched)
+        logits, sampled, prompt_rows, before = self._logits(sched)
         prompt_logprobs = self._prompt_logprobs(logits[len(sampled):], prompt_rows) if prompt_rows else []
         if not sampled:
             return StepResult(prompt_logprobs=prompt_logprobs)
-        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.eos_token_ids, r.bad_word_ids, r.matcher)
-                for r in sampled]
+        rows = [SamplingRow(r.params, r.prompt_ids, [*r.output_ids, *b] if b else r.output_ids, r.eos_token_ids,
+                            r.bad_word_ids, r.matcher) for r, b in zip(sampled, before)]
         result = self.sampler(logits[: len(sampled)], rows)
-        return StepResult(sampled, result.token_ids, result.logprobs, prompt_logprobs)
+        drafts_of = {c.request.serial: c.drafts for c in sched.decodes if c.drafts}
+        if not drafts_of:
+            return StepResult(sampled, result.token_ids, result.logprobs, prompt_logprobs)
+        kept, tokens, logprobs, accepted = accept(sampled, before, result.token_ids, result.logprobs, drafts_of)
+        return StepResult(kept, tokens, logprobs, prompt_logprobs, accepted)
 
-    def _logits(self, sched) -> tuple[torch.Tensor, list, list]:
+    def _logits(self, sched) -> tuple[torch.Tensor, list, list, list]:
         """The step's logits (sampled rows first, then the prompt positions scored), by the path that fits it:
-        a decode-only step takes the planned fast path (replayed from a captured graph when capturing)."""
-        if self.decode_path is not None and not sched.prefills:
+        a decode-only step without drafts takes the planned fast path (replayed from a captured graph when
+        capturing)."""
+        if self.decode_path is not None and not sched.prefills and not sched.draft_tokens:
             batch, sampled = self.decode_path.build([c.request for c in sched.decodes])
+            before = [()] * len(sampled)
             if self.captured is not None:
-                return self.captured.replay(self.decode_path.last_plan.shape, len(sampled)), sampled, []
+                return self.captured.replay(self.decode_path.last_plan.shape, len(sampled)), sampled, [], before
             prompt_rows = []
         else:
-            batch, sampled, prompt_rows = general_batch(sched, self.config.block_size, self.device)
+            batch, sampled, prompt_rows, before = general_batch(sched, self.config.block_size, self.device)
         with torch.inference_mode():
-            return self.forward(batch, self.cache, self.read), sampled, prompt_rows
+            return self.forward(batch, self.cache, self.read), sampled, prompt_rows, before
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple]) -> list[tuple]:

@@ -54,10 +54,25 @@ class _SnapshotCollector:
         for status, n in (s.features.get("refusals") or {}).get("by_status", {}).items():
             refused.add_metric([self.model, status], n)
         yield refused
+        yield from self._speculative(s.features.get("speculative"), counter)
         for section, values in sorted(s.features.items()):  # optional features (inputs, buckets, capture)
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield gauge(f"{section}_{key}", f"{section}.{key} from the stats snapshot.", value)
+
+
+    def _speculative(self, spec: dict | None, counter):
+        """vLLM's speculative-decoding counters (spec_decode_*), when speculation is on."""
+        if not spec:
+            return
+        yield counter("spec_decode_num_drafts", "Draft runs verified.", spec["num_drafts"])
+        yield counter("spec_decode_num_draft_tokens", "Drafted tokens verified.", spec["num_draft_tokens"])
+        yield counter("spec_decode_num_accepted_tokens", "Drafted tokens kept.", spec["num_accepted_tokens"])
+        per = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Drafted tokens kept, by their "
+                                  "position in the draft.", labels=["model_name", "position"])
+        for position, n in enumerate(spec["num_accepted_tokens_per_pos"]):
+            per.add_metric([self.model, str(position)], n)
+        yield per
 
 
 class Metrics:

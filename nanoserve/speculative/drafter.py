@@ -1,0 +1,88 @@
+"""Drafter: which decode rows draft this step and what, and the counters of what was drafted and kept.
+
+Drafting pays while a step is bound by its fixed per-call cost: a few rows, each verifying a few positions,
+cost little more than the rows alone. It stands down where it would not pay: a step with more than
+MAX_DRAFT_ROWS decode rows (a crowd keeps the linears busy already), and a request whose drafts keep failing
+(under MIN_ACCEPTANCE of its drafted tokens kept, once it has drafted PROBATION of them; it tries again after
+RETRY_STEPS steps). A request under a grammar (structured output) is not drafted: its drafts would need the
+grammar's state advanced along them.
+"""
+
+from __future__ import annotations
+
+from nanoserve.speculative.config import SpeculativeConfig
+from nanoserve.speculative.ngram import propose
+
+MAX_DRAFT_ROWS = 8  # decode rows in a step above which no row drafts
+PROBATION = 16  # drafted tokens a request is judged on
+MIN_ACCEPTANCE = 0.2  # the share of its drafted tokens a request must keep to go on drafting
+RETRY_STEPS = 64  # steps a request that stood down waits before it drafts again
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        k = config.num_speculative_tokens
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k  # vLLM's num_accepted_tokens_per_pos: drafts kept at position i
+        self.stood_down_steps = 0  # steps whose crowd of decode rows drafted nothing
+        self.stood_down_requests = 0  # times a request's low acceptance stopped its drafting
+        self.not_drafted_structured = 0  # decode rows not drafted because a grammar constrains them
+        self._step = 0
+
+    def propose(self, req, budget: int, rows: int) -> tuple[int, ...]:
+        """The drafts for decode row `req` in a step of `rows` decode rows with `budget` tokens left: at most
+        num_speculative_tokens, never past the request's max_tokens; () where drafting stands down."""
+        if rows > MAX_DRAFT_ROWS:
+            return ()
+        if req.matcher is not None:
+            self.not_drafted_structured += 1
+            return ()
+        if req.spec_paused_until > self._step:
+            return ()
+        k = min(self.config.num_speculative_tokens, budget, req.max_tokens - len(req.output_ids) - 1)
+        if k <= 0:
+            return ()
+        cfg = self.config
+        return tuple(propose([*req.prompt_ids, *req.output_ids], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+
+    def observe(self, sched, accepted: dict[int, int]) -> None:
+        """Count a step's drafts and the tokens kept of each; judge each drafting request's acceptance."""
+        self._step += 1
+        if len(sched.decodes) > MAX_DRAFT_ROWS:
+            self.stood_down_steps += 1
+        for chunk in sched.decodes:
+            if not chunk.drafts:
+                continue
+            req, kept = chunk.request, accepted.get(chunk.request.serial, 0)
+            self.num_drafts += 1
+            self.num_draft_tokens += len(chunk.drafts)
+            self.num_accepted_tokens += kept
+            for i in range(kept):
+                self.accepted_per_pos[i] += 1
+            req.spec_draft_tokens += len(chunk.drafts)
+            req.spec_accepted_tokens += kept
+            self._judge(req)
+
+    def _judge(self, req) -> None:
+        drafted = req.spec_draft_tokens - req.spec_judged_from[0]
+        if drafted < PROBATION:
+            return
+        kept = req.spec_accepted_tokens - req.spec_judged_from[1]
+        if kept < MIN_ACCEPTANCE * drafted:
+            req.spec_paused_until = self._step + RETRY_STEPS
+            self.stood_down_requests += 1
+        req.spec_judged_from = (req.spec_draft_tokens, req.spec_accepted_tokens)
+
+    def as_dict(self) -> dict:
+        """The stats snapshot's `speculative` section, under vLLM's counter names."""
+        drafted = self.num_draft_tokens
+        return {"method": self.config.method, "num_speculative_tokens": self.config.num_speculative_tokens,
+                "num_drafts": self.num_drafts, "num_draft_tokens": drafted,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": round(self.num_accepted_tokens / drafted, 4) if drafted else None,
+                "mean_acceptance_length": (round(1 + self.num_accepted_tokens / self.num_drafts, 3)
+                                           if self.num_drafts else None),
+                "stood_down_steps": self.stood_down_steps, "stood_down_requests": self.stood_down_requests,
+                "not_drafted_structured": self.not_drafted_structured}
