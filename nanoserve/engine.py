@@ -207,4 +207,4 @@ def _row(r: Request, now: float) -> RowStats:
     generated, first = len(r.output_ids), r.first_token_time
     rate = (generated - 1) / (now - first) if first is not None and generated >= 2 and now > first else 0.0
     return RowStats(r.name, r.status.value, len(r.prompt_ids), generated, len(r.blocks), rate, r.user,
-                    r.session_id)
+                    r.session_id, r.spec_draft_tokens, r.spec_accepted_tokens)

@@ -63,6 +63,8 @@ class RowStats:
     tokens_per_s: float = 0.0  # generated tokens over the time since its first token
     user: str | None = None  # the client's `user` field, when it sent one
     session_id: str | None = None  # vLLM's `session_id`, when the client sent one
+    spec_draft_tokens: int = 0  # tokens speculative decoding drafted for it, and of those, kept
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

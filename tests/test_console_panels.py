@@ -52,7 +52,7 @@ async def test_rows_table_keyed_diff():
         table.show(snapshot([row("b", 3), row("c")]))
         await pilot.pause()
         assert [k.value for k in table.rows] == ["b", "c"]
-        assert table.get_row("b") == ["b", "running", 5, 3, 2.5, 1]  # changed cells updated in place
+        assert table.get_row("b") == ["b", "running", 5, 3, 2.5, 1, "-"]  # changed cells updated in place
         table.show(snapshot())
         assert table.row_count == 0
 
@@ -118,3 +118,42 @@ def test_main_help_lists_engine_flags_and_port(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--model" in out and "--port" in out and "--max-num-seqs" in out
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "num_drafts": 10, "num_draft_tokens": 40,
+        "num_accepted_tokens": 30, "num_accepted_tokens_per_pos": [10, 9, 6, 5], "acceptance_rate": 0.75,
+        "mean_acceptance_length": 4.0, "stood_down_steps": 2, "stood_down_requests": 1, "not_drafted_structured": 3}
+
+
+class SpecHost(App):
+    def compose(self):
+        from console.panels.speculation import SpeculationPanel
+
+        yield SpeculationPanel()
+        yield RowsTable()
+
+
+async def test_the_speculation_panel_shows_totals_the_last_window_and_each_request(monkeypatch):
+    """Totals since start, the difference over the window between snapshots, kept share by position and the
+    stand-downs; hidden (OFF) without the section; each request's kept share in the Requests table."""
+    import console.panels.speculation as panel_module
+
+    clock = iter([100.0, 101.0, 102.0])
+    monkeypatch.setattr(panel_module, "monotonic", lambda: next(clock))
+    app = SpecHost()
+    async with app.run_test() as pilot:
+        panel = app.query_one(panel_module.SpeculationPanel)
+        panel.show(snapshot(features={"speculative": SPEC}))
+        first = panel._text
+        assert "since start: 10 drafts, 75.0% of 40 drafted tokens kept, 4.00 tokens a drafting step" in first
+        assert "last 10 s" not in first and "kept by position: 100.0% 90.0% 60.0% 50.0%" in first
+        assert "2 crowded steps, 1 requests keeping too few, 3 rows under a grammar" in first
+        later = {**SPEC, "num_drafts": 14, "num_draft_tokens": 56, "num_accepted_tokens": 34}
+        panel.show(snapshot(features={"speculative": later}))
+        assert "last 10 s: 4 drafts, 25.0% of 16 drafted tokens kept, 2.00 tokens a drafting step" in panel._text
+        panel.show(snapshot())
+        assert panel._text == OFF and not panel.published
+        table = app.query_one(RowsTable)
+        table.show(snapshot([dataclasses.replace(row("a", 9), spec_draft_tokens=8, spec_accepted_tokens=6)]))
+        await pilot.pause()
+        assert table.get_row("a")[-1] == "75% of 8"

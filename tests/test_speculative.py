@@ -40,6 +40,30 @@ def test_prompt_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     assert propose([5, 6, 5], 4, 1, 1) == [6, 5]  # at most what follows the occurrence
 
 
+def test_prompt_lookup_agrees_with_comparing_every_window():
+    """The narrowing search against the plain one (every n-gram window compared with the suffix), on short
+    sequences over a 4-token alphabet, where suffixes repeat often and at every length."""
+    import random
+
+    import numpy as np
+
+    def every_window(tokens, k, low, high):
+        seq = np.asarray(tokens)
+        for n in range(min(high, len(seq) - 1), low - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+            hits = np.flatnonzero((windows == seq[len(seq) - n:]).all(axis=1))
+            if hits.size:
+                return seq[int(hits[-1]) + n:int(hits[-1]) + n + k].tolist()
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        low = rng.randrange(1, 4)
+        high = low + rng.randrange(3)
+        assert propose(tokens, 3, low, high) == every_window(tokens, 3, low, high), (tokens, low, high)
+
+
 @pytest.mark.parametrize("value, says", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "supported: ngram"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "not supported; supported:"),

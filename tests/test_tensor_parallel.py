@@ -369,3 +369,19 @@ def test_a_rank_that_hangs_ends_in_an_error_at_the_timeout(tiny_checkpoint):
     finally:
         os.kill(victim.pid, signal.SIGCONT)
         close_llm(two)
+
+
+def test_speculative_decoding_on_two_ranks_gives_one_ranks_bytes(tiny_checkpoint):
+    """Drafts verified across a two-rank group: the same tokens as one rank decoding one at a time."""
+    path = str(tiny_checkpoint("llama"))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    one = LLM(model=path, **SMALL)
+    two = LLM(model=path, tensor_parallel_size=2, speculative_config=spec, **SMALL)
+    try:
+        prompts = [[3 + (i + j) % 5 for j in range(20 + 3 * i)] for i in range(3)]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == want
+        assert two.engine.stats().features["speculative"]["num_accepted_tokens"] > 0
+    finally:
+        close_llm(two)

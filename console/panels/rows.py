@@ -9,12 +9,18 @@ from textual.widgets import DataTable, Input
 from nanoserve.stats import EngineStats, RowStats
 
 COLUMNS = (("id", "id"), ("state", "state"), ("prompt", "prompt tokens"), ("generated", "generated tokens"),
-           ("rate", "tok/s"), ("blocks", "blocks"))
+           ("rate", "tok/s"), ("blocks", "blocks"), ("drafts", "drafts kept"))
+
+
+def _drafts(row: RowStats) -> str:
+    """Its speculative drafts: the share kept of the tokens drafted, or '-' before any."""
+    drafted = row.spec_draft_tokens
+    return f"{round(100 * row.spec_accepted_tokens / drafted)}% of {drafted}" if drafted else "-"
 
 
 def _cells(row: RowStats) -> tuple:
     return (row.request_id, row.state, row.prompt_tokens, row.generated_tokens, round(row.tokens_per_s, 1),
-            row.blocks)
+            row.blocks, _drafts(row))
 
 
 class RowsTable(DataTable):

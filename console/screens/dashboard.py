@@ -20,13 +20,14 @@ from console.panels.kv import KVPanel
 from console.panels.read import ReadPanel
 from console.panels.recent import RecentPanel
 from console.panels.rows import RowsPanel
+from console.panels.speculation import SpeculationPanel
 from console.panels.throughput import ThroughputPanel, TokenRates
 from console.screens.base import ConsoleScreen
 from nanoserve.stats import EngineStats
 
 PANEL_TITLES = {"rows": "Requests", "kv": "KV cache", "throughput": "Throughput and latency",
                 "read": "Paged read", "recent": "Recent (sliding windows)", "capture": "Capture", "inputs": "Persistent inputs",
-                "linear": "Linear kernels", "parallel": "Tensor parallel"}
+                "linear": "Linear kernels", "parallel": "Tensor parallel", "speculation": "Speculation"}
 REFRESH_STEPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # the refresh intervals +/- step through, seconds
 
 
@@ -60,6 +61,7 @@ class Dashboard(ConsoleScreen):
                 yield FeaturePanel("inputs", "buckets", id="inputs")
                 yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
                 yield FeaturePanel("parallel", id="parallel")  # the group's ranks, their memory, collective time
+                yield SpeculationPanel(id="speculation")  # drafted and kept, since start and lately
             yield Static("", markup=False, id="features-off")
         yield Static("", markup=False, id="no-snapshot")  # attached to a server that has not answered yet
 

@@ -9,13 +9,20 @@ import numpy as np
 
 def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k drafted next tokens for a sequence `tokens` (prompt and output so far); [] when no suffix of
-    min_n..max_n tokens occurred before."""
+    min_n..max_n tokens occurred before.
+
+    The earlier places the last token occurs are found in one vectorised pass, then narrowed to those where the
+    token before matches too, and so on: in text that does not repeat, the first pass already leaves none."""
     seq = np.asarray(tokens, dtype=np.int64)
     size = seq.shape[0]
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # every n-gram that ends before the last
-        hits = np.flatnonzero((windows == seq[size - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the latest occurrence: the nearest context is the likeliest to repeat
-            return seq[start:start + k].tolist()
-    return []
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier n-gram equal to the suffix ends, n = 1
+    best = None
+    for n in range(1, min(max_n, size - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[seq[ends - (n - 1)] == seq[size - n]]
+        if ends.size == 0:
+            break
+        if n >= min_n:
+            best = int(ends[-1])  # the latest occurrence of the longest suffix found: the nearest context
+    return [] if best is None else seq[best + 1:best + 1 + k].tolist()
