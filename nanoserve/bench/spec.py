@@ -155,7 +155,8 @@ def main(args) -> int:
         print(f"mixed ({4 * len(TASKS)} requests at once): off {mixed['rates']['off']:.1f} tok/s, ngram "
               f"{mixed['rates']['ngram']:.1f} tok/s, {mixed['rates']['ngram'] / mixed['rates']['off']:.2f}x; "
               f"same answers: {mixed['identical']}")
-    path = write_results(args.out, "spec", {"rates": rates, "counts": counts, "mixed": mixed}, rows, args)
+    path = write_results(args.out, "spec", {"rows": rows, "rates": rates, "counts": counts, "mixed": mixed}, rows,
+                         args)
     print(f"wrote {path}")
     changed = [row["task"] for row in rows if not row["identical"]] + ([] if not mixed or mixed["identical"]
                                                                          else ["mixed"])
