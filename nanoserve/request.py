@@ -54,8 +54,10 @@ class Request:
     streamed: bool = True  # someone sees its tokens as they come (a stream): the step-time budget protects it
     spec_draft_tokens: int = 0  # tokens drafted for it (speculative decoding), and of those, kept
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0  # drafts verified for it
     spec_judged_from: tuple[int, int] = (0, 0)  # (drafted, kept) when its acceptance was last judged
     spec_paused_until: int = 0  # the drafter's step from which it may draft again
+    spec_length: int | None = None  # how many tokens its next draft may have (None: the configured most)
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.
     serial: int = field(default_factory=lambda: next(_serials))

@@ -140,7 +140,7 @@ class Scheduler:
     def _draft(self, out: SchedulerOutput, budget: int) -> int:
         """Give decode rows the drafts the drafter proposes, while the token budget lasts and free blocks hold
         them (a draft never preempts anyone); returns the tokens they take."""
-        taken = 0
+        taken, budget = 0, min(budget, self.drafter.max_step_tokens)
         for i, chunk in enumerate(out.decodes):
             drafts = self.drafter.propose(chunk.request, budget - taken, len(out.decodes))
             if drafts and self.kv.reserve(chunk.request, 1 + len(drafts)):

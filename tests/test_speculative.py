@@ -37,12 +37,12 @@ def test_prompt_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     assert propose([1, 2, 3, 4, 5, 1, 2, 3], 3, 1, 4) == [4, 5, 1]
     assert propose([9, 2, 3, 7, 1, 2, 3, 8, 2, 3], 2, 1, 3) == [8, 2]  # "2 3" occurs twice: the later one
     assert propose([1, 2, 3], 3, 2, 4) == []  # no earlier occurrence of any suffix of 2..4 tokens
-    assert propose([5, 6, 5], 4, 1, 1) == [6, 5]  # at most what follows the occurrence
+    assert propose([5, 6, 5], 4, 1, 1) == [6, 5, 6, 5]  # a copy reaching the end goes on with its own drafts
 
 
 def test_prompt_lookup_agrees_with_comparing_every_window():
-    """The narrowing search against the plain one (every n-gram window compared with the suffix), on short
-    sequences over a 4-token alphabet, where suffixes repeat often and at every length."""
+    """The narrowing search against the plain one (every n-gram window compared with the suffix, the copy taken
+    with overlap), on short sequences over a 4-token alphabet, where suffixes repeat often and at every length."""
     import random
 
     import numpy as np
@@ -53,7 +53,11 @@ def test_prompt_lookup_agrees_with_comparing_every_window():
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
             hits = np.flatnonzero((windows == seq[len(seq) - n:]).all(axis=1))
             if hits.size:
-                return seq[int(hits[-1]) + n:int(hits[-1]) + n + k].tolist()
+                text = seq.tolist()
+                start = int(hits[-1]) + n
+                for i in range(k):  # copying with overlap, as LZ77 does
+                    text.append(text[start + i])
+                return text[len(seq):]
         return []
 
     rng = random.Random(0)
@@ -170,3 +174,31 @@ def test_the_default_model_copies_a_paragraph_with_fewer_steps_and_the_same_text
     got = spec.chat(messages, params, use_tqdm=False)[0].outputs[0]
     assert (got.token_ids, got.text) == (want.token_ids, want.text)
     assert spec.engine.runner.steps - steps_before < 0.6 * len(got.token_ids)
+
+
+def test_a_requests_draft_length_follows_what_it_keeps():
+    """First drafts are short; a draft kept whole lets the next be twice as long (up to the configured most), one
+    that fails at its j-th token makes the next j + 1; a request that keeps too little pauses, and a crowded step
+    drafts nothing."""
+    from types import SimpleNamespace
+
+    from nanoserve.request import Request
+    from nanoserve.scheduler import Chunk
+    from nanoserve.speculative import drafter as drafter_module
+    from nanoserve.speculative.drafter import Drafter
+
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1})
+    drafter = Drafter(config)
+    req = Request("r", None, [5, 6, 7] * 10, SamplingParams(max_tokens=100), 100)
+
+    def verify(kept: int) -> int:
+        drafts = drafter.propose(req, 100, 1)
+        drafter.observe(SimpleNamespace(decodes=[Chunk(req, 0, 1, drafts)]), {req.serial: min(kept, len(drafts))})
+        return len(drafts)
+
+    assert [verify(99) for _ in range(4)] == [2, 4, 8, 8]  # kept whole: doubled, up to 8
+    assert verify(2) == 8 and verify(99) == 3  # failed at its third token: the next drafts 3
+    assert drafter.propose(req, 100, drafter_module.MAX_DRAFT_ROWS + 1) == ()
+    for _ in range(2 * drafter_module.PROBATION):  # a whole probation of drafts that keep nothing
+        verify(0)
+    assert drafter.stood_down_requests == 1 and drafter.propose(req, 100, 1) == ()

@@ -42,7 +42,7 @@ TASKS = {
     "free story": "Write a short story about a dragon who learns to bake bread.",
 }
 GROUNDED = ("copy-edit", "rename", "quote", "json-fill")
-DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 
 def add_parser(sub) -> None:

@@ -1,9 +1,14 @@
 """Drafter: which decode rows draft this step and what, and the counters of what was drafted and kept.
 
 Drafting pays while a step is bound by its fixed per-call cost: a few rows, each verifying a few positions,
-cost little more than the rows alone. It stands down where it would not pay: a step with more than
-MAX_DRAFT_ROWS decode rows (a crowd keeps the linears busy already), and a request whose drafts keep failing
-(under MIN_ACCEPTANCE of its drafted tokens kept, once it has drafted PROBATION of them; it tries again after
+cost little more than the rows alone. A request's draft length follows what it keeps: it starts at
+FIRST_LENGTH; after a draft kept whole the next may be twice as long (up to num_speculative_tokens; never
+shorter), after one that failed at token j it is j + 1, so a request copying text drafts long runs and one that
+wanders probes with a token or two. It stands
+down where it would not pay: a step with more than
+MAX_DRAFT_ROWS decode rows (a crowd keeps the linears busy already), drafts past MAX_STEP_TOKENS in a step,
+and a request whose drafts keep failing
+(under MIN_ACCEPTANCE of its drafted tokens kept over its last PROBATION drafts; it tries again after
 RETRY_STEPS steps). A request under a grammar (structured output) is not drafted: its drafts would need the
 grammar's state advanced along them.
 """
@@ -14,7 +19,9 @@ from nanoserve.speculative.config import SpeculativeConfig
 from nanoserve.speculative.ngram import propose
 
 MAX_DRAFT_ROWS = 8  # decode rows in a step above which no row drafts
-PROBATION = 16  # drafted tokens a request is judged on
+MAX_STEP_TOKENS = 32  # drafted tokens a step verifies in all (two AMX tiles' rows)
+FIRST_LENGTH = 2  # a request's first draft: it earns longer ones by keeping them
+PROBATION = 8  # drafts a request is judged on
 MIN_ACCEPTANCE = 0.2  # the share of its drafted tokens a request must keep to go on drafting
 RETRY_STEPS = 64  # steps a request that stood down waits before it drafts again
 
@@ -22,6 +29,7 @@ RETRY_STEPS = 64  # steps a request that stood down waits before it drafts again
 class Drafter:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.max_step_tokens = MAX_STEP_TOKENS
         k = config.num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * k  # vLLM's num_accepted_tokens_per_pos: drafts kept at position i
@@ -40,7 +48,8 @@ class Drafter:
             return ()
         if req.spec_paused_until > self._step:
             return ()
-        k = min(self.config.num_speculative_tokens, budget, req.max_tokens - len(req.output_ids) - 1)
+        longest = min(FIRST_LENGTH, self.config.num_speculative_tokens) if req.spec_length is None else req.spec_length
+        k = min(longest, budget, req.max_tokens - len(req.output_ids) - 1)
         if k <= 0:
             return ()
         cfg = self.config
@@ -62,12 +71,16 @@ class Drafter:
                 self.accepted_per_pos[i] += 1
             req.spec_draft_tokens += len(chunk.drafts)
             req.spec_accepted_tokens += kept
+            req.spec_drafts += 1
+            req.spec_length = (min(self.config.num_speculative_tokens, max(req.spec_length or 0, 2 * kept))
+                               if kept == len(chunk.drafts) else kept + 1)
             self._judge(req)
 
     def _judge(self, req) -> None:
-        drafted = req.spec_draft_tokens - req.spec_judged_from[0]
-        if drafted < PROBATION:
+        """Every PROBATION drafts, a request that kept under MIN_ACCEPTANCE of the tokens they drafted pauses."""
+        if req.spec_drafts % PROBATION:
             return
+        drafted = req.spec_draft_tokens - req.spec_judged_from[0]
         kept = req.spec_accepted_tokens - req.spec_judged_from[1]
         if kept < MIN_ACCEPTANCE * drafted:
             req.spec_paused_until = self._step + RETRY_STEPS

@@ -12,7 +12,8 @@ def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> l
     min_n..max_n tokens occurred before.
 
     The earlier places the last token occurs are found in one vectorised pass, then narrowed to those where the
-    token before matches too, and so on: in text that does not repeat, the first pass already leaves none."""
+    token before matches too, and so on: in text that does not repeat, the first pass already leaves none. A copy
+    that reaches the end of the sequence continues from its own drafts, as a repeating pattern would."""
     seq = np.asarray(tokens, dtype=np.int64)
     size = seq.shape[0]
     ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier n-gram equal to the suffix ends, n = 1
@@ -25,4 +26,9 @@ def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> l
             break
         if n >= min_n:
             best = int(ends[-1])  # the latest occurrence of the longest suffix found: the nearest context
-    return [] if best is None else seq[best + 1:best + 1 + k].tolist()
+    if best is None:
+        return []
+    drafts = seq[best + 1:best + 1 + k].tolist()
+    while len(drafts) < k:  # the copy runs into the suffix itself: it goes on with what it drafted (a repeat)
+        drafts.append(drafts[len(drafts) - (size - best - 1)])
+    return drafts
