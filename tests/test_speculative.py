@@ -154,11 +154,17 @@ def test_preemption_mid_draft_loses_nothing_and_leaves_the_pool_clean(tiny_check
     assert spec.engine.kv.num_used == 0
 
 
-def test_a_structured_output_request_is_not_drafted_and_keeps_its_output(tiny_checkpoint):
+def test_structured_output_requests_draft_within_their_grammar_and_keep_their_output(tiny_checkpoint):
+    """A grammar whose output repeats ("yes, yes, ..., no") gives prompt lookup drafts from the answer so far; a
+    draft is cut where the grammar would refuse it, each verified position is masked by the grammar's state after
+    the drafts before it, and the output is byte for byte the unspeculated one. A grammar the prompt's tokens
+    break (a choice) has its drafts cut away."""
     base, spec = _pair(str(tiny_checkpoint("llama")))
-    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs={"choice": ["yes", "no", "maybe"]})
-    assert _outputs(spec, _repetitive(2), params) == _outputs(base, _repetitive(2), params)
-    assert spec.engine.stats().features["speculative"]["not_drafted_structured"] > 0
+    for constraint in ({"regex": "(yes, ){3,12}no"}, {"choice": ["yes", "no", "maybe"]}):
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+        assert _outputs(spec, _repetitive(3), params) == _outputs(base, _repetitive(3), params)
+    counters = spec.engine.stats().features["speculative"]
+    assert counters["num_accepted_tokens"] > 0 and counters["grammar_cut_tokens"] > 0, counters
 
 
 def test_the_default_model_copies_a_paragraph_with_fewer_steps_and_the_same_text(default_llm):

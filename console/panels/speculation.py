@@ -33,7 +33,7 @@ def speculation_text(spec: dict, window: tuple[int, int, int] | None) -> str:
         lines.append("kept by position: " + " ".join(f"{decimal(100 * n / spec['num_drafts'])}%" for n in kept))
     lines.append(f"stood down: {count(spec['stood_down_steps'])} crowded steps, "
                  f"{count(spec['stood_down_requests'])} requests keeping too few, "
-                 f"{count(spec['not_drafted_structured'])} rows under a grammar")
+                 f"{count(spec['grammar_cut_tokens'])} drafted tokens cut by a grammar")
     return "\n".join(lines)
 
 

@@ -94,7 +94,8 @@ class ModelRunner:
         if not sampled:
             return StepResult(prompt_logprobs=prompt_logprobs)
         rows = [SamplingRow(r.params, r.prompt_ids, [*r.output_ids, *b] if b else r.output_ids, r.eos_token_ids,
-                            r.bad_word_ids, r.matcher) for r, b in zip(sampled, before)]
+                            r.bad_word_ids, r.matcher.after(b) if b and r.matcher is not None else r.matcher)
+                for r, b in zip(sampled, before)]
         result = self.sampler(logits[: len(sampled)], rows)
         drafts_of = {c.request.serial: c.drafts for c in sched.decodes if c.drafts}
         if not drafts_of:

@@ -9,8 +9,8 @@ down where it would not pay: a step with more than
 MAX_DRAFT_ROWS decode rows (a crowd keeps the linears busy already), drafts past MAX_STEP_TOKENS in a step,
 and a request whose drafts keep failing
 (under MIN_ACCEPTANCE of its drafted tokens kept over its last PROBATION drafts; it tries again after
-RETRY_STEPS steps). A request under a grammar (structured output) is not drafted: its drafts would need the
-grammar's state advanced along them.
+RETRY_STEPS steps). Under a grammar (structured output) a draft is cut where the grammar would refuse it, and
+each verified position is masked by the grammar's state after the drafts before it.
 """
 
 from __future__ import annotations
@@ -35,16 +35,13 @@ class Drafter:
         self.accepted_per_pos = [0] * k  # vLLM's num_accepted_tokens_per_pos: drafts kept at position i
         self.stood_down_steps = 0  # steps whose crowd of decode rows drafted nothing
         self.stood_down_requests = 0  # times a request's low acceptance stopped its drafting
-        self.not_drafted_structured = 0  # decode rows not drafted because a grammar constrains them
+        self.grammar_cut_tokens = 0  # drafted tokens dropped because the request's grammar would refuse them
         self._step = 0
 
     def propose(self, req, budget: int, rows: int) -> tuple[int, ...]:
         """The drafts for decode row `req` in a step of `rows` decode rows with `budget` tokens left: at most
         num_speculative_tokens, never past the request's max_tokens; () where drafting stands down."""
         if rows > MAX_DRAFT_ROWS:
-            return ()
-        if req.matcher is not None:
-            self.not_drafted_structured += 1
             return ()
         if req.spec_paused_until > self._step:
             return ()
@@ -53,7 +50,12 @@ class Drafter:
         if k <= 0:
             return ()
         cfg = self.config
-        return tuple(propose([*req.prompt_ids, *req.output_ids], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+        drafts = propose([*req.prompt_ids, *req.output_ids], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if req.matcher is not None and drafts:  # under a grammar: only what it would take can be kept anyway
+            valid = req.matcher.valid_prefix(drafts)
+            self.grammar_cut_tokens += len(drafts) - valid
+            drafts = drafts[:valid]
+        return tuple(drafts)
 
     def observe(self, sched, accepted: dict[int, int]) -> None:
         """Count a step's drafts and the tokens kept of each; judge each drafting request's acceptance."""
@@ -98,4 +100,4 @@ class Drafter:
                 "mean_acceptance_length": (round(1 + self.num_accepted_tokens / self.num_drafts, 3)
                                            if self.num_drafts else None),
                 "stood_down_steps": self.stood_down_steps, "stood_down_requests": self.stood_down_requests,
-                "not_drafted_structured": self.not_drafted_structured}
+                "grammar_cut_tokens": self.grammar_cut_tokens}

@@ -62,6 +62,17 @@ class Matcher:
         """The grammar is complete and nothing may follow (only end-of-sequence)."""
         return self.inner.is_stopped()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would take from here (its state unchanged)."""
+        return self.inner.validate_tokens(list(tokens)) if tokens else 0
+
+    def after(self, tokens) -> Matcher:
+        """A copy of this matcher advanced along `tokens` (which it must take): a drafted position's state."""
+        copy = Matcher(self.inner.deep_copy())
+        for token in tokens:
+            copy.consume(token)
+        return copy
+
 
 class CompiledGrammar:
     def __init__(self, prototype):
