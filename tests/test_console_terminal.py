@@ -76,9 +76,13 @@ def test_the_installed_console_runs_in_a_terminal(tiny_checkpoint):
     term = Terminal([console_command(), "--model", str(tiny_checkpoint("llama")), "--max-model-len", "256",
                      "--kv-cache-gib", "0.01", "--device", "cpu", "--refresh", "0.2"])
     try:
-        screen = term.wait_for("serving", 90)
+        term.wait_for("serving", 90)
+        # the header can land before the panels' first snapshot is drawn: wait for the figures, then read the screen
+        figures = ("running", "waiting", "TTFT", "saving")  # every figure at 100x30, all on one screen
+        for figure in figures:
+            screen = term.wait_for(figure, 30)
+        assert all(figure in screen for figure in figures)
         assert "KV cache" in screen and "Throughput and latency" in screen and "Paged read" in screen
-        assert "running" in screen and "waiting" in screen and "TTFT" in screen  # every figure at 100x30
         assert "q Quit" in screen and "e Engine log" in screen  # the footer's keys, the last one too
         term.press("c")
         term.wait_for("Ask the model", 10)
