@@ -104,7 +104,8 @@ class EngineConfig:
                                        "through the group's backend; backend always uses gloo / NCCL",
                                choices=("auto", "backend"))
     speculative_config: str | None = _flag(None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
-                                                 "\"num_speculative_tokens\": 4}' (prompt lookup; outputs unchanged)")
+                                                 "\"num_speculative_tokens\": 4}' (prompt lookup) or "
+                                                 "'{\"method\": \"suffix\"}' (suffix decoding); outputs unchanged")
     distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
                                              "before the engine stops with an error (start-up: at least 120)")
 

@@ -243,6 +243,8 @@ class Scheduler:
         self.kv.free(req, finished=True)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if self.drafter is not None:
+            self.drafter.finished(req)
 
     # ---- observation ----------------------------------------------------------------------------------
     def stats(self, finished: dict, steps: int) -> SchedulerStats:

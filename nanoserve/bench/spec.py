@@ -1,10 +1,10 @@
-"""`nanoserve bench spec`: speculative decoding off and on over tasks where the answer repeats the prompt, and one
+"""`nanoserve bench spec`: speculative decoding off and on (an ngram and a suffix arm) over tasks where the answer repeats the prompt, and one
 where it does not, with llama.cpp's prompt lookup on the same file beside them.
 
 Each task is one chat request, greedy, on the loaded model; arms interleaved task by task and repeat by repeat.
 A stream's speed is its tokens after the first over the time after the first (decode alone, as in bench
 throughput); acceptance comes from the engine's counters. The command fails when speculation changed a byte of
-any answer. A mixed arm runs every task four times at once, off and on.
+any answer. A mixed arm runs every task four times at once, in every arm.
 """
 
 from __future__ import annotations
@@ -42,13 +42,17 @@ TASKS = {
     "free story": "Write a short story about a dragon who learns to bake bread.",
 }
 GROUNDED = ("copy-edit", "rename", "quote", "json-fill")
-DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+DEFAULT_SPECS = ('{"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+                 # the request's own tokens only: a cache of earlier answers would hold this very answer from the
+                 # second repeat on, and measure the cache rather than the method
+                 '{"method": "suffix", "num_speculative_tokens": 15, "suffix_decoding_max_cached_requests": 0}')
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("spec", help="speculative decoding off and on over copy-heavy and free tasks, beside "
                                     "llama.cpp's prompt lookup")
-    p.add_argument("--spec", default=DEFAULT_SPEC, help="the speculative_config of the arm with speculation")
+    p.add_argument("--spec", action="append", help="the speculative_config of an arm with speculation (repeat "
+                                                    "for more arms; default: an ngram and a suffix arm)")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-llama-cpp", action="store_true")
@@ -128,14 +132,14 @@ def main(args) -> int:
     from nanoserve import LLM
     from nanoserve.bench.throughput import model_path
 
-    flags = engine_flags(args)
+    flags, specs = engine_flags(args), args.spec or list(DEFAULT_SPECS)
     llms = {"off": LLM(**{**flags, "speculative_config": None}),
-            "ngram": LLM(**{**flags, "speculative_config": args.spec})}
+            **{arm: LLM(**{**flags, "speculative_config": spec}) for arm, spec in zip(_arms(specs), specs)}}
     prompts = _prompts(llms["off"])
     peers = _peers(model_path(llms["off"].engine), torch.get_num_threads(), args.skip_llama_cpp)
     eos = llms["off"].get_tokenizer().eos_token_id
     rates = {task: {arm: [] for arm in [*llms, *peers]} for task in TASKS}
-    counts, answers = {task: [] for task in TASKS}, {task: {} for task in TASKS}
+    counts, answers = {task: {arm: [] for arm in llms} for task in TASKS}, {task: {} for task in TASKS}
     for r in range(args.repeats):
         for task, prompt in prompts.items():
             order = list(llms) if r % 2 == 0 else list(reversed(llms))
@@ -143,18 +147,19 @@ def main(args) -> int:
                 rate, tokens, c = _nanoserve(llms[arm], prompt, args.max_tokens)
                 rates[task][arm].append(rate)
                 answers[task].setdefault(arm, tokens)
-                if arm == "ngram":
-                    counts[task].append(c)
+                counts[task][arm].append(c)
             for arm, peer in peers.items():
                 rates[task][arm].append(_llama_cpp(peer, prompt, args.max_tokens, eos))
     rows = [_row(task, rates[task], counts[task], answers[task], peers) for task in TASKS]
     print_table(f"speculative decoding, single stream, greedy, {args.max_tokens} tokens at most "
-                f"({args.repeats} repeats, arms interleaved, medians; speculation: {args.spec})", rows, list(rows[0]))
+                f"({args.repeats} repeats, arms interleaved, medians; speculation: {'; '.join(specs)})", rows,
+                list(rows[0]))
     mixed = None if args.skip_mixed else _mixed(llms, prompts, args.max_tokens)
     if mixed:
-        print(f"mixed ({4 * len(TASKS)} requests at once): off {mixed['rates']['off']:.1f} tok/s, ngram "
-              f"{mixed['rates']['ngram']:.1f} tok/s, {mixed['rates']['ngram'] / mixed['rates']['off']:.2f}x; "
-              f"same answers: {mixed['identical']}")
+        off = mixed["rates"]["off"]
+        print(f"mixed ({4 * len(TASKS)} requests at once): off {off:.1f} tok/s, " + ", ".join(
+            f"{arm} {rate:.1f} tok/s ({rate / off:.2f}x)" for arm, rate in mixed["rates"].items() if arm != "off")
+            + f"; same answers: {mixed['identical']}")
     path = write_results(args.out, "spec", {"rows": rows, "rates": rates, "counts": counts, "mixed": mixed}, rows,
                          args)
     print(f"wrote {path}")
@@ -166,16 +171,27 @@ def main(args) -> int:
     return 0
 
 
-def _row(task: str, rates: dict, counts: list[dict], answers: dict, peers: dict) -> dict:
+def _arms(specs: list[str]) -> list[str]:
+    """Each speculation arm's name: its method, numbered where two arms share one."""
+    from nanoserve.speculative.config import SpeculativeConfig
+
+    methods = [SpeculativeConfig.parse(spec).method for spec in specs]
+    return [m if methods.count(m) == 1 else f"{m} {methods[:i + 1].count(m)}" for i, m in enumerate(methods)]
+
+
+def _row(task: str, rates: dict, counts: dict, answers: dict, peers: dict) -> dict:
     med = {arm: statistics.median(v) for arm, v in rates.items()}
-    drafted = sum(c.get("num_draft_tokens", 0) for c in counts)
-    kept = sum(c.get("num_accepted_tokens", 0) for c in counts)
-    drafts = sum(c.get("num_drafts", 0) for c in counts)
-    row = {"task": task, "grounded": task in GROUNDED, "tokens": len(answers["off"]), "off_tok_s": med["off"],
-           "ngram_tok_s": med["ngram"], "speedup": med["ngram"] / med["off"] if med["off"] else None,
-           "acceptance": kept / drafted if drafted else None,
-           "mean_accepted_length": 1 + kept / drafts if drafts else None,
-           "identical": answers["off"] == answers["ngram"]}
+    row = {"task": task, "grounded": task in GROUNDED, "tokens": len(answers["off"]), "off_tok_s": med["off"]}
+    for arm, arm_counts in counts.items():
+        if arm == "off":
+            continue
+        drafted = sum(c.get("num_draft_tokens", 0) for c in arm_counts)
+        kept = sum(c.get("num_accepted_tokens", 0) for c in arm_counts)
+        drafts = sum(c.get("num_drafts", 0) for c in arm_counts)
+        row.update({f"{arm}_tok_s": med[arm], f"{arm}_speedup": med[arm] / med["off"] if med["off"] else None,
+                    f"{arm}_acceptance": kept / drafted if drafted else None,
+                    f"{arm}_mean_accepted_length": 1 + kept / drafts if drafts else None})
+    row["identical"] = len({answers[arm] for arm in counts}) == 1
     if peers:
         plain, lookup = med["llama.cpp"], med["llama.cpp prompt lookup"]
         row.update({"llama_cpp_tok_s": plain, "llama_cpp_lookup_tok_s": lookup,

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 from nanoserve.errors import ConfigError
 
-METHODS = ("ngram",)
-KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}  # vLLM's
+METHODS = {"ngram": NGRAM_KEYS, "suffix": tuple(SUFFIX_DEFAULTS)}  # each method's own keys
+KEYS = {"method", "num_speculative_tokens", *NGRAM_KEYS, *SUFFIX_DEFAULTS}
 MAX_DRAFT = 16  # drafted tokens a step may verify for one request
 
 
@@ -22,6 +25,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # drafted tokens a request verifies in a step, at most
     prompt_lookup_max: int  # the longest suffix of the sequence looked up in its earlier tokens
     prompt_lookup_min: int  # ... and the shortest
+    suffix: dict | None = None  # the suffix method's suffix_decoding_* values, None for ngram
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -45,14 +49,41 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ConfigError(f"speculative_config method {method!r} is not supported; supported: "
                               f"{', '.join(METHODS)}")
-        return cls._ngram(value)
+        foreign = sorted(key for other, keys in METHODS.items() if other != method for key in keys if key in value)
+        if foreign:
+            raise ConfigError(f"speculative_config keys {foreign} do not apply to method {method!r}; its keys: "
+                              f"{sorted({'method', 'num_speculative_tokens', *METHODS[method]})}")
+        return cls._ngram(value) if method == "ngram" else cls._suffix(value)
 
-    @classmethod
-    def _ngram(cls, value: dict) -> SpeculativeConfig:
-        k = value.get("num_speculative_tokens")
+    @staticmethod
+    def _draft_length(value: dict, default: int | None = None) -> int:
+        k = value.get("num_speculative_tokens", default)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT:
             raise ConfigError(f"speculative_config needs num_speculative_tokens, an integer in 1..{MAX_DRAFT}; "
                               f"got {k!r}")
+        return k
+
+    @classmethod
+    def _suffix(cls, value: dict) -> SpeculativeConfig:
+        """vLLM's suffix decoding keys and defaults; num_speculative_tokens defaults to the tree depth, as
+        vLLM's does, capped at the MAX_DRAFT tokens a request verifies in a step here."""
+        suffix = {key: value.get(key, default) for key, default in SUFFIX_DEFAULTS.items()}
+        for key in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            n, low = suffix[key], 1 if key.endswith("depth") else 0
+            if not isinstance(n, int) or isinstance(n, bool) or n < low:
+                raise ConfigError(f"speculative_config {key} must be an integer >= {low}, got {n!r}")
+        factor, prob = suffix["suffix_decoding_max_spec_factor"], suffix["suffix_decoding_min_token_prob"]
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ConfigError(f"speculative_config suffix_decoding_max_spec_factor must be a number > 0, "
+                              f"got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ConfigError(f"speculative_config suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
+        k = cls._draft_length(value, min(suffix["suffix_decoding_max_tree_depth"], MAX_DRAFT))
+        return cls("suffix", k, 0, 0, suffix)
+
+    @classmethod
+    def _ngram(cls, value: dict) -> SpeculativeConfig:
+        k = cls._draft_length(value)
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         low = high if low is None else low  # vLLM's rule: one given stands for both, neither means 5
         high = low if high is None else high
@@ -64,6 +95,11 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         return cls("ngram", k, high, low)
 
+    def as_dict(self) -> dict:
+        """The config as vLLM spells it, every default filled in."""
+        own = self.suffix if self.method == "suffix" else {"prompt_lookup_max": self.prompt_lookup_max,
+                                                            "prompt_lookup_min": self.prompt_lookup_min}
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens, **own}
+
     def as_json(self) -> str:
-        return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+        return json.dumps(self.as_dict())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from nanoserve.speculative.config import SpeculativeConfig
 from nanoserve.speculative.ngram import propose
+from nanoserve.speculative.suffix import SuffixProposer, SuffixSearch
 
 MAX_DRAFT_ROWS = 8  # decode rows in a step above which no row drafts
 MAX_STEP_TOKENS = 32  # drafted tokens a step verifies in all (two AMX tiles' rows)
@@ -37,6 +38,13 @@ class Drafter:
         self.stood_down_requests = 0  # times a request's low acceptance stopped its drafting
         self.grammar_cut_tokens = 0  # drafted tokens dropped because the request's grammar would refuse them
         self._step = 0
+        self.suffix = None  # the suffix method's proposer (it keeps recent outputs); None for ngram
+        if config.method == "suffix":
+            s = config.suffix
+            self.suffix = SuffixProposer(SuffixSearch(s["suffix_decoding_max_tree_depth"],
+                                                      s["suffix_decoding_max_spec_factor"],
+                                                      s["suffix_decoding_min_token_prob"]),
+                                         s["suffix_decoding_max_cached_requests"])
 
     def propose(self, req, budget: int, rows: int) -> tuple[int, ...]:
         """The drafts for decode row `req` in a step of `rows` decode rows with `budget` tokens left: at most
@@ -49,13 +57,22 @@ class Drafter:
         k = min(longest, budget, req.max_tokens - len(req.output_ids) - 1)
         if k <= 0:
             return ()
-        cfg = self.config
-        drafts = propose([*req.prompt_ids, *req.output_ids], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = self._lookup([*req.prompt_ids, *req.output_ids], k)
         if req.matcher is not None and drafts:  # under a grammar: only what it would take can be kept anyway
             valid = req.matcher.valid_prefix(drafts)
             self.grammar_cut_tokens += len(drafts) - valid
             drafts = drafts[:valid]
         return tuple(drafts)
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        if self.suffix is not None:
+            return self.suffix.propose(tokens, k)
+        return propose(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def finished(self, req) -> None:
+        """A request ended: the suffix method keeps its output for the requests after it."""
+        if self.suffix is not None and req.finish_reason != "error":
+            self.suffix.finished(req.output_ids)
 
     def observe(self, sched, accepted: dict[int, int]) -> None:
         """Count a step's drafts and the tokens kept of each; judge each drafting request's acceptance."""
@@ -100,4 +117,5 @@ class Drafter:
                 "mean_acceptance_length": (round(1 + self.num_accepted_tokens / self.num_drafts, 3)
                                            if self.num_drafts else None),
                 "stood_down_steps": self.stood_down_steps, "stood_down_requests": self.stood_down_requests,
-                "grammar_cut_tokens": self.grammar_cut_tokens}
+                "grammar_cut_tokens": self.grammar_cut_tokens,
+                **({"cached_requests": len(self.suffix.cache)} if self.suffix is not None else {})}
