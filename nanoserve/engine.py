@@ -163,6 +163,8 @@ class Engine:
 
     def _record_step(self, sched, seconds: float) -> None:
         self.output_processor.step_time(seconds)
+        if self.drafter is not None:
+            self.drafter.timed(sched, seconds)
         prompts = tuple(dict.fromkeys(c.request.request_id for c in sched.prefills))
         self.step_budget.observe(len(sched.decodes), sched.prefill_tokens, seconds, sched.cut_by_time, prompts,
                                  streams=sched.streamed_decodes)

@@ -122,7 +122,8 @@ def test_main_help_lists_engine_flags_and_port(capsys):
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "num_drafts": 10, "num_draft_tokens": 40,
         "num_accepted_tokens": 30, "num_accepted_tokens_per_pos": [10, 9, 6, 5], "acceptance_rate": 0.75,
-        "mean_acceptance_length": 4.0, "stood_down_steps": 2, "stood_down_requests": 1, "grammar_cut_tokens": 3}
+        "mean_acceptance_length": 4.0, "stood_down_steps": 2, "stood_down_requests": 1, "grammar_cut_tokens": 3,
+        "drafting_steps_s": 0.25, "drafting_steps_tokens": 40, "plain_steps_s": 1.0, "plain_steps_tokens": 100}
 
 
 class SpecHost(App):
@@ -145,12 +146,15 @@ async def test_the_speculation_panel_shows_totals_the_last_window_and_each_reque
         panel = app.query_one(panel_module.SpeculationPanel)
         panel.show(snapshot(features={"speculative": SPEC}))
         first = panel._text
-        assert "since start: 10 drafts, 75.0% of 40 drafted tokens kept, 4.00 tokens a drafting step" in first
+        assert ("since start: 10 drafts, 75.0% of 40 drafted tokens kept, 4.00 tokens a drafting step; decode steps "
+                "with drafts 160.0 tok/s, without 100.0: 1.60x") in first
         assert "last 10 s" not in first and "kept by position: 100.0% 90.0% 60.0% 50.0%" in first
         assert "2 crowded steps, 1 requests keeping too few, 3 drafted tokens cut by a grammar" in first
-        later = {**SPEC, "num_drafts": 14, "num_draft_tokens": 56, "num_accepted_tokens": 34}
+        later = {**SPEC, "num_drafts": 14, "num_draft_tokens": 56, "num_accepted_tokens": 34,
+                 "drafting_steps_s": 0.35, "drafting_steps_tokens": 48, "plain_steps_s": 1.5, "plain_steps_tokens": 150}
         panel.show(snapshot(features={"speculative": later}))
-        assert "last 10 s: 4 drafts, 25.0% of 16 drafted tokens kept, 2.00 tokens a drafting step" in panel._text
+        assert ("last 10 s: 4 drafts, 25.0% of 16 drafted tokens kept, 2.00 tokens a drafting step; decode steps "
+                "with drafts 80.0 tok/s, without 100.0: 0.80x") in panel._text
         panel.show(snapshot())
         assert panel._text == OFF and not panel.published
         table = app.query_one(RowsTable)

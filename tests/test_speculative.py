@@ -138,6 +138,8 @@ def test_the_counters_add_up_per_position_and_per_request(tiny_checkpoint):
     assert sum(r.spec_draft_tokens for r in requests) == c["num_draft_tokens"]
     assert sum(r.spec_accepted_tokens for r in requests) == c["num_accepted_tokens"]
     assert engine.scheduler.generation_tokens == 120  # every kept token counted once
+    # decode-only steps are timed as drafting or plain: together they made every token but the 3 first ones
+    assert c["drafting_steps_tokens"] + c["plain_steps_tokens"] == 117 and c["drafting_steps_s"] > 0
 
 
 def test_preemption_mid_draft_loses_nothing_and_leaves_the_pool_clean(tiny_checkpoint):

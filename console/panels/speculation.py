@@ -1,6 +1,6 @@
 """The Speculation panel: what speculative decoding drafted and kept, since start and over the last WINDOW_S
-seconds (the difference between the latest snapshot and the oldest one kept inside the window), and where it
-stood down. Hidden, like the other feature panels, while the engine publishes no `speculative` section."""
+seconds (the difference between the latest snapshot and the oldest one kept inside the window), the measured speed
+of the decode steps that verified drafts against those that did not (the speed-up), and where it stood down. Hidden, like the other feature panels, while the engine publishes no `speculative` section."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from nanoserve.stats import EngineStats
 
 WINDOW_S = 10.0
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+TIMING = ("drafting_steps_s", "drafting_steps_tokens", "plain_steps_s", "plain_steps_tokens")
 
 
 def _rates(drafts: int, drafted: int, kept: int) -> str:
@@ -22,12 +23,21 @@ def _rates(drafts: int, drafted: int, kept: int) -> str:
             f"{decimal(1 + kept / drafts, 2)} tokens a drafting step")
 
 
-def speculation_text(spec: dict, window: tuple[int, int, int] | None) -> str:
-    """The section's lines: method, totals, the window's rates, per-position acceptance and stand-downs."""
+def _speed(drafting_s: float, drafting_tokens: int, plain_s: float, plain_tokens: int) -> str:
+    """Decode steps with drafts against those without, in tokens a second: measured, both kinds timed."""
+    if not drafting_s or not plain_s:
+        return ""
+    fast, plain = drafting_tokens / drafting_s, plain_tokens / plain_s
+    return f"; decode steps with drafts {decimal(fast)} tok/s, without {decimal(plain)}: {decimal(fast / plain, 2)}x"
+
+
+def speculation_text(spec: dict, window: tuple | None) -> str:
+    """The section's lines: method, totals and the window's rates (with the speed of drafting steps against plain
+    ones), per-position acceptance and stand-downs. `window` is the COUNTERS then TIMING differences."""
     lines = [f"{spec['method']}, up to {spec['num_speculative_tokens']} drafted tokens a step",
-             "since start: " + _rates(*(spec[k] for k in COUNTERS))]
+             "since start: " + _rates(*(spec[k] for k in COUNTERS)) + _speed(*(spec.get(k, 0) for k in TIMING))]
     if window is not None:
-        lines.append(f"last {WINDOW_S:.0f} s: " + _rates(*window))
+        lines.append(f"last {WINDOW_S:.0f} s: " + _rates(*window[:3]) + _speed(*window[3:]))
     if spec["num_drafts"]:
         kept = spec["num_accepted_tokens_per_pos"]
         lines.append("kept by position: " + " ".join(f"{decimal(100 * n / spec['num_drafts'])}%" for n in kept))
@@ -49,7 +59,7 @@ class SpeculationPanel(FeaturePanel):
             self._marks.clear()
             self.set_text(OFF)
             return
-        now, totals = monotonic(), tuple(spec[k] for k in COUNTERS)
+        now, totals = monotonic(), tuple(spec.get(k, 0) for k in (*COUNTERS, *TIMING))
         if self._marks and totals < self._marks[-1][1]:  # the engine restarted: its counters began again
             self._marks.clear()
         self._marks.append((now, totals))

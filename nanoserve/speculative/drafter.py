@@ -38,6 +38,9 @@ class Drafter:
         self.stood_down_requests = 0  # times a request's low acceptance stopped its drafting
         self.grammar_cut_tokens = 0  # drafted tokens dropped because the request's grammar would refuse them
         self._step = 0
+        self._kept = 0  # drafted tokens the latest step kept, for its timing
+        # decode-only steps, timed: [seconds, tokens made] of those that verified drafts and of those that did not
+        self.drafting_steps, self.plain_steps = [0.0, 0], [0.0, 0]
         self.suffix = None  # the suffix method's proposer (it keeps recent outputs); None for ngram
         if config.method == "suffix":
             s = config.suffix
@@ -77,6 +80,7 @@ class Drafter:
     def observe(self, sched, accepted: dict[int, int]) -> None:
         """Count a step's drafts and the tokens kept of each; judge each drafting request's acceptance."""
         self._step += 1
+        self._kept = sum(accepted.values())
         if len(sched.decodes) > MAX_DRAFT_ROWS:
             self.stood_down_steps += 1
         for chunk in sched.decodes:
@@ -94,6 +98,15 @@ class Drafter:
             req.spec_length = (min(self.config.num_speculative_tokens, max(req.spec_length or 0, 2 * kept))
                                if kept == len(chunk.drafts) else kept + 1)
             self._judge(req)
+
+    def timed(self, sched, seconds: float) -> None:
+        """A step's time: a decode-only step's seconds and tokens go to the drafting or the plain total, so the
+        speed of the steps that verified drafts is measured against that of the ones that did not."""
+        if sched.prefills or not sched.decodes:
+            return
+        totals = self.drafting_steps if sched.draft_tokens else self.plain_steps
+        totals[0] += seconds
+        totals[1] += len(sched.decodes) + (self._kept if sched.draft_tokens else 0)
 
     def _judge(self, req) -> None:
         """Every PROBATION drafts, a request that kept under MIN_ACCEPTANCE of the tokens they drafted pauses."""
@@ -118,4 +131,6 @@ class Drafter:
                                            if self.num_drafts else None),
                 "stood_down_steps": self.stood_down_steps, "stood_down_requests": self.stood_down_requests,
                 "grammar_cut_tokens": self.grammar_cut_tokens,
+                "drafting_steps_s": round(self.drafting_steps[0], 6), "drafting_steps_tokens": self.drafting_steps[1],
+                "plain_steps_s": round(self.plain_steps[0], 6), "plain_steps_tokens": self.plain_steps[1],
                 **({"cached_requests": len(self.suffix.cache)} if self.suffix is not None else {})}
