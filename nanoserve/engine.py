@@ -32,6 +32,7 @@ from nanoserve.stalls import StallWatch
 from nanoserve.stats import EngineStats, RowStats, SchedulerStats
 from nanoserve.step_budget import StepBudget
 from nanoserve.structured.grammars import Grammars
+from nanoserve.timeline import TimelineRecorder
 
 log = logging.getLogger("nanoserve.engine")
 
@@ -59,8 +60,9 @@ class Engine:
         self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.drafter = Drafter(spec) if spec is not None else None
+        self.timelines = TimelineRecorder()  # each sequence's life, step by step (the request screen's)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget,
-                                   self.drafter)
+                                   self.drafter, on_finish=self._finished)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                  stats=runner.sampler.masker.stats)
@@ -100,6 +102,7 @@ class Engine:
         for req in group:
             req.streamed = streamed
             self.scheduler.add(req)
+            self.timelines.arrived(req)
         return group[0].request_id
 
     def abort(self, request_id: str) -> bool:
@@ -128,15 +131,30 @@ class Engine:
         engine itself carry on, so the next step is sound."""
         sched = self.scheduler.schedule()
         if sched.empty:
-            return self.output_processor.outputs()
-        started = time.perf_counter()
+            return self._outputs()
+        started, began = time.perf_counter(), time.monotonic()
         try:
             result = self.runner.execute(sched)
             self._apply(sched, result)
         except Exception as error:
-            raise self._fail(sched, error) from error
+            self.timelines.step(sched, began, time.monotonic(), {})
+            failure = self._fail(sched, error)
+            self.timelines.settle(time.monotonic())
+            raise failure from error
         self._record_step(sched, time.perf_counter() - started)
-        return self.output_processor.outputs()
+        self.timelines.step(sched, began, time.monotonic(), result.accepted)
+        return self._outputs()
+
+    def _outputs(self) -> list[RequestOutput]:
+        outputs = self.output_processor.outputs()  # an aborted request's final output sets its finish time
+        self.timelines.settle(time.monotonic())
+        return outputs
+
+    def _finished(self, req: Request) -> None:
+        """The scheduler retired `req`: speculation's cache keeps its output, its timeline ends."""
+        if self.drafter is not None:
+            self.drafter.finished(req)
+        self.timelines.ending(req)
 
     def _apply(self, sched, result) -> None:
         """The step's tokens onto its requests, a token a request at a time (a verified draft's kept tokens in

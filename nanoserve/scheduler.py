@@ -93,9 +93,10 @@ def stop_token(req: Request, token: int) -> tuple[bool, int | None]:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 step_budget: StepBudget | None = None, drafter=None):
+                 step_budget: StepBudget | None = None, drafter=None, on_finish=None):
         self.kv = kv
         self.drafter = drafter  # speculative.Drafter: a decode row's drafted tokens, or None (off)
+        self.on_finish = on_finish  # called with each request finish() retires (the engine's bookkeeping)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_budget = step_budget or StepBudget(0, kv.block_size)  # 0: off, the token budget alone
@@ -243,8 +244,8 @@ class Scheduler:
         self.kv.free(req, finished=True)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if self.drafter is not None:
-            self.drafter.finished(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     # ---- observation ----------------------------------------------------------------------------------
     def stats(self, finished: dict, steps: int) -> SchedulerStats:

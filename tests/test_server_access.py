@@ -33,9 +33,12 @@ ROUTES = {
     ("POST", "/tokenize"): ("keyed", "/tokenize", {"model": "tiny", "prompt": "hello"}),
     ("POST", "/detokenize"): ("keyed", "/detokenize", {"model": "tiny", "tokens": [1, 2, 3]}),
     ("GET", "/tokenizer_info"): ("keyed", "/tokenizer_info", None),
-    ("POST", "/v1/completions"): ("keyed", "/v1/completions", {**TINY, "prompt": "hello", "user": USER}),
+    ("POST", "/v1/completions"): ("keyed", "/v1/completions", {**TINY, "prompt": "hello", "user": USER,
+                                                               "request_id": "walked"}),
     ("POST", "/v1/chat/completions"): ("keyed", "/v1/chat/completions",
                                        {**TINY, "messages": [{"role": "user", "content": "hi"}], "user": USER}),
+    ("GET", "/requests"): ("keyed", "/requests", None),  # after the completions: it lists theirs
+    ("GET", "/requests/{request_id}"): ("keyed", "/requests/cmpl-walked", None),
 }
 CALLERS = {"no key": {}, "a wrong key": {"Authorization": "Bearer nope"},
            "the key without Bearer": {"Authorization": KEY}}

@@ -26,6 +26,8 @@ ERRORS = {
 _SSE_EVENT = {"type": "object", "required": ["data"],
               "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"}}}
 
+NOT_KEPT = {**_ERROR, "description": "No such request is live or among the latest finished"}
+
 
 def ok(model) -> dict:
     """A 200 with a JSON body of `model`."""

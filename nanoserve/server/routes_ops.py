@@ -1,13 +1,16 @@
-"""The operator's routes: /health, /metrics, /reset_prefix_cache and /version (no model, no OpenAI shape)."""
+"""The operator's routes: /health, /metrics, /reset_prefix_cache, /version and the request timelines
+(/requests, /requests/{request_id}); no model, no OpenAI shape."""
 
 from __future__ import annotations
+
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from nanoserve.server.access import WITHHELD
-from nanoserve.server.context import RouteContext, server_version
-from nanoserve.server.openapi import ERRORS, ok
+from nanoserve.server.context import APIError, RouteContext, server_version
+from nanoserve.server.openapi import ERRORS, NOT_KEPT, ok
 from nanoserve.server.schemas import Version
 
 
@@ -40,6 +43,25 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     async def reset_prefix_cache():
         forgotten = await host.call(lambda engine: engine.reset_prefix_cache())
         return {"reset": True, "blocks_forgotten": forgotten}
+
+    @routes.get("/requests", responses={401: ERRORS[401], 503: ERRORS[503]},
+                summary="Live and recently finished sequences (the latest 1,000), a line each: status, queue time, "
+                        "TTFT, TPOT, total time, tokens, cached tokens, preemptions, drafts kept. Guarded by the API "
+                        "key")
+    async def requests_table():
+        return {"requests": await host.call(lambda engine: engine.timelines.rows(time.monotonic()))}
+
+    @routes.get("/requests/{request_id}", responses={401: ERRORS[401], 503: ERRORS[503],
+                                                     404: NOT_KEPT},
+                summary="A request's timeline, one per sequence: its spans (queued, each prefill chunk with its "
+                        "cached tokens, decode runs with the rows they shared, preemptions), figures, sampling "
+                        "parameters, prompt and answer, and its KV blocks while live. Guarded by the API key")
+    async def request_timeline(request_id: str):
+        found = await host.call(lambda engine: engine.timelines.find(request_id, time.monotonic()))
+        if not found:
+            raise APIError(404, f"no request {request_id!r} is live or among the latest finished; "
+                                "GET /requests lists the ones kept", "not_found_error")
+        return {"request_id": request_id, "sequences": found}
 
     @routes.get("/version", responses=ok(Version))
     async def version():

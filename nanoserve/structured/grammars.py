@@ -47,10 +47,19 @@ class GrammarStats:
 class Matcher:
     """One sequence's position in its grammar: which tokens may come next, advanced token by token."""
 
-    __slots__ = ("inner",)
+    __slots__ = ("inner", "_spent")
 
-    def __init__(self, inner):
+    def __init__(self, inner, spent: list[float] | None = None):
         self.inner = inner
+        self._spent = spent if spent is not None else [0.0]  # mask seconds, shared with its drafted copies
+
+    @property
+    def mask_seconds(self) -> float:
+        """Time spent masking logits by this grammar (this sequence's share of each step's mask)."""
+        return self._spent[0]
+
+    def spent(self, seconds: float) -> None:
+        self._spent[0] += seconds
 
     def consume(self, token: int) -> None:
         if not self.inner.consume_token(token):
@@ -68,7 +77,7 @@ class Matcher:
 
     def after(self, tokens) -> Matcher:
         """A copy of this matcher advanced along `tokens` (which it must take): a drafted position's state."""
-        copy = Matcher(self.inner.deep_copy())
+        copy = Matcher(self.inner.deep_copy(), self._spent)
         for token in tokens:
             copy.consume(token)
         return copy

@@ -46,7 +46,10 @@ class GrammarMasker:
             index = torch.tensor(rows, device=logits.device)
             logits[index] = logits[index].masked_fill(forbidden, -math.inf)
         self.stats.masked_rows += len(rows)
-        self.stats.mask_seconds += time.perf_counter() - started
+        spent = time.perf_counter() - started
+        self.stats.mask_seconds += spent
+        for matcher in matchers:  # each sequence's share, for its timeline
+            matcher.spent(spent / len(matchers))
 
     def _fill(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
         import llguidance
