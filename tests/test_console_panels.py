@@ -161,3 +161,30 @@ async def test_the_speculation_panel_shows_totals_the_last_window_and_each_reque
         table.show(snapshot([dataclasses.replace(row("a", 9), spec_draft_tokens=8, spec_accepted_tokens=6)]))
         await pilot.pause()
         assert table.get_row("a")[-1] == "75% of 8"
+
+
+class ShortRowsHost(App):
+    CSS = "RowsPanel { height: 7; border: round $primary; }"  # 5 lines inside: the header and 4 rows
+
+    def compose(self):
+        from console.panels.rows import RowsPanel
+
+        yield RowsPanel()
+
+
+async def test_the_requests_panel_says_how_many_rows_its_height_or_filter_leaves_out():
+    from console.panels.rows import RowsPanel
+
+    app = ShortRowsHost()
+    async with app.run_test(size=(100, 20)) as pilot:
+        panel = app.query_one(RowsPanel)
+        eight = snapshot([row(f"r{i}", i) for i in range(8)])
+        panel.show(eight)
+        await pilot.pause()
+        panel.show(eight)  # laid out now: the table knows its height
+        assert panel.border_subtitle == "showing 4 of 8 · z: full height"
+        panel.show(snapshot([row(f"r{i}", i) for i in range(3)]))
+        assert panel.border_subtitle == ""  # every row in view
+        panel.query_one(RowsTable).set_filter("r1")
+        panel.show(eight)
+        assert panel.border_subtitle == "showing 1 of 8 · the rest filtered out"

@@ -128,3 +128,20 @@ def test_keymap_flag_is_checked(capsys):
     with pytest.raises(SystemExit):
         main(["--keymap", "quit"])
     assert "--keymap takes ID=KEYS" in capsys.readouterr().err
+
+
+async def test_z_gives_the_requests_table_the_whole_height_and_back(tiny_checkpoint):
+    app = NanoserveConsole(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01,
+                                        device="cpu"), port=0, refresh_s=0.1)
+    async with app.run_test(size=(150, 44)) as pilot:
+        await started(app, pilot)
+        rows, counters = app.screen.query_one("#rows"), app.screen.query_one("#counters")
+        await pilot.pause(0.3)  # the panels have their first snapshot: their heights are settled
+        beside = rows.size.height
+        await pilot.press("z")
+        await pilot.pause()
+        zoomed = rows.size.height
+        assert not counters.display and zoomed > beside + 10 and zoomed > 44 // 2
+        await pilot.press("z")
+        await pilot.pause()
+        assert counters.display and rows.size.height < zoomed

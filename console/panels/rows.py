@@ -92,6 +92,21 @@ class RowsTable(DataTable):
         if self.sort_column is not None and self.row_count:
             self.sort(self.sort_column, reverse=self.sort_reverse)
 
+    def visible_rows(self) -> int | None:
+        """How many rows the table's height shows at once (None before it is laid out)."""
+        height = self.scrollable_content_region.height
+        return max(0, height - self.header_height) if height else None
+
+
+def showing(listed: int, live: int, visible: int | None) -> str:
+    """The panel's subtitle when rows are cut: by the height ("showing 2 of 8, z: full height") or by the filter;
+    empty when every live row is in view."""
+    shown = listed if visible is None else min(listed, visible)
+    if shown >= live:
+        return ""
+    why = "z: full height" if shown < listed else "the rest filtered out"
+    return f"showing {shown} of {live} · {why}"
+
 
 class RowsPanel(Vertical):
     """The rows table with a filter line that `/` opens and Esc (or an empty filter) closes."""
@@ -123,7 +138,9 @@ class RowsPanel(Vertical):
             self.query_one(RowsTable).focus()
 
     def show(self, stats: EngineStats) -> None:
-        self.query_one(RowsTable).show(stats)
+        table = self.query_one(RowsTable)
+        table.show(stats)
+        self.border_subtitle = showing(table.row_count, len(stats.rows), table.visible_rows())
 
     def cycle_sort(self) -> str:
         return self.query_one(RowsTable).cycle_sort()

@@ -39,6 +39,7 @@ class Dashboard(ConsoleScreen):
         Binding("minus", "refresh_slower", "Slower", key_display="-", id="refresh_slower", show=False),
         Binding("slash", "filter_rows", "Filter", key_display="/", id="filter_rows"),
         Binding("s", "sort_rows", "Sort", id="sort_rows"),
+        Binding("z", "zoom_rows", "Zoom", id="zoom_rows"),
     ]
 
     def __init__(self, **kwargs):
@@ -89,6 +90,12 @@ class Dashboard(ConsoleScreen):
 
     def action_filter_rows(self) -> None:
         self.query_one(RowsPanel).open_filter()
+
+    def action_zoom_rows(self) -> None:
+        """The Requests table alone, the whole height (again: the panels come back)."""
+        self.toggle_class("-rows-zoomed")
+        self.notify("requests: full height (z again: the panels)" if self.has_class("-rows-zoomed")
+                    else "requests: beside the panels", timeout=2)
 
     def action_sort_rows(self) -> None:
         self.notify(f"requests sorted by {self.query_one(RowsPanel).cycle_sort()}", timeout=2)
