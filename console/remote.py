@@ -72,6 +72,18 @@ class RemoteHost:
     def stats(self) -> EngineStats | None:
         return self._stats
 
+    def timeline(self, request_id: str) -> list[dict]:
+        """GET /requests/{id}: the request's timelines; [] when the server keeps none by that id. Raises
+        httpx.HTTPError when the server cannot be asked."""
+        from urllib.parse import quote
+
+        response = httpx.get(f"{self.url}/requests/{quote(request_id, safe='')}", headers=self.headers,
+                             timeout=self.timeout)
+        if response.status_code == 404:
+            return []
+        response.raise_for_status()
+        return response.json()["sequences"]
+
     def wait_polled(self, polls: int = 1, timeout: float = 10.0) -> bool:
         """Block until `polls` polls have ended (whatever they found); False on timeout."""
         with self._polled:

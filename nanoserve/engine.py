@@ -60,7 +60,7 @@ class Engine:
         self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.drafter = Drafter(spec) if spec is not None else None
-        self.timelines = TimelineRecorder()  # each sequence's life, step by step (the request screen's)
+        self.timelines = TimelineRecorder(detokenize=self.tokenizer.decode)  # each sequence's life, step by step
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget,
                                    self.drafter, on_finish=self._finished)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -81,15 +81,19 @@ class Timeline:
         return {"name": self.name, "request_id": self.request_id, "serial": self.serial,
                 "prompt_tokens": self.prompt_tokens, **self.figures(now)}
 
-    def as_dict(self, now: float) -> dict:
-        """Everything the request screen shows."""
+    def as_dict(self, now: float, detokenize=None) -> dict:
+        """Everything the request screen shows. A prompt given as token ids is shown as `detokenize` reads
+        them (its first TEXT_KEPT tokens), when given."""
         live = self.request
-        text = {} if live is None else {"prompt": (live.prompt or "")[:TEXT_KEPT], "answer": live.text[:TEXT_KEPT],
-                                        "blocks": list(live.blocks)}
+        text = {"answer": live.text[:TEXT_KEPT], "blocks": list(live.blocks)} if live is not None else self.kept_text
+        prompt = self.prompt
+        if not isinstance(prompt, str):
+            prompt = detokenize(list(prompt[:TEXT_KEPT])) if detokenize is not None else None
         return {**self.row(now), "params": self.params, "spans": [s.as_dict(self.arrival) for s in self.spans],
-                **(self.kept_text if live is None else text)}
+                "prompt": None if prompt is None else prompt[:TEXT_KEPT], **text}
 
-    kept_text: dict = field(default_factory=dict)  # the prompt and answer, kept at the finish
+    prompt: str | list[int] = ""  # the prompt's text, or its token ids when it came as ids (decoded when shown)
+    kept_text: dict = field(default_factory=dict)  # the answer, kept at the finish
 
 
 def _figures(req, arrival: float, now: float, spans: list[Span]) -> dict:
@@ -111,7 +115,8 @@ def _figures(req, arrival: float, now: float, spans: list[Span]) -> dict:
 class TimelineRecorder:
     """Live sequences' timelines by serial, and the latest RECENT finished ones."""
 
-    def __init__(self, keep: int = RECENT):
+    def __init__(self, keep: int = RECENT, detokenize=None):
+        self.detokenize = detokenize  # token ids -> text, for prompts that came as ids
         self.live: dict[int, Timeline] = {}
         self.recent: deque[Timeline] = deque(maxlen=keep)
         self._ending: list = []  # sequences the scheduler finished, settled once the step's outputs are made
@@ -121,7 +126,7 @@ class TimelineRecorder:
         params = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_tokens": req.max_tokens,
                   "seed": p.seed, "n": p.n, "structured": req.matcher is not None}
         timeline = Timeline(req.name, req.request_id, req.serial, req.arrival_time, len(req.prompt_ids), params,
-                            request=req)
+                            request=req, prompt=req.prompt if req.prompt is not None else req.prompt_ids)
         timeline.open_span("queued", req.arrival_time)
         self.live[req.serial] = timeline
 
@@ -176,16 +181,19 @@ class TimelineRecorder:
         timeline.close_queue(at)
         timeline.summary = _figures(req, timeline.arrival, at, timeline.spans)
         timeline.summary["status"] = "finished"
-        timeline.kept_text = {"prompt": (req.prompt or "")[:TEXT_KEPT], "answer": req.text[:TEXT_KEPT], "blocks": []}
+        timeline.kept_text = {"answer": req.text[:TEXT_KEPT], "blocks": []}
         timeline.request = None
         self.recent.append(timeline)
 
     def rows(self, now: float) -> list[dict]:
-        """Every kept sequence, one line each: live ones first (oldest first), then finished (newest first)."""
-        return [t.row(now) for t in self.live.values()] + [t.row(now) for t in reversed(self.recent)]
+        """Every kept sequence, one line each: live ones first (oldest first), then finished (newest first).
+        Safe to call from another thread than the engine's: the containers are copied in one step each (under
+        the GIL) before anything is read."""
+        live, recent = list(self.live.values()), list(self.recent)
+        return [t.row(now) for t in live] + [t.row(now) for t in reversed(recent)]
 
     def find(self, request_id: str, now: float) -> list[dict]:
-        """The timelines of a request's sequences (n of them), live or recently finished; [] if none is kept."""
-        found = [t for t in self.live.values() if t.request_id == request_id]
-        found += [t for t in self.recent if t.request_id == request_id]
-        return [t.as_dict(now) for t in found]
+        """The timelines of a request's sequences (n of them), live or recently finished; [] if none is kept.
+        Safe from another thread, as rows() is."""
+        live, recent = list(self.live.values()), list(self.recent)
+        return [t.as_dict(now, self.detokenize) for t in (*live, *recent) if t.request_id == request_id]

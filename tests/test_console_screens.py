@@ -145,3 +145,32 @@ async def test_z_gives_the_requests_table_the_whole_height_and_back(tiny_checkpo
         await pilot.press("z")
         await pilot.pause()
         assert counters.display and rows.size.height < zoomed
+
+
+async def test_enter_on_a_request_opens_its_timeline_which_follows_it_to_its_finish(tiny_checkpoint):
+    """Enter on a running request's row: its screen, with its figures and spans, following it until it finishes
+    (its reason, its answer, its blocks returned); Esc comes back to the dashboard."""
+    from console.screens.request import RequestScreen
+
+    app = NanoserveConsole(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.01,
+                                        device="cpu"), port=0, refresh_s=0.1)
+    async with app.run_test(size=(150, 44)) as pilot:
+        await started(app, pilot)
+        table = app.screen.query_one("#rows-table")
+        requests = Requests(app.server.url, n=1, max_tokens=200)
+        await wait_until(pilot, lambda: table.row_count > 0, 30, "a running row")
+        table.focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, RequestScreen), 5, "the request screen")
+        screen = app.screen
+        await wait_until(pilot, lambda: screen.sequences, 10, "its timeline")
+        shown = text(app, "#request-timeline")
+        assert "prefill chunk" in shown and "TTFT" in shown and "queued" in shown
+        await wait_until(pilot, lambda: not requests.is_alive(), 60, "the request")
+        await wait_until(pilot, lambda: screen.sequences[0]["status"] == "finished", 10, "its finish")
+        await pilot.pause(0.1)
+        shown = text(app, "#request-timeline")
+        assert "finished, length" in shown and "returned to the pool" in shown and "200 generated" in shown
+        assert "request 0 says hello" in text(app, "#request-prompt")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")

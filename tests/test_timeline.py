@@ -146,3 +146,9 @@ def test_the_server_serves_the_table_and_a_requests_timeline(tiny_checkpoint):
         assert {s["kind"] for s in found["sequences"][0]["spans"]} >= {"queued", "prefill", "decode"}
         missing = httpx.get(server.url + "/requests/nobody", timeout=30)
         assert missing.status_code == 404 and "GET /requests" in missing.json()["error"]["message"]
+        # an attached console reads the same through its RemoteHost (the request screen's source)
+        from console.remote import RemoteHost
+
+        remote = RemoteHost(server.url)
+        assert [s["name"] for s in remote.timeline("cmpl-mine")] == ["cmpl-mine", "cmpl-mine#1"]
+        assert remote.timeline("cmpl-mine")[0]["prompt"] == "hello there" and remote.timeline("nobody") == []

@@ -91,6 +91,13 @@ class Dashboard(ConsoleScreen):
     def action_filter_rows(self) -> None:
         self.query_one(RowsPanel).open_filter()
 
+    def on_data_table_row_selected(self, event) -> None:
+        """Enter on a request: its screen (timeline, figures, prompt and answer); Esc comes back."""
+        from console.screens.request import RequestScreen
+
+        if event.row_key.value is not None:
+            self.app.push_screen(RequestScreen(event.row_key.value))
+
     def action_zoom_rows(self) -> None:
         """The Requests table alone, the whole height (again: the panels come back)."""
         self.toggle_class("-rows-zoomed")

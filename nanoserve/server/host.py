@@ -18,6 +18,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -193,6 +194,13 @@ class EngineHost:
         if not self.running:
             return Health("stopped", "the engine is not running (stopped, or restarting)")
         return self.failures.health()
+
+    def timeline(self, request_id: str) -> list[dict]:
+        """A request's timelines (one per sequence) as GET /requests/{id} gives them; [] if none is kept. Read
+        from the recorder directly (it is safe to read off the engine thread), so the console need not wait for
+        a step to end."""
+        engine = self.engine  # None while a restart builds the next one
+        return [] if engine is None else engine.timelines.find(request_id, time.monotonic())
 
     def stats(self) -> EngineStats:
         """The snapshot published after the latest step (cheap: no engine access from this thread), with the
