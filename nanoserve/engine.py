@@ -212,6 +212,7 @@ class Engine:
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size, numerics=self.numerics,
             flags=self.config.public(), scheduler=self.scheduler_stats(), kv=kv, paged_read=runner.read_stats(),
             rows=tuple(_row(r, now) for r in self.scheduler.live()),
+            finished_rows=tuple(reversed(self.timelines.finished_rows)),
             features={**runner.published(),
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
                       "windows": self.output_processor.recent.snapshot(now, self._started),
@@ -226,5 +227,7 @@ def _row(r: Request, now: float) -> RowStats:
     token itself marks time zero)."""
     generated, first = len(r.output_ids), r.first_token_time
     rate = (generated - 1) / (now - first) if first is not None and generated >= 2 and now > first else 0.0
+    ttft = None if first is None else first - r.arrival_time
+    tpot = (now - first) / (generated - 1) if first is not None and generated >= 2 else None
     return RowStats(r.name, r.status.value, len(r.prompt_ids), generated, len(r.blocks), rate, r.user,
-                    r.session_id, r.spec_draft_tokens, r.spec_accepted_tokens)
+                    r.session_id, r.spec_draft_tokens, r.spec_accepted_tokens, ttft, tpot, now - r.arrival_time)

@@ -53,7 +53,8 @@ class PrefixCacheStats:
 
 @dataclass(frozen=True)
 class RowStats:
-    """One live request as the running-rows table shows it."""
+    """One request as the Requests table shows it: live (its state "running" or "waiting"), or among the latest
+    finished (state "finished", with its finish reason)."""
 
     request_id: str
     state: str
@@ -65,6 +66,10 @@ class RowStats:
     session_id: str | None = None  # vLLM's `session_id`, when the client sent one
     spec_draft_tokens: int = 0  # tokens speculative decoding drafted for it, and of those, kept
     spec_accepted_tokens: int = 0
+    ttft_s: float | None = None  # its first token's time after arrival (None before it)
+    tpot_s: float | None = None  # time a token after the first (None before a second)
+    total_s: float | None = None  # arrival to finish, or to now while live
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class EngineStats:
     kv: KVStats
     paged_read: ReadStats
     rows: tuple[RowStats, ...]
+    finished_rows: tuple[RowStats, ...] = ()  # the latest finished requests, newest first (timeline.FINISHED_ROWS)
     latency: LatencyStats = LatencyStats(window=0)
     prefix_cache: PrefixCacheStats = PrefixCacheStats(enabled=False)
     features: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
@@ -140,6 +146,7 @@ class EngineStats:
             "latency": asdict(self.latency),
             "prefix_cache": {**asdict(self.prefix_cache), "hit_rate": self.prefix_cache.hit_rate},
             "rows": [asdict(r) for r in self.rows],
+            "finished_rows": [asdict(r) for r in self.finished_rows],
             **self.features,
         }
 
@@ -156,6 +163,7 @@ class EngineStats:
                 scheduler=_build(SchedulerStats, data["scheduler"]), kv=_build(KVStats, data["kv"]),
                 paged_read=_build(ReadStats, data["paged_read"]),
                 rows=tuple(_build(RowStats, row) for row in data["rows"]),
+                finished_rows=tuple(_build(RowStats, row) for row in data.get("finished_rows", ())),
                 latency=_build(LatencyStats, data["latency"]),
                 prefix_cache=_build(PrefixCacheStats, data["prefix_cache"]),
                 features={k: v for k, v in data.items() if k not in _OWN_KEYS and k not in NOT_FEATURES},

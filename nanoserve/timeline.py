@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanoserve.stats import RowStats
+
 RECENT = 1000  # finished sequences kept
+FINISHED_ROWS = 100  # of those, the latest the stats snapshot lists (the Requests table's finished rows)
 TEXT_KEPT = 16_000  # characters of a finished sequence's prompt and answer kept for its screen
 
 
@@ -112,6 +115,13 @@ def _figures(req, arrival: float, now: float, spans: list[Span]) -> dict:
             "grammar_mask_s": None if matcher is None else round(matcher.mask_seconds, 6)}
 
 
+def _row_stats(req, summary: dict) -> RowStats:
+    return RowStats(req.name, "finished", len(req.prompt_ids), len(req.output_ids), 0,
+                    summary["tokens_per_s"] or 0.0, req.user, req.session_id, req.spec_draft_tokens,
+                    req.spec_accepted_tokens, summary["ttft_s"], summary["tpot_s"], summary["total_s"],
+                    req.finish_reason)
+
+
 class TimelineRecorder:
     """Live sequences' timelines by serial, and the latest RECENT finished ones."""
 
@@ -120,6 +130,7 @@ class TimelineRecorder:
         self.live: dict[int, Timeline] = {}
         self.recent: deque[Timeline] = deque(maxlen=keep)
         self._ending: list = []  # sequences the scheduler finished, settled once the step's outputs are made
+        self.finished_rows: deque[RowStats] = deque(maxlen=FINISHED_ROWS)  # newest last, built once at the finish
 
     def arrived(self, req) -> None:
         p = req.params
@@ -184,6 +195,7 @@ class TimelineRecorder:
         timeline.kept_text = {"answer": req.text[:TEXT_KEPT], "blocks": []}
         timeline.request = None
         self.recent.append(timeline)
+        self.finished_rows.append(_row_stats(req, timeline.summary))
 
     def rows(self, now: float) -> list[dict]:
         """Every kept sequence, one line each: live ones first (oldest first), then finished (newest first).

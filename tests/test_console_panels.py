@@ -19,7 +19,7 @@ from nanoserve.attention.dispatch import ReadStats  # noqa: E402
 from nanoserve.stats import EngineStats, KVStats, Numerics, RowStats, SchedulerStats  # noqa: E402
 
 
-def snapshot(rows=(), prompt_total=0, generation_total=0, features=None) -> EngineStats:
+def snapshot(rows=(), prompt_total=0, generation_total=0, features=None, finished=()) -> EngineStats:
     return EngineStats(
         model="m", device="cpu", dtype="float32", max_model_len=128, flags={"block_size": 16},
         scheduler=SchedulerStats(running=len(rows), waiting=0, peak_running=len(rows), preemptions=0,
@@ -27,6 +27,7 @@ def snapshot(rows=(), prompt_total=0, generation_total=0, features=None) -> Engi
                                  generation_tokens_total=generation_total, steps=0),
         kv=KVStats(block_size=16, blocks_total=10, blocks_free=10, blocks_used=0, bytes=0),
         paged_read=ReadStats("gathered", None), rows=tuple(rows), features=dict(features or {}),
+        finished_rows=tuple(finished),
     )
 
 
@@ -52,7 +53,7 @@ async def test_rows_table_keyed_diff():
         table.show(snapshot([row("b", 3), row("c")]))
         await pilot.pause()
         assert [k.value for k in table.rows] == ["b", "c"]
-        assert table.get_row("b") == ["b", "running", 5, 3, 2.5, 1, "-"]  # changed cells updated in place
+        assert table.get_row("b") == ["b", "running", 5, 3, 2.5, "-", "-", "-", 1, "-"]  # changed cells in place
         table.show(snapshot())
         assert table.row_count == 0
 
@@ -75,6 +76,26 @@ async def test_rows_table_sort_holds_and_filter_narrows():
         table.set_filter("")
         table.show(snapshot([row("a", 9), row("d", 5, state="waiting")]))
         assert table.row_count == 2
+
+
+async def test_finished_requests_stay_in_the_table_with_their_reason_and_sort_by_ttft():
+    """Finished rows follow the live ones with their finish reason and latency figures; sorting by TTFT puts
+    the slowest first and the rows without a first token yet last."""
+    done = [dataclasses.replace(row("f1", 8, state="finished"), finish_reason="length", ttft_s=0.5, tpot_s=0.01,
+                                total_s=0.6),
+            dataclasses.replace(row("f2", 3, state="finished"), finish_reason="stop", ttft_s=2.0, tpot_s=0.02,
+                                total_s=2.1)]
+    app = Host()
+    async with app.run_test() as pilot:
+        table = app.query_one(RowsTable)
+        live = dataclasses.replace(row("a", 4), ttft_s=0.1, tpot_s=0.005, total_s=0.2)
+        table.show(snapshot([live, row("w", state="waiting")], finished=done))
+        await pilot.pause()
+        assert table.get_row("f2")[:8] == ["f2", "finished (stop)", 5, 3, 2.5, 2000.0, 20.0, 2.1]
+        while table.sort_column != "ttft":
+            table.cycle_sort()
+        assert table.sort_reverse  # the slowest first
+        assert [table.get_row_at(i)[0] for i in range(4)] == ["f2", "f1", "a", "w"]
 
 
 async def test_feature_panels_show_published_sections_only():
@@ -176,7 +197,7 @@ async def test_the_requests_panel_says_how_many_rows_its_height_or_filter_leaves
     from console.panels.rows import RowsPanel
 
     app = ShortRowsHost()
-    async with app.run_test(size=(100, 20)) as pilot:
+    async with app.run_test(size=(160, 20)) as pilot:  # wide enough for every column: no horizontal scrollbar
         panel = app.query_one(RowsPanel)
         eight = snapshot([row(f"r{i}", i) for i in range(8)])
         panel.show(eight)

@@ -98,7 +98,7 @@ async def test_refresh_keys_and_row_filter(config):
         table = app.screen.query_one("#rows-table")
         await pilot.press("s", "s")  # the keyboard's sort: id, then state
         assert table.sort_column == "state"
-        await pilot.press(*"s" * 6)  # past the last column: arrival order again
+        await pilot.press(*"s" * 9)  # past the last column: arrival order again
         assert table.sort_column is None
         await pilot.press("s", "s", "s", "s")
         assert (table.sort_column, table.sort_reverse) == ("generated", True)

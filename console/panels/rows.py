@@ -1,4 +1,5 @@
-"""Running and waiting requests: a keyed table updated by row diff, sortable by any column, filterable by text."""
+"""Running, waiting and recently finished requests: a keyed table updated by row diff, sortable by any column
+(TTFT, TPOT, total time and tokens among them), filterable by text. Enter on a row opens the request's screen."""
 
 from __future__ import annotations
 
@@ -9,7 +10,22 @@ from textual.widgets import DataTable, Input
 from nanoserve.stats import EngineStats, RowStats
 
 COLUMNS = (("id", "id"), ("state", "state"), ("prompt", "prompt tokens"), ("generated", "generated tokens"),
-           ("rate", "tok/s"), ("blocks", "blocks"), ("drafts", "drafts kept"))
+           ("rate", "tok/s"), ("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("total", "total s"), ("blocks", "blocks"),
+           ("drafts", "drafts kept"))
+LARGEST_FIRST = ("prompt", "generated", "rate", "ttft", "tpot", "total", "blocks")  # the keyboard sort's order
+
+
+def _ms(seconds: float | None) -> float | str:
+    return "-" if seconds is None else round(seconds * 1000, 1)
+
+
+def _sort_key(largest_first: bool):
+    """A cell's place: numbers in order (largest first when asked), "-" (not known yet) after them either way."""
+    def key(value) -> tuple:
+        if isinstance(value, (int, float)):
+            return (0, -value if largest_first else value, "")
+        return (2, 0, "") if value == "-" else (1, 0, str(value))
+    return key
 
 
 def _drafts(row: RowStats) -> str:
@@ -19,8 +35,10 @@ def _drafts(row: RowStats) -> str:
 
 
 def _cells(row: RowStats) -> tuple:
-    return (row.request_id, row.state, row.prompt_tokens, row.generated_tokens, round(row.tokens_per_s, 1),
-            row.blocks, _drafts(row))
+    state = f"{row.state} ({row.finish_reason})" if row.finish_reason else row.state
+    total = "-" if row.total_s is None else round(row.total_s, 2)
+    return (row.request_id, state, row.prompt_tokens, row.generated_tokens, round(row.tokens_per_s, 1),
+            _ms(row.ttft_s), _ms(row.tpot_s), total, row.blocks, _drafts(row))
 
 
 class RowsTable(DataTable):
@@ -51,7 +69,7 @@ class RowsTable(DataTable):
         keys = [key for key, _ in COLUMNS]
         at = keys.index(self.sort_column) + 1 if self.sort_column in keys else 0
         self.sort_column = keys[at] if at < len(keys) else None
-        self.sort_reverse = self.sort_column in ("prompt", "generated", "rate", "blocks")
+        self.sort_reverse = self.sort_column in LARGEST_FIRST
         self._sort()
         if self.sort_column is None:  # back to arrival order: the next snapshot refills the table
             self.set_filter(self.filter_text)
@@ -68,7 +86,7 @@ class RowsTable(DataTable):
         return not needle or needle in cells[0].lower() or needle in cells[1].lower()
 
     def show(self, stats: EngineStats) -> None:
-        live = {row.request_id: _cells(row) for row in stats.rows}
+        live = {row.request_id: _cells(row) for row in (*stats.rows, *stats.finished_rows)}
         live = {rid: cells for rid, cells in live.items() if self._visible(cells)}
         changed = False
         for rid in [rid for rid in self._shown if rid not in live]:
@@ -90,7 +108,10 @@ class RowsTable(DataTable):
 
     def _sort(self) -> None:
         if self.sort_column is not None and self.row_count:
-            self.sort(self.sort_column, reverse=self.sort_reverse)
+            if self.sort_column in LARGEST_FIRST:  # numbers: the direction inside the key, "-" last both ways
+                self.sort(self.sort_column, key=_sort_key(self.sort_reverse))
+            else:
+                self.sort(self.sort_column, key=str, reverse=self.sort_reverse)
 
     def visible_rows(self) -> int | None:
         """How many rows the table's height shows at once (None before it is laid out)."""
@@ -140,7 +161,8 @@ class RowsPanel(Vertical):
     def show(self, stats: EngineStats) -> None:
         table = self.query_one(RowsTable)
         table.show(stats)
-        self.border_subtitle = showing(table.row_count, len(stats.rows), table.visible_rows())
+        self.border_subtitle = showing(table.row_count, len(stats.rows) + len(stats.finished_rows),
+                                       table.visible_rows())
 
     def cycle_sort(self) -> str:
         return self.query_one(RowsTable).cycle_sort()
