@@ -18,6 +18,7 @@ from collections.abc import Callable
 from nanoserve.admission import Admission
 from nanoserve.config import EngineConfig
 from nanoserve.kv.manager import KVManager
+from nanoserve.live_knobs import LiveKnobs
 from nanoserve.model.loader import LoadedModel
 from nanoserve.model.quant.linears import row_quantum
 from nanoserve.output_processor import OutputProcessor
@@ -61,6 +62,7 @@ class Engine:
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.drafter = Drafter(spec) if spec is not None else None
         self.timelines = TimelineRecorder(detokenize=self.tokenizer.decode)  # each sequence's life, step by step
+        self.knobs = LiveKnobs(config)  # the flags that change at the next step, and who changed them
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget,
                                    self.drafter, on_finish=self._finished)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -112,6 +114,11 @@ class Engine:
         for req in live:
             self.scheduler.finish(req, "abort")
         return bool(live)
+
+    def set_live(self, changes: dict, who: str) -> list:
+        """Change live flags (live_knobs.LIVE) for the next step, with no restart; ConfigError names what cannot
+        change live or is out of range. Call between steps (the host runs it on the engine thread)."""
+        return self.knobs.apply(self, changes, who)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block's name (vLLM's reset_prefix_cache); returns how many were named."""

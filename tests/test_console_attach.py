@@ -166,6 +166,14 @@ async def test_flags_are_shown_not_applied_and_chat_sends_with_the_key(second_se
         assert "tiny-b" in str(app.screen.query_one("#fixed-model").content)
         await pilot.press("ctrl+s")
         await wait_until(pilot, lambda: "not applied: attached to" in notes(app), 5, "the refusal")
+        flags = app.screen
+        flags.query_one("#flag-max_num_seqs").value = "2"  # a live flag: through the server's POST /knobs
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: "applied live" in text(app, "#flags-message"), 10, "the live change")
+        assert f"max_num_seqs 3 -> 2; no restart on {second_server.url}" in text(app, "#flags-message")
+        assert second_server.host.serving().config.max_num_seqs == 2
+        assert second_server.host.serving().knobs.log[-1].who.startswith("http ")
+        second_server.host.serving().set_live({"max_num_seqs": 3}, "test")  # as the other tests expect it
 
         await pilot.press("c")
         await wait_until(pilot, lambda: isinstance(app.screen, ChatScreen), 5, "the chat screen")

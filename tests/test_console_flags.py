@@ -36,6 +36,7 @@ async def test_flag_change_restarts_engine_and_health_shows_it(config):
         url = app.server.url
         screen.query_one("#flag-max_num_seqs").value = "4"
         screen.query_one("#flag-max_num_batched_tokens").value = "96"
+        screen.query_one("#flag-seed").value = "1"  # not a live flag: the change takes a restart
         await pilot.press("ctrl+s")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmRestart), 5, "the confirmation")
         assert "max_num_seqs: 64 -> 4" in str(app.screen.query_one("#confirm-text").content)
@@ -53,6 +54,26 @@ async def test_flag_change_restarts_engine_and_health_shows_it(config):
         await wait_until(pilot, lambda: not requests.is_alive(), 60, "requests on the new engine")
         assert not requests.errors
         assert health(app)["scheduler"]["peak_running"] <= 4
+
+
+async def test_live_flags_apply_at_the_next_step_with_no_restart(config):
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_flags(app, pilot)
+        engine = app.server.host.serving()
+        screen.query_one("#flag-max_num_seqs").value = "2"
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: "applied live" in text(app, "#flags-message"), 10, "the live change")
+        assert "max_num_seqs 64 -> 2; no restart" in text(app, "#flags-message")
+        assert app.restarts == 0 and app.server.host.serving() is engine and app.config.max_num_seqs == 2
+        requests = Requests(app.server.url, n=5, max_tokens=8)
+        await wait_until(pilot, lambda: not requests.is_alive(), 60, "requests under the live limit")
+        assert not requests.errors and health(app)["scheduler"]["peak_running"] <= 2
+        assert [(c.name, c.who) for c in engine.knobs.log] == [("max_num_seqs", "console")]
+        screen.query_one("#flag-max_num_seqs").value = "100"  # above what the engine started with
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: "not applied" in text(app, "#flags-message"), 10, "the refusal")
+        assert "goes live up to 64" in text(app, "#flags-message") and engine.config.max_num_seqs == 2
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -37,6 +37,8 @@ ROUTES = {
                                                                "request_id": "walked"}),
     ("POST", "/v1/chat/completions"): ("keyed", "/v1/chat/completions",
                                        {**TINY, "messages": [{"role": "user", "content": "hi"}], "user": USER}),
+    ("GET", "/knobs"): ("keyed", "/knobs", None),
+    ("POST", "/knobs"): ("keyed", "/knobs", {"max_step_ms": None}),
     ("GET", "/requests"): ("keyed", "/requests", None),  # after the completions: it lists theirs
     ("GET", "/requests/{request_id}"): ("keyed", "/requests/cmpl-walked", None),
 }

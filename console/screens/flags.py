@@ -1,4 +1,7 @@
-"""The flags screen: a control for every engine flag, checked before it is applied, applied by a restart.
+"""The flags screen: a control for every engine flag, checked before it is applied, applied live or by a restart.
+
+A change of live flags only (nanoserve/live_knobs.py; their help says "live") applies at the engine's next step
+with no restart: on an attached server through its POST /knobs, with the API key the console was given.
 
 The controls are generated from `EngineConfig.flag_specs()`, so a flag the engine gains shows up here with no
 console change. Apply builds the whole new EngineConfig first (the engine's own checks refuse a bad value
@@ -8,6 +11,7 @@ the screen lists each start-up phase as it begins.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from textual import on
@@ -20,6 +24,7 @@ from textual.widgets import Button, Checkbox, Input, Label, Select, Static, Swit
 from console import keys
 from console.screens.base import ConsoleScreen
 from nanoserve.config import EngineConfig, FlagSpec
+from nanoserve.live_knobs import LIVE
 
 FIXED = {"model": "set at launch: nanoserve-console --model PATH"}  # flags a restart cannot change
 
@@ -126,7 +131,8 @@ class FlagsScreen(ConsoleScreen):
                 for control in self.controls:
                     yield Label(control.spec.name)
                     yield control.build(getattr(config, control.spec.name))
-                    yield Static(control.spec.help, classes="flag-help", markup=False)
+                    live = "live (next step, no restart) · " if control.spec.name in LIVE else ""
+                    yield Static(live + control.spec.help, classes="flag-help", markup=False)
             with Horizontal(id="flags-actions"):
                 yield Button(keys.label("Apply", keys.APPLY), variant="primary", id="flags-apply-button")
                 yield Button(keys.label("Reset", keys.RESET), id="flags-reset-button")
@@ -193,6 +199,8 @@ class FlagsScreen(ConsoleScreen):
     # ---- actions ------------------------------------------------------------------------------------
     @on(Button.Pressed, "#flags-apply-button")
     def action_apply(self) -> None:
+        if self.app.attached and self._apply_attached():
+            return
         if self.app.attached:
             self.say(f"not applied: attached to {self.app.server.url if self.app.server else 'a server'}; its "
                      "flags are set where it runs (restart it there with the new flags)")
@@ -209,6 +217,9 @@ class FlagsScreen(ConsoleScreen):
         if not changes:
             self.say("nothing to apply: the form matches the flags in force")
             return
+        if set(changes) <= set(LIVE):
+            self.run_worker(self._apply_live_here({name: new for name, (_, new) in changes.items()}))
+            return
         self.say("")
         drain = self.query_one("#flags-drain", Checkbox).value
 
@@ -219,6 +230,46 @@ class FlagsScreen(ConsoleScreen):
                 self.say("not applied: cancelled")
 
         self.app.push_screen(ConfirmRestart(changes, drain), confirmed)
+
+    # ---- live changes -------------------------------------------------------------------------------
+    async def _apply_live_here(self, changes: dict) -> None:
+        """Live flags into this console's engine, between two steps."""
+        try:
+            done = await self.app.server.host.call(lambda engine: engine.set_live(changes, "console"))
+        except Exception as e:  # ConfigError: out of range, above what the engine started with
+            self.say(f"not applied: {e}")
+            return
+        self.app.config = dataclasses.replace(self.app.config, **changes)  # a later restart keeps them
+        self.say(_applied(done))
+
+    def _apply_attached(self) -> bool:
+        """On an attached server, live flags only go through its POST /knobs; False for anything else."""
+        server = self.app.server
+        stats = server.host.stats() if server is not None else None
+        if stats is None:
+            return False
+        try:
+            values = {c.spec.name: c.read(self.query_one(f"#{c.widget_id}")) for c in self.controls}
+        except ValueError as e:
+            self.say(f"not applied: {e}")
+            return True
+        changes = {name: value for name, value in values.items() if name in stats.flags and stats.flags[name] != value}
+        if not changes or not set(changes) <= set(LIVE):
+            return False
+        self.run_worker(lambda: self._post_knobs(server, changes), thread=True)
+        return True
+
+    def _post_knobs(self, server, changes: dict) -> None:
+        import httpx
+
+        try:
+            r = httpx.post(f"{server.url}/knobs", json=changes, headers=server.headers, timeout=10)
+            body = r.json()
+            message = f"not applied: {body['error']['message']}" if r.status_code != 200 else \
+                _applied([_Change(**c) for c in body["changed"]]) + f" on {server.url}"
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            message = f"not applied: {server.url} did not take it ({type(e).__name__}: {e})"
+        self.app.call_from_thread(self.say, message)
 
     @on(Button.Pressed, "#flags-reset-button")
     def action_reset(self) -> None:
@@ -269,3 +320,22 @@ class FlagsScreen(ConsoleScreen):
             self.say(f"restarted in {elapsed:.1f} s; the flags above are in force")
         else:
             self.say(f"the new flags failed and the previous ones were restored: {error}")
+
+
+@dataclasses.dataclass
+class _Change:
+    """A change as POST /knobs reports it (live_knobs.KnobChange's fields)."""
+
+    at: float
+    step: int
+    who: str
+    name: str
+    old: object
+    new: object
+
+
+def _applied(done: list) -> str:
+    if not done:
+        return "nothing changed: those values were in force"
+    changed = ", ".join(f"{c.name} {_shown(c.old) or 'unset'} -> {_shown(c.new) or 'unset'}" for c in done)
+    return f"applied live from step {done[0].step}: {changed}; no restart"

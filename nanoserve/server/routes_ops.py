@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from nanoserve.errors import ConfigError
 from nanoserve.server.access import WITHHELD
 from nanoserve.server.context import APIError, RouteContext, server_version
 from nanoserve.server.openapi import ERRORS, NOT_KEPT, ok
@@ -44,6 +47,25 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
         forgotten = await host.call(lambda engine: engine.reset_prefix_cache())
         return {"reset": True, "blocks_forgotten": forgotten}
 
+    @routes.get("/knobs", responses={401: ERRORS[401]},
+                summary="The flags that change live (at the next step, with no restart) and the log of changes: "
+                        "when, at which step, who asked, old and new. Guarded by the API key")
+    async def knobs():
+        return await host.call(lambda engine: engine.knobs.as_dict())
+
+    @routes.post("/knobs", responses={400: ERRORS[400], 401: ERRORS[401], 503: ERRORS[503]},
+                 summary="Change live flags, e.g. {\"max_num_seqs\": 8}: checked as at start, in force from the "
+                         "next step, logged as asked over HTTP. A flag that needs a restart is refused with the "
+                         "live ones listed. Guarded by the API key")
+    async def set_knobs(request: Request):
+        changes = await _json_object(request)
+        who = f"http {request.client.host if request.client else '?'}"
+        try:
+            done = await host.call(lambda engine: engine.set_live(changes, who))
+        except ConfigError as e:
+            raise APIError(400, str(e)) from None
+        return {"changed": [dataclasses.asdict(c) for c in done]}
+
     @routes.get("/requests", responses={401: ERRORS[401], 503: ERRORS[503]},
                 summary="Live and recently finished sequences (the latest 1,000), a line each: status, queue time, "
                         "TTFT, TPOT, total time, tokens, cached tokens, preemptions, drafts kept. Guarded by the API "
@@ -66,3 +88,14 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     @routes.get("/version", responses=ok(Version))
     async def version():
         return {"version": server_version()}
+
+
+async def _json_object(request: Request) -> dict:
+    """The body as a JSON object, or a 400 saying what to send."""
+    try:
+        body = json.loads(await request.body() or b"null")
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or not body:
+        raise APIError(400, 'send a JSON object of flags to change, e.g. {"max_num_seqs": 8}')
+    return body

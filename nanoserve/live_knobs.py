@@ -1,0 +1,83 @@
+"""Live knobs: the flags that change at the next step, with no restart, and the log of every change.
+
+Operators tune by feel under load; a restart for each try drops the load they are tuning for. A live knob is one
+the engine reads afresh each step (the scheduler's row and token limits, the step-time budget's target); every
+other flag still needs a restart, which the flags screen and the route say. A change is checked as a whole new
+EngineConfig first (the same checks as at start), applied between two steps, and logged with who asked and the
+old and new values. The row and token limits go live up to the values the engine started with: the decode fast
+path's buffers, its captured graphs, the tensor-parallel buffers and the KV pool's sizing were made for those,
+so raising them further takes a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from nanoserve.errors import ConfigError
+
+LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms")  # read by the scheduler each step
+LOG_KEPT = 200  # changes the log keeps
+
+
+def _check_kind(spec, value) -> None:
+    """A value of the flag's kind (an int is a float too; None where the flag may be unset), or ConfigError."""
+    kinds = (int, float) if spec.kind is float else (spec.kind,)
+    if value is None and spec.optional:
+        return
+    if isinstance(value, bool) is not (spec.kind is bool) or not isinstance(value, kinds):
+        raise ConfigError(f"{spec.name} takes {'a number' if spec.kind is float else spec.kind.__name__}"
+                          f"{' or null' if spec.optional else ''}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobChange:
+    """One flag changed live: when (wall clock), at which step it took effect, who asked, old and new."""
+
+    at: float
+    step: int
+    who: str
+    name: str
+    old: object
+    new: object
+
+
+class LiveKnobs:
+    """Applies live changes to an engine's config, scheduler and step budget, and keeps their log."""
+
+    def __init__(self, started_with):
+        self.log: deque[KnobChange] = deque(maxlen=LOG_KEPT)
+        self.ceilings = {name: getattr(started_with, name) for name in ("max_num_seqs", "max_num_batched_tokens")}
+
+    def check(self, config, changes: dict):
+        """The config with `changes`, or ConfigError naming what cannot change live or is out of range."""
+        restart = sorted(set(changes) - set(LIVE))
+        if restart:
+            raise ConfigError(f"{', '.join(restart)} cannot change while the engine runs (a restart applies them); "
+                              f"live: {', '.join(LIVE)}")
+        specs = {spec.name: spec for spec in type(config).flag_specs()}
+        for name, value in changes.items():
+            _check_kind(specs[name], value)
+        new = dataclasses.replace(config, **changes)  # __post_init__ checks every value as at start
+        for name, most in self.ceilings.items():
+            if getattr(new, name) > most:
+                raise ConfigError(f"{name} goes live up to {most}, what the engine started with (its buffers were "
+                                  f"sized for it); a restart with --{name.replace('_', '-')} "
+                                  f"{getattr(new, name)} raises it")
+        return new
+
+    def apply(self, engine, changes: dict, who: str) -> list[KnobChange]:
+        """Put `changes` in force for the engine's next step; returns what changed (unchanged values skipped)."""
+        new = self.check(engine.config, changes)
+        done = [KnobChange(time.time(), engine.runner.steps + 1, who, name, getattr(engine.config, name), value)
+                for name, value in changes.items() if getattr(engine.config, name) != value]
+        engine.config = new
+        engine.scheduler.max_num_seqs = new.max_num_seqs
+        engine.scheduler.max_num_batched_tokens = new.max_num_batched_tokens
+        engine.step_budget.max_step_ms = new.max_step_ms
+        self.log.extend(done)
+        return done
+
+    def as_dict(self) -> dict:
+        return {"live": list(LIVE), "log": [dataclasses.asdict(c) for c in self.log]}

@@ -1,0 +1,62 @@
+"""Live knobs (nanoserve/live_knobs.py): flags that change at the next step with no restart, checked as at
+start, logged with who asked; over HTTP behind the API key."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.errors import ConfigError
+
+
+def test_a_live_max_num_seqs_shows_in_the_next_steps_running_count_with_no_restart(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.02, max_num_seqs=4)
+    engine = llm.engine
+    runner = engine.runner
+    engine.set_live({"max_num_seqs": 1}, "test")
+    for i in range(4):
+        engine.add_request([5, 6, 7 + i], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.scheduler_stats().running == 1
+    (change,) = engine.set_live({"max_num_seqs": 3}, "test")
+    assert (change.name, change.old, change.new, change.who, change.step) == \
+        ("max_num_seqs", 1, 3, "test", runner.steps + 1)
+    engine.step()
+    assert engine.scheduler_stats().running == 3 and engine.runner is runner  # the same engine, no restart
+    assert engine.stats().flags["max_num_seqs"] == 3
+    while engine.has_unfinished():
+        engine.step()
+    assert [c.new for c in engine.knobs.log] == [1, 3]
+
+
+def test_a_live_change_is_checked_as_at_start_and_only_live_flags_change(tiny_checkpoint):
+    engine = LLM(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.02, max_num_seqs=4).engine
+    for changes, says in (({"block_size": 32}, "cannot change while the engine runs"),
+                          ({"max_num_seqs": 0}, "max_num_seqs"),
+                          ({"max_num_seqs": "2"}, "takes int"),
+                          ({"max_num_seqs": 8}, "goes live up to 4"),
+                          ({"max_step_ms": "fast"}, "takes a number or null")):
+        with pytest.raises(ConfigError, match=says):
+            engine.set_live(changes, "test")
+    assert engine.config.max_num_seqs == 4 and not engine.knobs.log  # nothing half-applied
+    engine.set_live({"max_step_ms": 40}, "test")
+    assert engine.step_budget.max_step_ms == 40 and engine.stats().features["step_budget"]["target_ms"] == 40
+
+
+def test_knobs_change_over_http_behind_the_key_and_say_who_asked(tiny_checkpoint):
+    from tests.helpers import tiny_server_running, wait_until
+
+    with tiny_server_running(tiny_checkpoint("llama"), {"max_num_seqs": 4}, api_key="k") as server:
+        key = {"Authorization": "Bearer k"}
+        assert httpx.post(server.url + "/knobs", json={"max_num_seqs": 2}).status_code == 401
+        r = httpx.post(server.url + "/knobs", json={"max_num_seqs": 2}, headers=key, timeout=30)
+        assert r.status_code == 200 and r.json()["changed"][0]["who"].startswith("http 127.0.0.1")
+        assert wait_until(lambda: httpx.get(server.url + "/health", headers=key, timeout=30)
+                          .json()["flags"]["max_num_seqs"] == 2)  # the next snapshot publishes it
+        refused = httpx.post(server.url + "/knobs", json={"dtype": "float16"}, headers=key, timeout=30)
+        assert refused.status_code == 400 and "live: max_num_seqs" in refused.json()["error"]["message"]
+        assert httpx.post(server.url + "/knobs", content=b"[1]", headers=key, timeout=30).status_code == 400
+        log = httpx.get(server.url + "/knobs", headers=key, timeout=30).json()
+        assert "max_step_ms" in log["live"] and [c["new"] for c in log["log"]] == [2]
