@@ -24,7 +24,7 @@ from textual.widgets import Button, Checkbox, Input, Label, Select, Static, Swit
 from console import keys
 from console.screens.base import ConsoleScreen
 from nanoserve.config import EngineConfig, FlagSpec
-from nanoserve.live_knobs import LIVE
+from nanoserve.live_knobs import LIVE, KnobChange
 
 FIXED = {"model": "set at launch: nanoserve-console --model PATH"}  # flags a restart cannot change
 
@@ -266,7 +266,7 @@ class FlagsScreen(ConsoleScreen):
             r = httpx.post(f"{server.url}/knobs", json=changes, headers=server.headers, timeout=10)
             body = r.json()
             message = f"not applied: {body['error']['message']}" if r.status_code != 200 else \
-                _applied([_Change(**c) for c in body["changed"]]) + f" on {server.url}"
+                _applied([KnobChange(**c) for c in body["changed"]]) + f" on {server.url}"
         except (httpx.HTTPError, ValueError, KeyError) as e:
             message = f"not applied: {server.url} did not take it ({type(e).__name__}: {e})"
         self.app.call_from_thread(self.say, message)
@@ -320,18 +320,6 @@ class FlagsScreen(ConsoleScreen):
             self.say(f"restarted in {elapsed:.1f} s; the flags above are in force")
         else:
             self.say(f"the new flags failed and the previous ones were restored: {error}")
-
-
-@dataclasses.dataclass
-class _Change:
-    """A change as POST /knobs reports it (live_knobs.KnobChange's fields)."""
-
-    at: float
-    step: int
-    who: str
-    name: str
-    old: object
-    new: object
 
 
 def _applied(done: list) -> str:
