@@ -59,8 +59,7 @@ class Engine:
         self.kv = KVManager(runner.num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching,
                             cache_identity=(runner.loaded.name, config.quantization, str(runner.dtype)))
         self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        self.drafter = Drafter(spec) if spec is not None else None
+        self.drafter = self._drafter(config.speculative_config)
         self.timelines = TimelineRecorder(detokenize=self.tokenizer.decode)  # each sequence's life, step by step
         self.knobs = LiveKnobs(config)  # the flags that change at the next step, and who changed them
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget,
@@ -156,6 +155,18 @@ class Engine:
         outputs = self.output_processor.outputs()  # an aborted request's final output sets its finish time
         self.timelines.settle(time.monotonic())
         return outputs
+
+    @staticmethod
+    def _drafter(speculative_config: str | None) -> Drafter | None:
+        spec = SpeculativeConfig.parse(speculative_config)
+        return Drafter(spec) if spec is not None else None
+
+    def use_drafter(self, speculative_config: str | None) -> None:
+        """Speculation on, off or another method from the next step (a live knob): running requests keep their
+        outputs either way, since drafts never change a token; the counters start again with the new drafter."""
+        self.drafter = self.scheduler.drafter = self._drafter(speculative_config)
+        for req in self.scheduler.live():  # a pause or draft length the old drafter set means nothing to this one
+            req.spec_paused_until, req.spec_length = 0, None
 
     def _finished(self, req: Request) -> None:
         """The scheduler retired `req`: speculation's cache keeps its output, its timeline ends."""

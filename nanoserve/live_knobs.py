@@ -12,12 +12,14 @@ so raising them further takes a restart.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections import deque
 
 from nanoserve.errors import ConfigError
 
-LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms")  # read by the scheduler each step
+LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms",  # read by the scheduler each step
+        "speculative_config")  # the drafter the scheduler asks: on, off, or another method
 LOG_KEPT = 200  # changes the log keeps
 
 
@@ -56,6 +58,8 @@ class LiveKnobs:
         if restart:
             raise ConfigError(f"{', '.join(restart)} cannot change while the engine runs (a restart applies them); "
                               f"live: {', '.join(LIVE)}")
+        if isinstance(changes.get("speculative_config"), dict):  # as vLLM's LLM takes it: kept as JSON
+            changes = {**changes, "speculative_config": json.dumps(changes["speculative_config"]) or None}
         specs = {spec.name: spec for spec in type(config).flag_specs()}
         for name, value in changes.items():
             _check_kind(specs[name], value)
@@ -70,8 +74,10 @@ class LiveKnobs:
     def apply(self, engine, changes: dict, who: str) -> list[KnobChange]:
         """Put `changes` in force for the engine's next step; returns what changed (unchanged values skipped)."""
         new = self.check(engine.config, changes)
-        done = [KnobChange(time.time(), engine.runner.steps + 1, who, name, getattr(engine.config, name), value)
-                for name, value in changes.items() if getattr(engine.config, name) != value]
+        done = [KnobChange(time.time(), engine.runner.steps + 1, who, name, getattr(engine.config, name),
+                           getattr(new, name)) for name in changes if getattr(engine.config, name) != getattr(new, name)]
+        if new.speculative_config != engine.config.speculative_config:
+            engine.use_drafter(new.speculative_config)
         engine.config = new
         engine.scheduler.max_num_seqs = new.max_num_seqs
         engine.scheduler.max_num_batched_tokens = new.max_num_batched_tokens

@@ -60,3 +60,34 @@ def test_knobs_change_over_http_behind_the_key_and_say_who_asked(tiny_checkpoint
         assert httpx.post(server.url + "/knobs", content=b"[1]", headers=key, timeout=30).status_code == 400
         log = httpx.get(server.url + "/knobs", headers=key, timeout=30).json()
         assert "max_step_ms" in log["live"] and [c["new"] for c in log["log"]] == [2]
+
+
+def test_speculation_turns_on_and_off_live_and_changes_no_output(tiny_checkpoint):
+    """Speculation switched on mid-generation, then off: the outputs are those of an engine that never
+    speculated, and drafts were made while it was on."""
+    path = str(tiny_checkpoint("llama"))
+    prompts = [[3 + (i + j) % 7 for j in range(30 + 5 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(model=path, max_model_len=256, kv_cache_gib=0.02)
+            .generate(prompts, params, use_tqdm=False)]
+    engine = LLM(model=path, max_model_len=256, kv_cache_gib=0.02).engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = {}
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+
+    run(5)
+    engine.set_live({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                            "prompt_lookup_min": 1}}, "test")
+    run(6)
+    drafted = engine.stats().features["speculative"]["num_accepted_tokens"]
+    engine.set_live({"speculative_config": None}, "test")
+    assert "speculative" not in engine.stats().features and engine.scheduler.drafter is None
+    while engine.has_unfinished():
+        run(1)
+    assert drafted > 0 and [outputs[i] for i in ids] == want
+    assert [c.name for c in engine.knobs.log] == ["speculative_config"] * 2
