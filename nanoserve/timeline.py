@@ -62,6 +62,8 @@ class Timeline:
     spans: list[Span] = field(default_factory=list)
     request: object | None = None  # the live Request (its tokens, blocks, first-token time); None once finished
     summary: dict | None = None  # what the finished sequence was (its Request's figures, taken at the finish)
+    prompt: str | list[int] = ""  # the prompt's text, or its token ids when it came as ids (decoded when shown)
+    kept_text: dict = field(default_factory=dict)  # the answer, kept at the finish
 
     def open_span(self, kind: str, at: float) -> Span:
         span = Span(kind, at, at)
@@ -94,9 +96,6 @@ class Timeline:
             prompt = detokenize(list(prompt[:TEXT_KEPT])) if detokenize is not None else None
         return {**self.row(now), "params": self.params, "spans": [s.as_dict(self.arrival) for s in self.spans],
                 "prompt": None if prompt is None else prompt[:TEXT_KEPT], **text}
-
-    prompt: str | list[int] = ""  # the prompt's text, or its token ids when it came as ids (decoded when shown)
-    kept_text: dict = field(default_factory=dict)  # the answer, kept at the finish
 
 
 def _figures(req, arrival: float, now: float, spans: list[Span]) -> dict:
@@ -191,7 +190,6 @@ class TimelineRecorder:
             return
         timeline.close_queue(at)
         timeline.summary = _figures(req, timeline.arrival, at, timeline.spans)
-        timeline.summary["status"] = "finished"
         timeline.kept_text = {"answer": req.text[:TEXT_KEPT], "blocks": []}
         timeline.request = None
         self.recent.append(timeline)

@@ -1,6 +1,7 @@
 """The Speculation panel: what speculative decoding drafted and kept, since start and over the last WINDOW_S
 seconds (the difference between the latest snapshot and the oldest one kept inside the window), the measured speed
-of the decode steps that verified drafts against those that did not (the speed-up), and where it stood down. Hidden, like the other feature panels, while the engine publishes no `speculative` section."""
+of the decode steps that verified drafts against those that did not (the speed-up), and where it stood down.
+Hidden, like the other feature panels, while the engine publishes no `speculative` section."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
                         "cached tokens, decode runs with the rows they shared, preemptions), figures, sampling "
                         "parameters, prompt and answer, and its KV blocks while live. Guarded by the API key")
     async def request_timeline(request_id: str):
-        found = await host.call(lambda engine: engine.timelines.find(request_id, time.monotonic()))
+        found = host.timeline(request_id)  # the recorder is read off the engine thread: no wait for a step
         if not found:
             raise APIError(404, f"no request {request_id!r} is live or among the latest finished; "
                                 "GET /requests lists the ones kept", "not_found_error")
