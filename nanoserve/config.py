@@ -106,6 +106,10 @@ class EngineConfig:
     speculative_config: str | None = _flag(None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                                                  "\"num_speculative_tokens\": 4}' (prompt lookup) or "
                                                  "'{\"method\": \"suffix\"}' (suffix decoding); outputs unchanged")
+    otlp_traces_endpoint: str | None = _flag(None, "export one OpenTelemetry span per request (vLLM's flag): "
+                                                   "http://host:4318/v1/traces is OTLP/HTTP, host:4317 OTLP/gRPC "
+                                                   "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL overrides); needs the otel "
+                                                   "extra")
     distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
                                              "before the engine stops with an error (start-up: at least 120)")
 

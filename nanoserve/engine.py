@@ -18,7 +18,7 @@ from collections.abc import Callable
 from nanoserve.admission import Admission
 from nanoserve.config import EngineConfig
 from nanoserve.kv.manager import KVManager
-from nanoserve.live_knobs import LiveKnobs
+from nanoserve.live_knobs import LiveKnobs, log_level
 from nanoserve.model.loader import LoadedModel
 from nanoserve.model.quant.linears import row_quantum
 from nanoserve.output_processor import OutputProcessor
@@ -53,6 +53,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         self._started = time.monotonic()
         progress = progress or (lambda phase: None)
+        tracer = self._tracer(config.otlp_traces_endpoint)  # before the load: a missing package is said at once
         self.runner = runner = ModelRunner(config, loaded, progress)
         self.tokenizer, self.model_config = runner.loaded.tokenizer, runner.model_config
         self.max_model_len, self.numerics = runner.max_model_len, runner.numerics
@@ -61,6 +62,9 @@ class Engine:
         self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
         self.drafter = self._drafter(config.speculative_config)
         self.timelines = TimelineRecorder(detokenize=self.tokenizer.decode)  # each sequence's life, step by step
+        self.tracer = None
+        if tracer is not None:
+            self.use_tracer(tracer)
         self.knobs = LiveKnobs(config)  # the flags that change at the next step, and who changed them
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget,
                                    self.drafter, on_finish=self._finished)
@@ -81,13 +85,17 @@ class Engine:
         return self.runner.failed
 
     def close(self) -> None:
-        """Release what outlives a dropped engine: the other ranks of a tensor-parallel group."""
+        """Release what outlives a dropped engine: the other ranks of a tensor-parallel group, the tracer's
+        exporter (its batched spans sent first)."""
+        if self.tracer is not None:
+            self.tracer.close()
         self.runner.close()
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, user: str | None = None,
-                    cache_salt: str | None = None, session_id: str | None = None, streamed: bool = True) -> str:
+                    cache_salt: str | None = None, session_id: str | None = None, streamed: bool = True,
+                    trace_origin=None) -> str:
         """Queue a prompt (text or token ids). Every limit is checked here, before anything is allocated.
 
         `user` names who sent it (OpenAI's field) and `session_id` the conversation or agent session it belongs
@@ -95,7 +103,8 @@ class Engine:
         prefix-cache blocks only with requests that carry the same salt. With `params.n` > 1 the request is n
         sequences sharing the prompt (see SamplingParams.for_completion). `streamed` says whether someone sees its
         tokens as they come: only a streamed request's decode rows hold other prompts' prefill to the step-time
-        budget (a request answered at its end wants throughput, not smooth gaps).
+        budget (a request answered at its end wants throughput, not smooth gaps). `trace_origin`
+        (tracing.TraceOrigin): its trace headers and API operation, for its span under --otlp-traces-endpoint.
         """
         group = self.admission.sequences(prompt, params, request_id, arrival_time=arrival_time, user=user,
                                          cache_salt=cache_salt, session_id=session_id)
@@ -103,7 +112,7 @@ class Engine:
         for req in group:
             req.streamed = streamed
             self.scheduler.add(req)
-            self.timelines.arrived(req)
+            self.timelines.arrived(req, trace_origin)
         return group[0].request_id
 
     def abort(self, request_id: str) -> bool:
@@ -119,9 +128,12 @@ class Engine:
         change live or is out of range. Call between steps (the host runs it on the engine thread)."""
         return self.knobs.apply(self, changes, who)
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block's name (vLLM's reset_prefix_cache); returns how many were named."""
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, who: str = "api") -> int:
+        """Forget every cached block's name (vLLM's reset_prefix_cache); returns how many were named. Logged
+        beside the live knobs' changes, with who asked."""
+        forgotten = self.kv.reset_prefix_cache()
+        self.knobs.record(self, who, "prefix_cache", f"{forgotten} blocks named", "reset")
+        return forgotten
 
     def sequences(self, request_id: str) -> list[Request]:
         """The live sequences of a request (n of them), for inspection; empty once it has finished."""
@@ -155,6 +167,21 @@ class Engine:
         outputs = self.output_processor.outputs()  # an aborted request's final output sets its finish time
         self.timelines.settle(time.monotonic())
         return outputs
+
+    @staticmethod
+    def _tracer(endpoint: str | None):
+        """The tracer exporting to `endpoint`; None (and nothing of OpenTelemetry imported) without one."""
+        if endpoint is None:
+            return None
+        from nanoserve.tracing import RequestTracer
+
+        return RequestTracer.to_endpoint(endpoint)
+
+    def use_tracer(self, tracer) -> None:
+        """Export a span for each request queued from now on through `tracer` (tracing.RequestTracer)."""
+        tracer.model = tracer.model or self.runner.loaded.name
+        self.tracer = tracer
+        self.timelines.on_request_done = tracer.request_done
 
     @staticmethod
     def _drafter(speculative_config: str | None) -> Drafter | None:
@@ -204,8 +231,10 @@ class Engine:
         prompts = tuple(dict.fromkeys(c.request.request_id for c in sched.prefills))
         self.step_budget.observe(len(sched.decodes), sched.prefill_tokens, seconds, sched.cut_by_time, prompts,
                                  streams=sched.streamed_decodes)
+        # every sequence it carried, by name: the Requests table's key (n > 1 completions are n rows)
+        carried = tuple([c.request.name for c in sched.decodes] + [c.request.name for c in sched.prefills])
         self.stalls.step(seconds, len(sched.decodes), sched.prefill_tokens, len(sched.preempted),
-                         running=len(self.scheduler.running), prefill_requests=prompts)
+                         running=len(self.scheduler.running), prefill_requests=prompts, requests=carried)
 
     # ---- observation --------------------------------------------------------------------------------
     def audit(self) -> None:
@@ -235,6 +264,7 @@ class Engine:
                       **({"structured": self.grammars.stats.as_dict()} if self.grammars.stats.compiles else {}),
                       "windows": self.output_processor.recent.snapshot(now, self._started),
                       "stalls": self.stalls.as_dict(), "step_budget": self.step_budget.as_dict(),
+                      "live": {"log_level": log_level()},  # the live operation that is not a flag
                       **({"speculative": self.drafter.as_dict()} if self.drafter is not None else {})},
             latency=self.output_processor.latency(), prefix_cache=prefix,
         )

@@ -13,14 +13,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections import deque
 
 from nanoserve.errors import ConfigError
 
-LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms",  # read by the scheduler each step
-        "speculative_config")  # the drafter the scheduler asks: on, off, or another method
+CONFIG_LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms",  # read by the scheduler each step
+               "speculative_config")  # the drafter the scheduler asks: on, off, or another method
+PROCESS_LIVE = ("log_level",)  # the process's, not an EngineConfig flag: the "nanoserve" loggers' level
+LIVE = CONFIG_LIVE + PROCESS_LIVE
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_KEPT = 200  # changes the log keeps
+LOGGER = "nanoserve"  # every module logs under it (nanoserve.engine, nanoserve.server, ...)
+
+
+def log_level() -> str:
+    """The level the engine's loggers log at now."""
+    return logging.getLevelName(logging.getLogger(LOGGER).getEffectiveLevel())
+
+
+def _check_log_level(value) -> str:
+    if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
+        raise ConfigError(f"log_level takes one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.upper()
 
 
 def _check_kind(spec, value) -> None:
@@ -58,6 +74,7 @@ class LiveKnobs:
         if restart:
             raise ConfigError(f"{', '.join(restart)} cannot change while the engine runs (a restart applies them); "
                               f"live: {', '.join(LIVE)}")
+        changes = {name: value for name, value in changes.items() if name not in PROCESS_LIVE}
         if isinstance(changes.get("speculative_config"), dict):  # as vLLM's LLM takes it: kept as JSON
             changes = {**changes, "speculative_config": json.dumps(changes["speculative_config"]) or None}
         specs = {spec.name: spec for spec in type(config).flag_specs()}
@@ -74,8 +91,13 @@ class LiveKnobs:
     def apply(self, engine, changes: dict, who: str) -> list[KnobChange]:
         """Put `changes` in force for the engine's next step; returns what changed (unchanged values skipped)."""
         new = self.check(engine.config, changes)
+        level = _check_log_level(changes["log_level"]) if "log_level" in changes else None
         done = [KnobChange(time.time(), engine.runner.steps + 1, who, name, getattr(engine.config, name),
-                           getattr(new, name)) for name in changes if getattr(engine.config, name) != getattr(new, name)]
+                           getattr(new, name)) for name in changes
+                if name in CONFIG_LIVE and getattr(engine.config, name) != getattr(new, name)]
+        if level is not None and level != log_level():
+            done.append(KnobChange(time.time(), engine.runner.steps + 1, who, "log_level", log_level(), level))
+            logging.getLogger(LOGGER).setLevel(level)
         if new.speculative_config != engine.config.speculative_config:
             engine.use_drafter(new.speculative_config)
         engine.config = new
@@ -85,5 +107,11 @@ class LiveKnobs:
         self.log.extend(done)
         return done
 
+    def record(self, engine, who: str, name: str, old, new) -> KnobChange:
+        """Log an operation that is not a flag (the prefix cache's reset) beside the flag changes."""
+        change = KnobChange(time.time(), engine.runner.steps + 1, who, name, old, new)
+        self.log.append(change)
+        return change
+
     def as_dict(self) -> dict:
-        return {"live": list(LIVE), "log": [dataclasses.asdict(c) for c in self.log]}
+        return {"live": list(LIVE), "log_level": log_level(), "log": [dataclasses.asdict(c) for c in self.log]}

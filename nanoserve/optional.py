@@ -27,6 +27,12 @@ PACKAGES: dict[str, OptionalPackage] = {  # import name -> the package
     "llama_cpp": OptionalPackage("llama-cpp-python", "peers", "llama.cpp's benchmark arm"),
     "xgrammar": OptionalPackage("xgrammar", "peers", "xgrammar's arm in bench grammar"),
     "cairosvg": OptionalPackage("cairosvg", "docs", "the console screenshots as PNG"),
+    # a namespace package that fastapi may bring the API of: the parts are named by their dotted paths
+    "opentelemetry.sdk": OptionalPackage("opentelemetry-sdk", "otel", "--otlp-traces-endpoint's spans"),
+    "opentelemetry.exporter.otlp.proto.http": OptionalPackage("opentelemetry-exporter-otlp-proto-http", "otel",
+                                                              "--otlp-traces-endpoint over OTLP/HTTP"),
+    "opentelemetry.exporter.otlp.proto.grpc": OptionalPackage("opentelemetry-exporter-otlp-proto-grpc", "otel",
+                                                              "--otlp-traces-endpoint over OTLP/gRPC"),
 }
 
 
@@ -34,8 +40,16 @@ class MissingDependency(ConfigError):
     """A feature was used whose optional package is not installed (the CLI prints it as one line)."""
 
 
+def registered(module: str) -> str:
+    """The PACKAGES entry `module` belongs to: itself, or the longest entry it lies under (a.b.c under a.b)."""
+    under = [key for key in PACKAGES if module == key or module.startswith(key + ".")]
+    if not under:
+        raise KeyError(f"{module} is not registered in nanoserve.optional.PACKAGES")
+    return max(under, key=len)
+
+
 def install_hint(module: str) -> str:
-    return f"pip install 'nanoserve[{PACKAGES[module].extra}]'"
+    return f"pip install 'nanoserve[{PACKAGES[registered(module)].extra}]'"
 
 
 def available(module: str) -> bool:
@@ -55,8 +69,9 @@ def require(module: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        package = PACKAGES[module]
-        if (e.name or "").split(".")[0] != module:
+        key = registered(module)
+        package, missing = PACKAGES[key], e.name or ""
+        if not (missing == key or missing.startswith(key + ".") or key.startswith(missing + ".")):
             raise MissingDependency(f"{feature} needs {package.distribution}, which is installed but does not "
                                     f"import: {e}") from e
         raise MissingDependency(f"{feature} needs {package.distribution}, which is not installed: "

@@ -13,11 +13,14 @@ seconds since the sequence arrived.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoserve.stats import RowStats
 
+log = logging.getLogger("nanoserve.timeline")
 RECENT = 1000  # finished sequences kept
 FINISHED_ROWS = 100  # of those, the latest the stats snapshot lists (the Requests table's finished rows)
 TEXT_KEPT = 16_000  # characters of a finished sequence's prompt and answer kept for its screen
@@ -130,8 +133,13 @@ class TimelineRecorder:
         self.recent: deque[Timeline] = deque(maxlen=keep)
         self._ending: list = []  # sequences the scheduler finished, settled once the step's outputs are made
         self.finished_rows: deque[RowStats] = deque(maxlen=FINISHED_ROWS)  # newest last, built once at the finish
+        # Called with a request's timelines (its n sequences) and its origin once the last one finished; the
+        # tracer's hook. Unset, no request is followed past its sequences.
+        self.on_request_done: Callable[[list[Timeline], object], None] | None = None
+        self._requests: dict[str, list] = {}  # request id -> [sequences, finished timelines, origin]
 
-    def arrived(self, req) -> None:
+    def arrived(self, req, origin=None) -> None:
+        """`req` was queued; `origin` (tracing.TraceOrigin) goes to on_request_done with its timelines."""
         p = req.params
         params = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_tokens": req.max_tokens,
                   "seed": p.seed, "n": p.n, "structured": req.matcher is not None}
@@ -139,6 +147,8 @@ class TimelineRecorder:
                             request=req, prompt=req.prompt if req.prompt is not None else req.prompt_ids)
         timeline.open_span("queued", req.arrival_time)
         self.live[req.serial] = timeline
+        if self.on_request_done is not None:
+            self._requests.setdefault(req.request_id, [0, [], origin])[0] += 1
 
     def step(self, sched, started: float, ended: float, accepted: dict[int, int]) -> None:
         """A step ran from `started` to `ended`: its preemptions, prefill chunks and decode rows."""
@@ -194,6 +204,21 @@ class TimelineRecorder:
         timeline.request = None
         self.recent.append(timeline)
         self.finished_rows.append(_row_stats(req, timeline.summary))
+        if self.on_request_done is not None:
+            self._request_part_done(timeline)
+
+    def _request_part_done(self, timeline: Timeline) -> None:
+        entry = self._requests.get(timeline.request_id)
+        if entry is None:
+            return  # arrived before the hook was set
+        entry[1].append(timeline)
+        if len(entry[1]) < entry[0]:
+            return
+        del self._requests[timeline.request_id]
+        try:
+            self.on_request_done(sorted(entry[1], key=lambda t: t.serial), entry[2])
+        except Exception:  # a tracing failure never ends a step
+            log.exception("the finished-request hook failed for %s", timeline.request_id)
 
     def rows(self, now: float) -> list[dict]:
         """Every kept sequence, one line each: live ones first (oldest first), then finished (newest first).

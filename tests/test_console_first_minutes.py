@@ -257,3 +257,6 @@ def test_a_stall_is_shown_with_what_the_step_carried():
     assert stall_line(Stats()) == (
         "STALLS 2 slow steps, 1 throughput drops; last at 16:21:00: decode 11.5 tok/s (median 48.0) over 1.02 s, "
         "8.0 decode rows a step, 0 prefill tokens, 0 preemptions")
+    Stats.features["stalls"]["latest"][-1].update(requests=[f"r{i}" for i in range(64)], requests_cut=True)
+    assert stall_line(Stats()).endswith("0 preemptions; 64+ requests in it")  # --once: no key to press
+    assert stall_line(Stats(), "t").endswith("0 preemptions; 64+ requests in it (t: list them)")

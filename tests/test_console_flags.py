@@ -76,6 +76,35 @@ async def test_live_flags_apply_at_the_next_step_with_no_restart(config):
         assert "goes live up to 64" in text(app, "#flags-message") and engine.config.max_num_seqs == 2
 
 
+async def test_the_log_level_and_the_prefix_cache_reset_apply_at_once_and_are_logged(config):
+    import logging
+
+    logger = logging.getLogger("nanoserve")
+    before = logger.level
+    app = NanoserveConsole(config, refresh_s=0.05)
+    try:
+        async with app.run_test(size=(150, 48)) as pilot:
+            screen = await open_flags(app, pilot)
+            engine = app.server.host.serving()
+            r = httpx.post(app.server.url + "/v1/completions", timeout=30,
+                           json={"prompt": [5 + i for i in range(40)], "max_tokens": 2})  # two full blocks named
+            assert r.status_code == 200
+            screen.query_one("#ops-log-level").value = "DEBUG"
+            await wait_until(pilot, lambda: "applied live" in text(app, "#flags-message"), 10, "the level")
+            assert logger.getEffectiveLevel() == logging.DEBUG and app.restarts == 0
+            assert engine.stats().features["live"]["log_level"] == "DEBUG"
+            screen.query_one("#ops-reset-prefix").scroll_visible(animate=False)  # below the form
+            await pilot.pause()
+            await pilot.click("#ops-reset-prefix")
+            await wait_until(pilot, lambda: "prefix cache reset" in text(app, "#flags-message"), 10, "the reset")
+            assert "2 cached blocks forgotten" in text(app, "#flags-message")
+            assert [(c.name, c.who, c.new) for c in engine.knobs.log] == \
+                [("log_level", "console", "DEBUG"), ("prefix_cache", "console", "reset")]
+            assert engine.stats().prefix_cache.cached_blocks == 0
+    finally:
+        logger.setLevel(before)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("max_num_seqs", "many", "max_num_seqs must be an integer"),
     ("block_size", "24", "block_size must be a power of two"),

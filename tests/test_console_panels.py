@@ -209,3 +209,88 @@ async def test_the_requests_panel_says_how_many_rows_its_height_or_filter_leaves
         panel.query_one(RowsTable).set_filter("r1")
         panel.show(eight)
         assert panel.border_subtitle == "showing 1 of 8 · the rest filtered out"
+
+
+class StillHost:
+    """An attached server's host that never polls: `stats()` is the snapshot a test put there."""
+
+    def __init__(self, stats: EngineStats):
+        import time
+
+        from console.remote import Health
+
+        self.snapshot, self.fetched_at, self.model_name = stats, time.monotonic(), None
+        self.health = Health("ok", at=time.monotonic())
+
+    def start(self):
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def wait_polled(self, polls: int = 1, timeout: float = 10.0) -> bool:
+        return True
+
+    def stats(self) -> EngineStats:
+        return self.snapshot
+
+    def timeline(self, request_id: str) -> list[dict]:
+        return []
+
+
+def still_server(stats: EngineStats):
+    from console.remote import AttachedServer
+
+    server = AttachedServer("127.0.0.1:9")
+    server.host = StillHost(stats)
+    return server
+
+
+async def test_the_stall_key_leaves_the_stalls_requests_alone_in_the_table_and_brings_every_row_back():
+    """The latest stall named a, pair#1 (an n=2 request's second row) and one that has left the table: t keeps
+    the two still listed, the subtitle says so, t or Esc brings every row back; Enter on a kept row opens it."""
+    from console.app import NanoserveConsole
+    from console.screens.dashboard import Dashboard
+    from console.screens.request import RequestScreen
+    from nanoserve.config import EngineConfig
+    from nanoserve.windows import RecentActivity
+    from tests.console_helpers import notes, started, text, wait_until
+
+    rows = [row("a", 4), row("b", 2), row("pair", 3), row("pair#1", 3)]
+    stall = {"kind": "step", "at": "12:00:03", "step_ms": 840.0, "p99_ms": 60.2, "decode_rows": 3,
+             "prefill_tokens": 0, "preemptions": 0, "prefill_requests": [], "requests": ["a", "gone", "pair#1"]}
+    server = still_server(snapshot(rows, finished=[row("c", 9, state="finished")]))
+    app = NanoserveConsole(EngineConfig(), refresh_s=0.05, servers=[server])
+    async with app.run_test(size=(150, 44)) as pilot:
+        await started(app, pilot)
+        table, panel = app.screen.query_one(RowsTable), app.screen.query_one("#rows")
+        await wait_until(pilot, lambda: table.row_count == 5, 5, "every row")
+        await pilot.press("t")
+        assert "no stall recorded yet" in notes(app) and table.row_count == 5
+        server.host.snapshot = snapshot(rows, finished=[row("c", 9, state="finished")],
+                                        features={"stalls": {"stalls": 1, "throughput_drops": 0, "latest": [stall]},
+                                                  "windows": RecentActivity().snapshot(10.0, 0.0)})
+        await wait_until(pilot, lambda: "3 requests in it (t: list them)" in text(app, "#recent"), 5, "the stall")
+
+        async def press_and_see(key: str, ids: list[str]) -> None:
+            await pilot.press(key)
+            await wait_until(pilot, lambda: sorted(k.value for k in table.rows) == ids, 5, f"rows {ids}")
+            await pilot.pause(0.2)  # later snapshots keep the filter
+            assert sorted(k.value for k in table.rows) == ids
+
+        await press_and_see("t", ["a", "pair#1"])
+        assert panel.border_subtitle == "requests in the stall at 12:00:03: 2 of 3 still listed · t or Esc: all"
+        await press_and_see("t", ["a", "b", "c", "pair", "pair#1"])
+        assert panel.border_subtitle == ""
+        await press_and_see("t", ["a", "pair#1"])
+        await press_and_see("escape", ["a", "b", "c", "pair", "pair#1"])
+        await press_and_see("t", ["a", "pair#1"])
+        table.focus()
+        table.move_cursor(row=table.get_row_index("pair#1"))
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, RequestScreen), 5, "the request screen")
+        assert app.screen.request_name == "pair#1"
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
+        assert table.has_focus  # Esc on the table, not a text field: every row again
+        await press_and_see("escape", ["a", "b", "c", "pair", "pair#1"])

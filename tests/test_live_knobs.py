@@ -91,3 +91,36 @@ def test_speculation_turns_on_and_off_live_and_changes_no_output(tiny_checkpoint
         run(1)
     assert drafted > 0 and [outputs[i] for i in ids] == want
     assert [c.name for c in engine.knobs.log] == ["speculative_config"] * 2
+
+
+def test_the_log_level_changes_live_for_every_engine_logger_and_a_bad_one_is_refused(tiny_checkpoint):
+    import logging
+
+    logger = logging.getLogger("nanoserve")
+    before = logger.level
+    engine = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01).engine
+    try:
+        with pytest.raises(ConfigError, match="log_level takes one of DEBUG"):
+            engine.set_live({"log_level": "loud", "max_num_seqs": 2}, "test")
+        assert engine.config.max_num_seqs == 64 and not engine.knobs.log  # a bad part refuses the whole change
+        old = logging.getLevelName(logger.getEffectiveLevel())
+        (change,) = engine.set_live({"log_level": "debug"}, "test")
+        assert (change.name, change.old, change.new) == ("log_level", old, "DEBUG")
+        assert logging.getLogger("nanoserve.engine").isEnabledFor(logging.DEBUG)
+        assert engine.knobs.as_dict()["log_level"] == "DEBUG" == engine.stats().features["live"]["log_level"]
+    finally:
+        logger.setLevel(before)
+
+
+def test_a_prefix_cache_reset_over_http_is_logged_with_who_asked(tiny_checkpoint):
+    from tests.helpers import tiny_server_running
+
+    with tiny_server_running(tiny_checkpoint("llama"), api_key="k") as server:
+        key = {"Authorization": "Bearer k"}
+        assert httpx.post(server.url + "/v1/completions", headers=key, timeout=30,
+                          json={"prompt": [5 + i for i in range(40)], "max_tokens": 2}).status_code == 200
+        r = httpx.post(server.url + "/reset_prefix_cache", headers=key, timeout=30)
+        assert r.status_code == 200 and r.json()["blocks_forgotten"] == 2
+        (change,) = httpx.get(server.url + "/knobs", headers=key, timeout=30).json()["log"]
+        assert change["name"] == "prefix_cache" and change["who"].startswith("http 127.0.0.1")
+        assert (change["old"], change["new"]) == ("2 blocks named", "reset")

@@ -76,6 +76,13 @@ def test_bench_reads_without_triton_says_what_to_install_in_one_line(runtime_mod
     assert "Triton, which is not installed" in line and "pip install 'nanoserve[gpu]'" in line, line
 
 
+def test_otlp_traces_without_opentelemetry_say_what_to_install_in_one_line_before_any_load(runtime_modules):
+    """fastapi may bring the OpenTelemetry API alone: the SDK and exporters are still the otel extra's."""
+    line = one_line_error(hidden_run(runtime_modules, "cli", "serve", "--port", "0", "--otlp-traces-endpoint",
+                                     "http://127.0.0.1:9/v1/traces"))
+    assert "which is not installed" in line and "pip install 'nanoserve[otel]'" in line, line
+
+
 def test_the_streamed_read_on_a_cpu_runs_its_torch_twin_without_triton(runtime_modules, tiny_checkpoint):
     argv = ["generate", "The capital of France is", "--model", str(tiny_checkpoint("llama")), "--max-tokens", "6",
             "--temperature", "0", "--max-model-len", "64", "--kv-cache-gib", "0.01"]

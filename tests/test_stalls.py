@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.stalls import MIN_SECONDS, WARMUP, StallWatch
+from nanoserve.stalls import MIN_SECONDS, STRETCH_IDS, WARMUP, StallWatch
 
 
 def test_a_step_far_above_p99_is_a_stall_with_what_it_carried():
@@ -81,3 +81,66 @@ def test_fewer_requests_or_an_idle_engine_is_not_a_drop():
     watch.step(0.02, decode_rows=8, prefill_tokens=0, preemptions=0, running=0, now=now + 0.02)
     busy(watch, now + 60.0, 3.0, 0.020, rows=8)
     assert watch.as_dict()["throughput_drops"] == 0
+
+
+def test_a_slow_steps_entry_names_the_requests_it_carried():
+    watch = StallWatch()
+    for i in range(WARMUP + 10):
+        watch.step(0.020, decode_rows=2, prefill_tokens=0, preemptions=0, requests=("a", "b"), now=0.02 * (i + 1))
+    assert watch.step(0.5, decode_rows=2, prefill_tokens=64, preemptions=0, prefill_requests=("c",),
+                      requests=("a", "b#1", "c"), now=10.0)
+    (stall,) = watch.as_dict()["latest"]
+    assert stall["requests"] == ["a", "b#1", "c"] and stall["prefill_requests"] == ["c"]
+
+
+def test_a_throughput_drops_entry_names_every_request_of_its_stretch():
+    """The slow stretch ran r1..r3 in turns (never all in one step): the entry names the union, not the last step's;
+    a stretch with more requests than it keeps says it was cut."""
+    watch = StallWatch()
+    now = busy(watch, 0.0, 10.0, 0.020, rows=8)
+    end, turn = now + 1.5, 0
+    while now < end:
+        now += 0.080
+        turn += 1
+        watch.step(0.020, decode_rows=8, prefill_tokens=0, preemptions=0, running=8, now=now,
+                   requests=(f"r{turn % 3 + 1}",))
+    drop = watch.as_dict()["latest"][-1]
+    assert drop["kind"] == "throughput" and drop["requests"] == ["r1", "r2", "r3"] and not drop["requests_cut"]
+
+    many = StallWatch()
+    now = busy(many, 0.0, 10.0, 0.020, rows=8)
+    end, i = now + 1.5, 0
+    while now < end:
+        now += 0.080
+        many.step(0.020, decode_rows=8, prefill_tokens=0, preemptions=0, running=8, now=now,
+                  requests=tuple(f"q{i + k}" for k in range(8)))
+        i += 8
+    drop = many.as_dict()["latest"][-1]
+    assert drop["kind"] == "throughput" and drop["requests_cut"] and len(drop["requests"]) == STRETCH_IDS
+    first = sorted(int(name[1:]) for name in drop["requests"])
+    assert first == list(range(first[0], first[0] + STRETCH_IDS))  # the first seen in the stretch are kept
+
+
+def test_the_engines_slow_step_names_exactly_the_sequences_it_carried(tiny_checkpoint, monkeypatch):
+    """Decode rows (one of them the second completion of an n=2 request, a row of its own in the Requests
+    table) and a prefill chunk that arrived just before: the stall entry names each by its table key."""
+    engine = LLM(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.01).engine
+    engine.add_request("a b c", SamplingParams(max_tokens=WARMUP + 40, ignore_eos=True), request_id="solo")
+    engine.add_request("d e", SamplingParams(max_tokens=WARMUP + 40, ignore_eos=True, n=2), request_id="pair")
+    for _ in range(WARMUP + 8):
+        engine.step()
+    engine.add_request("f g h i", SamplingParams(max_tokens=4, ignore_eos=True), request_id="late")
+    real, carried = engine.runner.execute, []
+
+    def slow_once(sched):
+        if not carried:
+            carried.append(sorted(c.request.name for c in (*sched.decodes, *sched.prefills)))
+            time.sleep(0.3)  # the machine stalls once
+        return real(sched)
+
+    monkeypatch.setattr(engine.runner, "execute", slow_once)
+    engine.step()
+    assert carried == [["late", "pair", "pair#1", "solo"]]
+    stalls = engine.stats().as_dict()["stalls"]
+    (slow,) = [s for s in stalls["latest"] if s["kind"] == "step" and s["step_ms"] >= 300]
+    assert sorted(slow["requests"]) == carried[0] and slow["prefill_requests"] == ["late"]

@@ -30,12 +30,14 @@ class HidingPathFinder(importlib.abc.MetaPathFinder):
     `import` raises ModuleNotFoundError and `importlib.util.find_spec` answers None, exactly as when the package
     is not installed (torch, for one, probes optional packages with find_spec)."""
 
-    def __init__(self, allowed: set[str]):
+    def __init__(self, allowed: set[str], hidden_parts: tuple[str, ...] = ()):
         self.allowed = allowed
+        self.hidden_parts = hidden_parts  # dotted packages inside a visible namespace (opentelemetry.sdk)
         self.refused: set[str] = set()
 
     def find_spec(self, name, path=None, target=None):
-        if path is None and not self._visible(name):
+        hidden_part = any(name == part or name.startswith(part + ".") for part in self.hidden_parts)
+        if (path is None and not self._visible(name)) or hidden_part:
             self.refused.add(name)
             return None
         return importlib.machinery.PathFinder.find_spec(name, path, target)
@@ -85,7 +87,10 @@ def hidden_run(allowed: list[str], *argv: str, timeout: float = 300):
     """This file run with `argv` in a fresh interpreter that sees only `allowed` (see runtime_modules)."""
     import subprocess
 
-    env = {**os.environ, "NANOSERVE_ALLOWED_MODULES": json.dumps(allowed)}
+    from nanoserve.optional import PACKAGES
+
+    env = {**os.environ, "NANOSERVE_ALLOWED_MODULES": json.dumps(allowed),
+           "NANOSERVE_HIDDEN_PARTS": json.dumps([name for name in PACKAGES if "." in name])}
     return subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)
 
@@ -112,7 +117,7 @@ def _walk() -> dict:
 
 def main(argv: list[str]) -> int:
     allowed = set(json.loads(os.environ["NANOSERVE_ALLOWED_MODULES"])) | OWN
-    hook = HidingPathFinder(allowed).install()
+    hook = HidingPathFinder(allowed, tuple(json.loads(os.environ.get("NANOSERVE_HIDDEN_PARTS", "[]")))).install()
     mode, args = argv[0], argv[1:]
     if mode == "walk":
         failed = _walk()

@@ -1,6 +1,7 @@
 """The sliding windows: latency p50 / p99 and finishes, aborts, errors and refusals per second over the last
 10 s, 1 min and 5 min, as the snapshot publishes them (`windows`, and the server's `refusals`); then the step-time
-budget (`step_budget`) and the latest stall (`stalls`)."""
+budget (`step_budget`) and the latest stall (`stalls`), with how many requests it carried and the dashboard's key
+that lists them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ from nanoserve.stats import EngineStats
 
 TITLES = {"10s": "10 s", "1m": "1 min", "5m": "5 min"}
 WIDTH = 15
+STALL_KEY = "t"  # the dashboard's key for the latest stall's requests in the Requests table
 
 
-def recent_text(stats: EngineStats) -> str:
+def latest_stall(stats: EngineStats | None) -> dict | None:
+    """The latest stall StallWatch kept (a slow step or a throughput drop); None before any."""
+    stalls = (stats.features.get("stalls") or {}) if stats is not None else {}
+    return (stalls.get("latest") or [None])[-1]
+
+
+def recent_text(stats: EngineStats, key: str | None = None) -> str:
+    """The panel's text; `key` (the dashboard's) is named beside the latest stall's requests."""
     windows = stats.features.get("windows") or {}
     if not windows:
         return ""
@@ -32,7 +41,7 @@ def recent_text(stats: EngineStats) -> str:
     budget = budget_line(stats)
     if budget:
         lines.append(budget)
-    lines.append(stall_line(stats))
+    lines.append(stall_line(stats, key))
     return "\n".join(lines)
 
 
@@ -58,11 +67,12 @@ def budget_line(stats: EngineStats) -> str:
     return line
 
 
-def stall_line(stats: EngineStats) -> str:
+def stall_line(stats: EngineStats, key: str | None = None) -> str:
     """The latest stall with what the engine carried then, or that there was none. Two kinds: a step over 3x
-    the recent p99, and decode throughput under half its running median while the load did not lighten."""
+    the recent p99, and decode throughput under half its running median while the load did not lighten. Then
+    how many requests were in it, and `key`, which lists them (a server older than this console names none)."""
     stalls = stats.features.get("stalls") or {}
-    latest = (stalls.get("latest") or [None])[-1]
+    latest = latest_stall(stats)
     if latest is None:
         return "no stall (no step over 3x the recent p99, no throughput drop)"
     counts = f"STALLS {count(stalls['stalls'])} slow steps, {count(stalls.get('throughput_drops', 0))} throughput drops"
@@ -74,12 +84,23 @@ def stall_line(stats: EngineStats) -> str:
                 f"{count(latest['decode_rows'])} decode rows")
     prompts = latest.get("prefill_requests") or []
     reading = f" ({', '.join(prompts[:3])}{', ...' if len(prompts) > 3 else ''})" if prompts else ""
-    return (f"{counts}; last at {latest['at']}: {what}, {count(latest['prefill_tokens'])} prefill tokens{reading}, "
+    line = (f"{counts}; last at {latest['at']}: {what}, {count(latest['prefill_tokens'])} prefill tokens{reading}, "
             f"{count(latest['preemptions'])} preemptions")
+    return line + stall_requests(latest, key)
+
+
+def stall_requests(latest: dict, key: str | None) -> str:
+    """'; 3 requests in it (t: list them)', or nothing when the entry names no requests."""
+    names = latest.get("requests")
+    if names is None:
+        return ""
+    n = len(names)
+    said = f"; {count(n)}{'+' if latest.get('requests_cut') else ''} request{'' if n == 1 else 's'} in it"
+    return said + (f" ({key}: list them)" if key else "")
 
 
 class RecentPanel(TextPanel):
     def show(self, stats: EngineStats) -> None:
-        self.set_text(recent_text(stats) or "no activity yet")
+        self.set_text(recent_text(stats, STALL_KEY) or "no activity yet")
         stalls = stats.features.get("stalls") or {}
         self.set_class(bool(stalls.get("stalls") or stalls.get("throughput_drops")), "stalled")

@@ -1,7 +1,10 @@
 """Running, waiting and recently finished requests: a keyed table updated by row diff, sortable by any column
-(TTFT, TPOT, total time and tokens among them), filterable by text. Enter on a row opens the request's screen."""
+(TTFT, TPOT, total time and tokens among them), filterable by text and by a set of ids (the latest stall's
+requests). Enter on a row opens the request's screen."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -51,6 +54,7 @@ class RowsTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self._shown: dict[str, tuple] = {}
         self.filter_text = ""
+        self.only: frozenset[str] | None = None  # the ids a set filter keeps (None: every row)
         self.sort_column: str | None = None
         self.sort_reverse = False
 
@@ -81,13 +85,21 @@ class RowsTable(DataTable):
         self.clear()
         self._shown.clear()
 
-    def _visible(self, cells: tuple) -> bool:
+    def set_only(self, ids: Iterable[str] | None) -> None:
+        """Show only the rows keyed by `ids` (beside the text filter); None shows all again. The next snapshot
+        refills the table."""
+        self.only = None if ids is None else frozenset(ids)
+        self.set_filter(self.filter_text)
+
+    def _visible(self, rid: str, cells: tuple) -> bool:
+        if self.only is not None and rid not in self.only:
+            return False
         needle = self.filter_text.lower()
         return not needle or needle in cells[0].lower() or needle in cells[1].lower()
 
     def show(self, stats: EngineStats) -> None:
         live = {row.request_id: _cells(row) for row in (*stats.rows, *stats.finished_rows)}
-        live = {rid: cells for rid, cells in live.items() if self._visible(cells)}
+        live = {rid: cells for rid, cells in live.items() if self._visible(rid, cells)}
         changed = False
         for rid in [rid for rid in self._shown if rid not in live]:
             self.remove_row(rid)
@@ -100,7 +112,7 @@ class RowsTable(DataTable):
             elif old != cells:
                 for (column, _), before, after in zip(COLUMNS, old, cells):
                     if before != after:
-                        self.update_cell(rid, column, after)
+                        self.update_cell(rid, column, after, update_width=True)
                         changed |= column == self.sort_column
             self._shown[rid] = cells
         if changed:
@@ -129,12 +141,25 @@ def showing(listed: int, live: int, visible: int | None) -> str:
     return f"showing {shown} of {live} · {why}"
 
 
+def stall_subtitle(stall: dict, listed: int, key: str) -> str:
+    """The subtitle while the table shows a stall's requests: how many of those it named are still listed
+    (requests that finished long ago leave the table)."""
+    named = f"{len(stall.get('requests') or ())}{'+' if stall.get('requests_cut') else ''}"
+    return f"requests in the stall at {stall['at']}: {listed} of {named} still listed · {key} or Esc: all"
+
+
 class RowsPanel(Vertical):
-    """The rows table with a filter line that `/` opens and Esc (or an empty filter) closes."""
+    """The rows table with a filter line that `/` opens and Esc (or an empty filter) closes, and a stall's
+    requests alone (`show_stall`) until `show_all`."""
 
     DEFAULT_CSS = """
     RowsPanel #rows-filter { display: none; }
     """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stall: dict | None = None  # the stall entry (stalls.StallWatch) whose requests the table shows
+        self._stall_key = ""
 
     def compose(self) -> ComposeResult:
         yield Input(placeholder="filter by id or state (Esc closes)", id="rows-filter", disabled=True)
@@ -161,8 +186,20 @@ class RowsPanel(Vertical):
     def show(self, stats: EngineStats) -> None:
         table = self.query_one(RowsTable)
         table.show(stats)
-        self.border_subtitle = showing(table.row_count, len(stats.rows) + len(stats.finished_rows),
-                                       table.visible_rows())
+        if self.stall is not None:
+            self.border_subtitle = stall_subtitle(self.stall, table.row_count, self._stall_key)
+        else:
+            self.border_subtitle = showing(table.row_count, len(stats.rows) + len(stats.finished_rows),
+                                           table.visible_rows())
+
+    def show_stall(self, stall: dict, key: str) -> None:
+        """Only the rows of the requests `stall` carried; `key` (or Esc) brings every row back."""
+        self.stall, self._stall_key = stall, key
+        self.query_one(RowsTable).set_only(stall.get("requests") or ())
+
+    def show_all(self) -> None:
+        self.stall = None
+        self.query_one(RowsTable).set_only(None)
 
     def cycle_sort(self) -> str:
         return self.query_one(RowsTable).cycle_sort()

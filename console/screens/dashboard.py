@@ -12,13 +12,13 @@ import time
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Static
+from textual.widgets import Input, Static
 
 from console.panels.features import FeaturePanel
 from console.panels.header import EngineHeader
 from console.panels.kv import KVPanel
 from console.panels.read import ReadPanel
-from console.panels.recent import RecentPanel
+from console.panels.recent import STALL_KEY, RecentPanel, latest_stall
 from console.panels.rows import RowsPanel
 from console.panels.speculation import SpeculationPanel
 from console.panels.throughput import ThroughputPanel, TokenRates
@@ -40,6 +40,8 @@ class Dashboard(ConsoleScreen):
         Binding("slash", "filter_rows", "Filter", key_display="/", id="filter_rows"),
         Binding("s", "sort_rows", "Sort", id="sort_rows"),
         Binding("z", "zoom_rows", "Zoom", id="zoom_rows"),
+        # named on the Recent panel's stall line, beside the stall; the narrow footer has no room (help lists it)
+        Binding(STALL_KEY, "stall_rows", "Stall's requests", id="stall_rows", show=False),
     ]
 
     def __init__(self, **kwargs):
@@ -90,6 +92,34 @@ class Dashboard(ConsoleScreen):
 
     def action_filter_rows(self) -> None:
         self.query_one(RowsPanel).open_filter()
+
+    def action_stall_rows(self) -> None:
+        """The Requests table narrowed to the requests the latest stall carried (again, or Esc: every row)."""
+        panel = self.query_one(RowsPanel)
+        if panel.stall is not None:
+            self._all_rows(panel)
+            return
+        stats = self.engine_stats()
+        stall = latest_stall(stats)
+        if stall is None:
+            self.notify("no stall recorded yet", timeout=2)
+        elif "requests" not in stall:
+            self.notify("this server's stalls do not name their requests (it is older than this console)",
+                        timeout=3)
+        else:
+            panel.show_stall(stall, STALL_KEY)
+            self.redraw(stats)
+
+    def _all_rows(self, panel: RowsPanel) -> None:
+        panel.show_all()
+        self.redraw(self.engine_stats())
+
+    def on_key(self, event) -> None:
+        """Esc outside a text field: every row again, when the table shows a stall's requests."""
+        panel = self.query_one(RowsPanel)
+        if event.key == "escape" and panel.stall is not None and not isinstance(self.focused, Input):
+            event.stop()
+            self._all_rows(panel)
 
     def on_data_table_row_selected(self, event) -> None:
         """Enter on a request: its screen (timeline, figures, prompt and answer); Esc comes back."""

@@ -24,7 +24,7 @@ from textual.widgets import Button, Checkbox, Input, Label, Select, Static, Swit
 from console import keys
 from console.screens.base import ConsoleScreen
 from nanoserve.config import EngineConfig, FlagSpec
-from nanoserve.live_knobs import LIVE, KnobChange
+from nanoserve.live_knobs import LIVE, LOG_LEVELS, KnobChange, log_level
 
 FIXED = {"model": "set at launch: nanoserve-console --model PATH"}  # flags a restart cannot change
 
@@ -103,7 +103,9 @@ class FlagsScreen(ConsoleScreen):
     FlagsScreen #flags-form { grid-size: 3; grid-columns: 26 28 1fr; grid-rows: 3; height: auto; padding: 0 1; }
     FlagsScreen #flags-form Label { padding: 1 0 0 0; }
     FlagsScreen #flags-form .flag-help { color: $text-muted; padding: 1 0 0 1; }
-    FlagsScreen #flags-actions { height: auto; padding: 1 1 0 1; }
+    FlagsScreen #flags-actions, FlagsScreen #flags-ops { height: auto; padding: 1 1 0 1; }
+    FlagsScreen #flags-ops Label { padding: 1 1 0 0; }
+    FlagsScreen #flags-ops Select { width: 20; margin-right: 2; }
     FlagsScreen #flags-actions > * { margin-right: 2; }
     FlagsScreen #flags-message, FlagsScreen #flags-progress { padding: 0 1; height: auto; }
     """
@@ -133,6 +135,11 @@ class FlagsScreen(ConsoleScreen):
                     yield control.build(getattr(config, control.spec.name))
                     live = "live (next step, no restart) · " if control.spec.name in LIVE else ""
                     yield Static(live + control.spec.help, classes="flag-help", markup=False)
+            with Horizontal(id="flags-ops"):  # live operations, applied at once and logged
+                yield Label("log level (live)")
+                yield Select([(level.lower(), level) for level in LOG_LEVELS], value=log_level(), allow_blank=False,
+                             id="ops-log-level")
+                yield Button("Reset prefix cache", id="ops-reset-prefix")
             with Horizontal(id="flags-actions"):
                 yield Button(keys.label("Apply", keys.APPLY), variant="primary", id="flags-apply-button")
                 yield Button(keys.label("Reset", keys.RESET), id="flags-reset-button")
@@ -193,6 +200,9 @@ class FlagsScreen(ConsoleScreen):
         for control in self.controls:
             if control.spec.name in stats.flags:
                 control.write(self.query_one(f"#{control.widget_id}"), stats.flags[control.spec.name])
+        level = self._log_level_shown()
+        if level in LOG_LEVELS:
+            self.query_one("#ops-log-level", Select).value = level
         self.query_one("#flags-message", Static).update(
             f"attached to {server.url}: these are the flags it publishes; they are set where it runs")
 
@@ -239,7 +249,8 @@ class FlagsScreen(ConsoleScreen):
         except Exception as e:  # ConfigError: out of range, above what the engine started with
             self.say(f"not applied: {e}")
             return
-        self.app.config = dataclasses.replace(self.app.config, **changes)  # a later restart keeps them
+        flags = {name: value for name, value in changes.items() if name in self.app.config.public()}
+        self.app.config = dataclasses.replace(self.app.config, **flags)  # a later restart keeps them
         self.say(_applied(done))
 
     def _apply_attached(self) -> bool:
@@ -256,17 +267,56 @@ class FlagsScreen(ConsoleScreen):
         changes = {name: value for name, value in values.items() if name in stats.flags and stats.flags[name] != value}
         if not changes or not set(changes) <= set(LIVE):
             return False
-        self.run_worker(lambda: self._post_knobs(server, changes), thread=True)
+        self.run_worker(lambda: self._post(server, "/knobs", changes), thread=True)
         return True
 
-    def _post_knobs(self, server, changes: dict) -> None:
+    # ---- live operations: the log level, the prefix cache ---------------------------------------------
+    @on(Select.Changed, "#ops-log-level")
+    def set_log_level(self, event: Select.Changed) -> None:
+        """The engine's loggers' level, at once (the process's own when the engine runs here)."""
+        server = self.app.server
+        if server is None or event.value == self._log_level_shown():
+            return
+        if self.app.attached:
+            self.run_worker(lambda: self._post(server, "/knobs", {"log_level": event.value}), thread=True)
+        else:
+            self.run_worker(self._apply_live_here({"log_level": event.value}))
+
+    def _log_level_shown(self) -> str | None:
+        """The level in force where the engine runs, as far as this screen knows (attached: its snapshot's)."""
+        if not self.app.attached:
+            return log_level()
+        stats = self.app.server.host.stats()
+        return None if stats is None else (stats.features.get("live") or {}).get("log_level")
+
+    @on(Button.Pressed, "#ops-reset-prefix")
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block's name (running requests keep their blocks); logged with the knobs."""
+        server = self.app.server
+        if server is None:
+            return
+        if self.app.attached:
+            self.run_worker(lambda: self._post(server, "/reset_prefix_cache", {}), thread=True)
+        else:
+            self.run_worker(self._reset_here())
+
+    async def _reset_here(self) -> None:
+        forgotten = await self.app.server.host.call(lambda engine: engine.reset_prefix_cache("console"))
+        self.say(f"prefix cache reset: {forgotten} cached blocks forgotten; running requests keep theirs")
+
+    def _post(self, server, route: str, body: dict) -> None:
+        """An operation on an attached server, with the console's API key; the answer said on the screen."""
         import httpx
 
         try:
-            r = httpx.post(f"{server.url}/knobs", json=changes, headers=server.headers, timeout=10)
-            body = r.json()
-            message = f"not applied: {body['error']['message']}" if r.status_code != 200 else \
-                _applied([KnobChange(**c) for c in body["changed"]]) + f" on {server.url}"
+            r = httpx.post(f"{server.url}{route}", json=body, headers=server.headers, timeout=10)
+            answer = r.json()
+            if r.status_code != 200:
+                message = f"not applied: {answer['error']['message']}"
+            elif "changed" in answer:
+                message = _applied([KnobChange(**c) for c in answer["changed"]]) + f" on {server.url}"
+            else:
+                message = f"prefix cache reset on {server.url}: {answer['blocks_forgotten']} cached blocks forgotten"
         except (httpx.HTTPError, ValueError, KeyError) as e:
             message = f"not applied: {server.url} did not take it ({type(e).__name__}: {e})"
         self.app.call_from_thread(self.say, message)

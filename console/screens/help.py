@@ -17,7 +17,7 @@ class HelpScreen(ModalScreen):
         self.listed = bindings
 
     def compose(self) -> ComposeResult:
-        lines = [f"{b.key_display or b.key:<10} {b.description:<14} id {b.id}" for b in self.listed]
+        lines = [f"{b.key_display or b.key:<10} {b.description:<16} id {b.id}" for b in self.listed]
         with Vertical(id="help"):
             yield Static("nanoserve console: keys", id="help-title")
             yield Static("\n".join(lines + [

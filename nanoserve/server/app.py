@@ -50,7 +50,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     --enable-prompt-tokens-details. The waiting queue's limit is the host's (EngineHost(max_waiting=...)): it
     is checked on the engine thread, where it cannot race."""
     app = FastAPI(title="nanoserve", version=server_version())
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name)
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
     ctx = RouteContext(host, model_name, Metrics(host.stats, model_name), trust_request_chat_template,
                        tool_call_parser, prompt_tokens_details)

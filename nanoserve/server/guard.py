@@ -6,6 +6,7 @@ import secrets
 
 from nanoserve.server.access import KEYED, access
 from nanoserve.server.context import error_response
+from nanoserve.tracing import TRACE_HEADERS, TraceOrigin, current_origin, operation_of
 
 MAX_BODY_BYTES = 4 * 2**20
 DISCARD_BYTES = 64 * 2**20  # past the limit, bytes read and dropped so the 413 reaches the client
@@ -22,8 +23,8 @@ class Guard:
     request is answered 413 and the rest is never read.
     """
 
-    def __init__(self, app, api_key: str | None, max_body: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+    def __init__(self, app, api_key: str | None, max_body: int, model_name: str | None = None):
+        self.app, self.api_key, self.max_body, self.model_name = app, api_key, max_body, model_name
         self._expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
@@ -50,6 +51,9 @@ class Guard:
                 return await self._too_large(None, scope, receive, send, more=message.get("more_body", False))
             if not message.get("more_body", False):
                 break
+        # the request's trace parent and API operation, for its span (read where the engine queues it)
+        current_origin.set(TraceOrigin({name: headers[name.encode()].decode("latin-1") for name in TRACE_HEADERS
+                                        if name.encode() in headers}, operation_of(scope["path"]), self.model_name))
         await self.app(scope, _replaying(b"".join(chunks), receive), send)
 
     async def _too_large(self, declared: int | None, scope, receive, send, more: bool):

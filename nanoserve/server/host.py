@@ -30,6 +30,7 @@ from nanoserve.server.collector import OutputCollector
 from nanoserve.server.health import FailureLog, Health
 from nanoserve.server.refusals import Refusals
 from nanoserve.stats import EngineStats
+from nanoserve.tracing import TraceOrigin, current_origin
 
 log = logging.getLogger("nanoserve.host")
 
@@ -58,6 +59,7 @@ class _Add:
     cache_salt: str | None = None
     session_id: str | None = None
     streamed: bool = True
+    origin: TraceOrigin | None = None  # its trace parent and API operation (tracing.py)
     accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -217,7 +219,7 @@ class EngineHost:
 
     def _send(self, prompt, params, sink, request_id, user=None, cache_salt=None,
               session_id=None, streamed: bool = True) -> concurrent.futures.Future:
-        cmd = _Add(prompt, params, request_id, sink, user, cache_salt, session_id, streamed)
+        cmd = _Add(prompt, params, request_id, sink, user, cache_salt, session_id, streamed, current_origin.get())
         self._enqueue(cmd, bounded=True)
         return cmd.accepted
 
@@ -424,7 +426,7 @@ class EngineHost:
             try:
                 rid = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, user=cmd.user,
                                               cache_salt=cmd.cache_salt, session_id=cmd.session_id,
-                                              streamed=cmd.streamed)
+                                              streamed=cmd.streamed, trace_origin=cmd.origin)
             except Exception as e:
                 cmd.accepted.set_exception(e)
                 continue

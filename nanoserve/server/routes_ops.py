@@ -43,8 +43,9 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     @routes.post("/reset_prefix_cache", responses={401: ERRORS[401], 503: ERRORS[503]},
                  summary="Forget every cached KV block's name (vLLM's route); requests running keep their blocks. "
                          "Guarded by the API key.")
-    async def reset_prefix_cache():
-        forgotten = await host.call(lambda engine: engine.reset_prefix_cache())
+    async def reset_prefix_cache(request: Request):
+        who = f"http {request.client.host if request.client else '?'}"
+        forgotten = await host.call(lambda engine: engine.reset_prefix_cache(who))
         return {"reset": True, "blocks_forgotten": forgotten}
 
     @routes.get("/knobs", responses={401: ERRORS[401]},
