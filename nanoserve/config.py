@@ -106,6 +106,10 @@ class EngineConfig:
     speculative_config: str | None = _flag(None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                                                  "\"num_speculative_tokens\": 4}' (prompt lookup) or "
                                                  "'{\"method\": \"suffix\"}' (suffix decoding); outputs unchanged")
+    stall_factor: float = _flag(3.0, "a step slower than this many times the recent p99 step (and over 50 ms) is "
+                                     "a stall, named with what it carried (Recent panel, /health's stalls)")
+    stall_drop_fraction: float = _flag(0.5, "decode tok/s over a busy second under this share of its running "
+                                            "median, while the rows per step held, is a throughput drop")
     otlp_traces_endpoint: str | None = _flag(None, "export one OpenTelemetry span per request (vLLM's flag): "
                                                    "http://host:4318/v1/traces is OTLP/HTTP, host:4317 OTLP/gRPC "
                                                    "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL overrides); needs the otel "
@@ -138,6 +142,9 @@ class EngineConfig:
              f"distributed_init must be env://, tcp://host:port or file://path, got {self.distributed_init!r}"),
             (self.distributed_init is None or self.tensor_parallel_size > 1,
              "distributed_init names a rendezvous for tensor_parallel_size > 1; set both or neither"),
+            (self.stall_factor > 1, f"stall_factor must be > 1 (a step slower than the p99), got {self.stall_factor}"),
+            (0 < self.stall_drop_fraction < 1,
+             f"stall_drop_fraction must be in (0, 1), got {self.stall_drop_fraction}"),
             (self.distributed_timeout > 0, f"distributed_timeout must be > 0, got {self.distributed_timeout}"),
             (self.tp_all_reduce in ("auto", "backend"),
              f"tp_all_reduce must be auto or backend, got {self.tp_all_reduce!r}"),

@@ -73,7 +73,7 @@ class Engine:
                                  stats=runner.sampler.masker.stats)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                    config.max_logprobs, self.grammars, in_use=self.output_processor.__contains__)
-        self.stalls = StallWatch()  # steps far slower than the ones before, with what they carried
+        self.stalls = StallWatch(config.stall_factor, config.stall_drop_fraction)  # steps far slower than the ones before, with what they carried
         progress("ready")
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d (%.1fs)",
                  runner.loaded.name, runner.device, str(runner.dtype).removeprefix("torch."), runner.num_blocks - 1,

@@ -20,7 +20,8 @@ from collections import deque
 from nanoserve.errors import ConfigError
 
 CONFIG_LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms",  # read by the scheduler each step
-               "speculative_config")  # the drafter the scheduler asks: on, off, or another method
+               "speculative_config",  # the drafter the scheduler asks: on, off, or another method
+               "stall_factor", "stall_drop_fraction")  # the stall watch's thresholds, read each step
 PROCESS_LIVE = ("log_level",)  # the process's, not an EngineConfig flag: the "nanoserve" loggers' level
 LIVE = CONFIG_LIVE + PROCESS_LIVE
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -104,6 +105,7 @@ class LiveKnobs:
         engine.scheduler.max_num_seqs = new.max_num_seqs
         engine.scheduler.max_num_batched_tokens = new.max_num_batched_tokens
         engine.step_budget.max_step_ms = new.max_step_ms
+        engine.stalls.factor, engine.stalls.drop_fraction = new.stall_factor, new.stall_drop_fraction
         self.log.extend(done)
         return done
 

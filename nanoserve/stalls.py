@@ -3,9 +3,9 @@ caught as it happens, with what the engine was carrying.
 
 Two criteria, each kept with the composition at that moment (decode rows, prefill tokens, preemptions) and the
 wall time, so an operator sees why: a long prefill chunk, a burst of preemptions, or neither (the machine).
-- A **slow step** takes over FACTOR times the p99 of the last WINDOW steps (and at least MIN_SECONDS, so
+- A **slow step** takes over `factor` times the p99 of the last WINDOW steps (and at least MIN_SECONDS, so
   microsecond jitter on an idle engine is not one).
-- A **throughput drop**: decode tokens per second over a BUCKET_S stretch of busy time falls below DROP_FRACTION
+- A **throughput drop**: decode tokens per second over a BUCKET_S stretch of busy time falls below `drop_fraction`
   of the median of the last DROP_HISTORY stretches, while the stretch decoded at least as many rows per step as
   those did (fewer requests running is less throughput, not a stall). Busy time runs from the end of a step
   that left requests running to the end of the next, so a delay between steps (the loop starved of the CPU)
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-FACTOR = 3.0
+FACTOR = 3.0  # the thresholds' defaults: --stall-factor and --stall-drop-fraction set them, live knobs both
 MIN_SECONDS = 0.05
 WINDOW = 256  # steps the p99 is taken over
 WARMUP = 32  # steps before any is judged
@@ -35,7 +35,8 @@ STRETCH_IDS = 64  # request names a throughput stretch keeps; past it the entry 
 
 
 class StallWatch:
-    def __init__(self):
+    def __init__(self, factor: float = FACTOR, drop_fraction: float = DROP_FRACTION):
+        self.factor, self.drop_fraction = factor, drop_fraction  # the thresholds: live knobs, read each step
         self._steps: deque[float] = deque(maxlen=WINDOW)
         self._p99: float | None = None
         self._seen = 0
@@ -66,7 +67,7 @@ class StallWatch:
             ordered = sorted(self._steps)
             self._p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] if ordered else None
         stalled = (len(self._steps) >= WARMUP and self._p99 is not None
-                   and seconds > max(FACTOR * self._p99, MIN_SECONDS))
+                   and seconds > max(self.factor * self._p99, MIN_SECONDS))
         if stalled:
             self.count += 1
             self.latest.append({"kind": "step", "at": time.strftime("%H:%M:%S"), "step_ms": round(1000 * seconds, 1),
@@ -100,7 +101,7 @@ class StallWatch:
         if len(self._stretches) >= DROP_WARMUP:
             median_rate = sorted(r for r, _ in self._stretches)[len(self._stretches) // 2]
             median_rows = sorted(n for _, n in self._stretches)[len(self._stretches) // 2]
-            dropped = rate < DROP_FRACTION * median_rate and rows >= LOAD_KEPT * median_rows
+            dropped = rate < self.drop_fraction * median_rate and rows >= LOAD_KEPT * median_rows
             if dropped:
                 self.drops += 1
                 self.latest.append({"kind": "throughput", "at": time.strftime("%H:%M:%S"),
@@ -112,8 +113,8 @@ class StallWatch:
         return dropped
 
     def as_dict(self) -> dict:
-        return {"stalls": self.count, "factor": FACTOR, "throughput_drops": self.drops,
-                "drop_fraction": DROP_FRACTION, "latest": list(self.latest)}
+        return {"stalls": self.count, "factor": self.factor, "throughput_drops": self.drops,
+                "drop_fraction": self.drop_fraction, "latest": list(self.latest)}
 
 
 def _gather(stretch: dict, requests: tuple[str, ...]) -> None:

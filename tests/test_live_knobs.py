@@ -124,3 +124,19 @@ def test_a_prefix_cache_reset_over_http_is_logged_with_who_asked(tiny_checkpoint
         (change,) = httpx.get(server.url + "/knobs", headers=key, timeout=30).json()["log"]
         assert change["name"] == "prefix_cache" and change["who"].startswith("http 127.0.0.1")
         assert (change["old"], change["new"]) == ("2 blocks named", "reset")
+
+
+def test_the_stall_thresholds_change_live_and_judge_the_next_step(tiny_checkpoint):
+    """A step twice the p99 is no stall at the default factor 3, and is one once the factor is 1.5."""
+    engine = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01).engine
+    watch = engine.stalls
+    for _ in range(40):
+        watch.step(0.1, 4, 0, 0, running=4, now=None)
+    assert not watch.step(0.2, 4, 0, 0, running=4)
+    (change,) = engine.set_live({"stall_factor": 1.5}, "test")
+    assert (change.old, change.new) == (3.0, 1.5) and watch.factor == 1.5
+    assert watch.step(0.2, 4, 0, 0, running=4) and watch.latest[-1]["kind"] == "step"
+    engine.set_live({"stall_drop_fraction": 0.8}, "test")
+    assert engine.stats().features["stalls"]["drop_fraction"] == 0.8
+    with pytest.raises(ConfigError, match="stall_factor must be > 1"):
+        engine.set_live({"stall_factor": 0.5}, "test")

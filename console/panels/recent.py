@@ -74,7 +74,7 @@ def stall_line(stats: EngineStats, key: str | None = None) -> str:
     stalls = stats.features.get("stalls") or {}
     latest = latest_stall(stats)
     if latest is None:
-        return "no stall (no step over 3x the recent p99, no throughput drop)"
+        return f"no stall (no step over {stalls.get('factor', 3.0):g}x the recent p99, no throughput drop)"
     counts = f"STALLS {count(stalls['stalls'])} slow steps, {count(stalls.get('throughput_drops', 0))} throughput drops"
     if latest.get("kind") == "throughput":
         what = (f"decode {decimal(latest['decode_tok_s'])} tok/s (median {decimal(latest['median_tok_s'])}) over "
