@@ -190,3 +190,41 @@ def test_without_an_endpoint_nothing_of_opentelemetry_is_imported(tiny_checkpoin
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_bare_host_port_endpoint_exports_over_otlp_grpc_as_vllm_does(tiny_checkpoint, monkeypatch):
+    """vLLM's documented form, host:4317, reaches a loopback gRPC trace service (the collector's own service
+    definition from opentelemetry-proto)."""
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    from concurrent import futures
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received = []
+
+    class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the service's name)
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "true")  # loopback, no TLS
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    service = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), service)
+    port = service.add_insecure_port("127.0.0.1:0")
+    service.start()
+    try:
+        llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01,
+                  otlp_traces_endpoint=f"127.0.0.1:{port}")
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        llm.engine.close()  # sends what is batched
+    finally:
+        service.stop(None)
+    spans = [s for export in received for rs in export.resource_spans for scope in rs.scope_spans
+             for s in scope.spans]
+    (span,) = spans
+    a = {kv.key: _value(kv.value) for kv in span.attributes}
+    assert a["gen_ai.request.id"] == out.request_id and a["gen_ai.usage.output_tokens"] == 3
