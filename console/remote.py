@@ -84,6 +84,14 @@ class RemoteHost:
         response.raise_for_status()
         return response.json()["sequences"]
 
+    def rows(self, match: str = "") -> list[dict]:
+        """GET /requests?match=: the kept sequences whose id, status or finish reason contains `match`. Raises
+        httpx.HTTPError when the server cannot be asked."""
+        response = httpx.get(f"{self.url}/requests", params={"match": match}, headers=self.headers,
+                             timeout=self.timeout)
+        response.raise_for_status()
+        return response.json()["requests"]
+
     def wait_polled(self, polls: int = 1, timeout: float = 10.0) -> bool:
         """Block until `polls` polls have ended (whatever they found); False on timeout."""
         with self._polled:

@@ -124,6 +124,14 @@ def _row_stats(req, summary: dict) -> RowStats:
                     req.finish_reason)
 
 
+def finished_row(row: dict) -> RowStats:
+    """A finished sequence's line (rows()) as the Requests table's RowStats: how a search beyond the snapshot's
+    latest FINISHED_ROWS reaches the table."""
+    return RowStats(row["name"], "finished", row["prompt_tokens"], row["output_tokens"], 0,
+                    row["tokens_per_s"] or 0.0, None, None, row["drafted"], row["kept"], row["ttft_s"],
+                    row["tpot_s"], row["total_s"], row["finish_reason"])
+
+
 class TimelineRecorder:
     """Live sequences' timelines by serial, and the latest RECENT finished ones."""
 
@@ -220,12 +228,15 @@ class TimelineRecorder:
         except Exception:  # a tracing failure never ends a step
             log.exception("the finished-request hook failed for %s", timeline.request_id)
 
-    def rows(self, now: float) -> list[dict]:
-        """Every kept sequence, one line each: live ones first (oldest first), then finished (newest first).
-        Safe to call from another thread than the engine's: the containers are copied in one step each (under
-        the GIL) before anything is read."""
+    def rows(self, now: float, match: str = "") -> list[dict]:
+        """Every kept sequence, one line each: live ones first (oldest first), then finished (newest first);
+        with `match`, only those whose name, status or finish reason contains it (any case). Safe to call from
+        another thread than the engine's: the containers are copied in one step each (under the GIL) before
+        anything is read."""
         live, recent = list(self.live.values()), list(self.recent)
-        return [t.row(now) for t in live] + [t.row(now) for t in reversed(recent)]
+        rows = [t.row(now) for t in live] + [t.row(now) for t in reversed(recent)]
+        needle = match.lower()
+        return [r for r in rows if needle in f"{r['name']} {r['status']} {r['finish_reason'] or ''}".lower()]
 
     def find(self, request_id: str, now: float) -> list[dict]:
         """The timelines of a request's sequences (n of them), live or recently finished; [] if none is kept.

@@ -174,3 +174,29 @@ async def test_enter_on_a_request_opens_its_timeline_which_follows_it_to_its_fin
         assert "request 0 says hello" in text(app, "#request-prompt")
         await pilot.press("escape")
         await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
+
+
+async def test_a_text_filter_finds_finished_requests_beyond_the_latest_hundred(config):
+    """105 requests finish; the snapshot lists the latest 100, so the first is not among them. Filtering by its
+    id searches the 1,000 the engine keeps, and its row comes back, finished, with its figures."""
+    import httpx
+
+    from nanoserve.timeline import FINISHED_ROWS
+
+    app = NanoserveConsole(config, refresh_s=0.1)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await started(app, pilot)
+        r = httpx.post(app.server.url + "/v1/completions", timeout=120,
+                       json={"prompt": [[5, 6, 7 + i % 20] for i in range(FINISHED_ROWS + 5)], "max_tokens": 1,
+                             "request_id": "old"})
+        assert r.status_code == 200
+        await wait_until(pilot, lambda: len(app.server.host.stats().finished_rows) == FINISHED_ROWS, 30,
+                         "the snapshot's finished rows")
+        assert "cmpl-old-0" not in {row.request_id for row in app.server.host.stats().finished_rows}
+        table = app.screen.query_one("#rows-table")
+        await pilot.press("slash", *"old-0")
+        await wait_until(pilot, lambda: table.row_count == 1, 10, "the searched row")
+        row = table.get_row("cmpl-old-0")
+        assert row[1] == "finished (length)" and row[3] == 1
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: table.row_count == FINISHED_ROWS, 10, "the snapshot's rows again")

@@ -152,3 +152,8 @@ def test_the_server_serves_the_table_and_a_requests_timeline(tiny_checkpoint):
         remote = RemoteHost(server.url)
         assert [s["name"] for s in remote.timeline("cmpl-mine")] == ["cmpl-mine", "cmpl-mine#1"]
         assert remote.timeline("cmpl-mine")[0]["prompt"] == "hello there" and remote.timeline("nobody") == []
+        assert httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={**body, "request_id": "other", "n": 1}).status_code == 200
+        assert [r["name"] for r in remote.rows("mine#")] == ["cmpl-mine#1"]  # ?match= on the name
+        assert [r["name"] for r in remote.rows("MINE")] == ["cmpl-mine#1", "cmpl-mine"]  # any case, newest first
+        assert len(remote.rows("length")) == 3 and remote.rows("nothing like it") == []  # the finish reason too

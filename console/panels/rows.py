@@ -4,6 +4,7 @@ requests). Enter on a row opens the request's screen."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from textual.app import ComposeResult
@@ -11,6 +12,9 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Input
 
 from nanoserve.stats import EngineStats, RowStats
+from nanoserve.timeline import finished_row
+
+SEARCH_EVERY_S = 1.0  # while a text filter is set, how often the host's kept finished requests are searched
 
 COLUMNS = (("id", "id"), ("state", "state"), ("prompt", "prompt tokens"), ("generated", "generated tokens"),
            ("rate", "tok/s"), ("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("total", "total s"), ("blocks", "blocks"),
@@ -97,8 +101,9 @@ class RowsTable(DataTable):
         needle = self.filter_text.lower()
         return not needle or needle in cells[0].lower() or needle in cells[1].lower()
 
-    def show(self, stats: EngineStats) -> None:
-        live = {row.request_id: _cells(row) for row in (*stats.rows, *stats.finished_rows)}
+    def show(self, stats: EngineStats, found: Iterable[RowStats] = ()) -> None:
+        """The snapshot's rows, and `found`: finished rows a search brought from beyond the snapshot's."""
+        live = {row.request_id: _cells(row) for row in (*found, *stats.rows, *stats.finished_rows)}
         live = {rid: cells for rid, cells in live.items() if self._visible(rid, cells)}
         changed = False
         for rid in [rid for rid in self._shown if rid not in live]:
@@ -160,6 +165,10 @@ class RowsPanel(Vertical):
         super().__init__(**kwargs)
         self.stall: dict | None = None  # the stall entry (stalls.StallWatch) whose requests the table shows
         self._stall_key = ""
+        # A text filter also searches every finished request the engine keeps (1,000; the snapshot lists the
+        # latest 100): the host is asked on a worker thread, at most every SEARCH_EVERY_S.
+        self.found: dict[str, RowStats] = {}
+        self._searched: tuple[str, float] | None = None  # (text, when) of the latest search asked
 
     def compose(self) -> ComposeResult:
         yield Input(placeholder="filter by id or state (Esc closes)", id="rows-filter", disabled=True)
@@ -173,6 +182,32 @@ class RowsPanel(Vertical):
 
     def on_input_changed(self, event: Input.Changed) -> None:
         self.query_one(RowsTable).set_filter(event.value)
+        self.found, self._searched = {}, None
+
+    def _search(self, text: str) -> None:
+        """Ask the host (this process's, or an attached server's GET /requests?match=) for kept finished rows
+        that match `text`; they join the table at the next snapshot."""
+        if not text or (self._searched is not None and self._searched[0] == text
+                        and time.monotonic() - self._searched[1] < SEARCH_EVERY_S):
+            return
+        server = self.app.server
+        rows_of = getattr(server.host, "rows", None) if server is not None else None
+        if rows_of is None:
+            return
+        self._searched = (text, time.monotonic())
+
+        def search() -> None:
+            try:
+                found = {r["name"]: finished_row(r) for r in rows_of(text) if r["status"] == "finished"}
+            except Exception:  # an attached server that did not answer: the next tick asks again
+                return
+            self.app.call_from_thread(self._found, text, found)
+
+        self.run_worker(search, thread=True, exclusive=True, group="rows-search")
+
+    def _found(self, text: str, found: dict) -> None:
+        if self.query_one(RowsTable).filter_text == text:  # not a search the user has typed past
+            self.found = found
 
     def on_key(self, event) -> None:
         box = self.query_one("#rows-filter", Input)
@@ -185,11 +220,13 @@ class RowsPanel(Vertical):
 
     def show(self, stats: EngineStats) -> None:
         table = self.query_one(RowsTable)
-        table.show(stats)
+        self._search(table.filter_text)
+        table.show(stats, self.found.values() if table.filter_text else ())
         if self.stall is not None:
             self.border_subtitle = stall_subtitle(self.stall, table.row_count, self._stall_key)
         else:
-            self.border_subtitle = showing(table.row_count, len(stats.rows) + len(stats.finished_rows),
+            extra = len(set(self.found) - {r.request_id for r in stats.finished_rows}) if table.filter_text else 0
+            self.border_subtitle = showing(table.row_count, len(stats.rows) + len(stats.finished_rows) + extra,
                                            table.visible_rows())
 
     def show_stall(self, stall: dict, key: str) -> None:

@@ -204,6 +204,12 @@ class EngineHost:
         engine = self.engine  # None while a restart builds the next one
         return [] if engine is None else engine.timelines.find(request_id, time.monotonic())
 
+    def rows(self, match: str = "") -> list[dict]:
+        """Every kept sequence whose id, status or finish reason contains `match`, as GET /requests gives them
+        (the latest 1,000 finished, where the snapshot lists 100); read as `timeline` is."""
+        engine = self.engine
+        return [] if engine is None else engine.timelines.rows(time.monotonic(), match)
+
     def stats(self) -> EngineStats:
         """The snapshot published after the latest step (cheap: no engine access from this thread), with the
         requests the server refused, which never reach the engine."""

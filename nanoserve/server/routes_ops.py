@@ -69,10 +69,11 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
 
     @routes.get("/requests", responses={401: ERRORS[401], 503: ERRORS[503]},
                 summary="Live and recently finished sequences (the latest 1,000), a line each: status, queue time, "
-                        "TTFT, TPOT, total time, tokens, cached tokens, preemptions, drafts kept. Guarded by the API "
-                        "key")
-    async def requests_table():
-        return {"requests": await host.call(lambda engine: engine.timelines.rows(time.monotonic()))}
+                        "TTFT, TPOT, total time, tokens, cached tokens, preemptions, drafts kept; ?match=text keeps "
+                        "those whose id, status or finish reason contains it. Guarded by the API key")
+    async def requests_table(match: str = ""):
+        """`?match=text`: only the sequences whose id, status or finish reason contains it."""
+        return {"requests": await host.call(lambda engine: engine.timelines.rows(time.monotonic(), match))}
 
     @routes.get("/requests/{request_id}", responses={401: ERRORS[401], 503: ERRORS[503],
                                                      404: NOT_KEPT},
