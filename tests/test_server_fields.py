@@ -179,11 +179,11 @@ def seen(server, monkeypatch):
     real = engine.add_request
 
     def spy(prompt, params=None, request_id=None, arrival_time=None, user=None, cache_salt=None, session_id=None,
-            streamed=True):
+            streamed=True, trace_origin=None):
         calls.append((list(prompt) if not isinstance(prompt, str) else prompt, repr(params),
                       (user, cache_salt, session_id), request_id))
         return real(prompt, params, request_id=request_id, arrival_time=arrival_time, user=user,
-                    cache_salt=cache_salt, session_id=session_id, streamed=streamed)
+                    cache_salt=cache_salt, session_id=session_id, streamed=streamed, trace_origin=trace_origin)
 
     monkeypatch.setattr(engine, "add_request", spy)
     return calls

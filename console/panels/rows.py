@@ -190,7 +190,7 @@ class RowsPanel(Vertical):
         if not text or (self._searched is not None and self._searched[0] == text
                         and time.monotonic() - self._searched[1] < SEARCH_EVERY_S):
             return
-        server = self.app.server
+        server = getattr(self.app, "server", None)  # an app hosting the panel alone has none
         rows_of = getattr(server.host, "rows", None) if server is not None else None
         if rows_of is None:
             return
