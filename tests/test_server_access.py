@@ -37,13 +37,19 @@ ROUTES = {
                                                                "request_id": "walked"}),
     ("POST", "/v1/chat/completions"): ("keyed", "/v1/chat/completions",
                                        {**TINY, "messages": [{"role": "user", "content": "hi"}], "user": USER}),
+    ("POST", "/v1/messages"): ("keyed", "/v1/messages", {"model": "tiny", "max_tokens": 2,
+                                                         "messages": [{"role": "user", "content": "hi"}],
+                                                         "metadata": {"user_id": USER}}),
+    ("POST", "/v1/messages/count_tokens"): ("keyed", "/v1/messages/count_tokens",
+                                            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
     ("GET", "/knobs"): ("keyed", "/knobs", None),
     ("POST", "/knobs"): ("keyed", "/knobs", {"max_step_ms": None}),
     ("GET", "/requests"): ("keyed", "/requests", None),  # after the completions: it lists theirs
     ("GET", "/requests/{request_id}"): ("keyed", "/requests/cmpl-walked", None),
 }
 CALLERS = {"no key": {}, "a wrong key": {"Authorization": "Bearer nope"},
-           "the key without Bearer": {"Authorization": KEY}}
+           "the key without Bearer": {"Authorization": KEY}, "a wrong x-api-key": {"x-api-key": "nope"},
+           "the key with Bearer as x-api-key": {"x-api-key": f"Bearer {KEY}"}}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +73,8 @@ def test_every_route_answers_what_its_row_allows(keyed_server):
     for (method, _), (without_key, path, body) in ROUTES.items():
         served = call(keyed_server, method, path, body, right)
         assert served.status_code == 200, (path, served.text)
+        if without_key == "keyed":  # Anthropic's header carries the same key
+            assert call(keyed_server, method, path, body, {"x-api-key": KEY}).status_code == 200, path
         for who, headers in CALLERS.items():
             r = call(keyed_server, method, path, body, headers)
             if without_key == "keyed":

@@ -22,9 +22,14 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "best_of", "user", "request_id",
           "add_special_tokens", "truncate_prompt_tokens", "return_tokens_as_token_ids", "response_format",
           "chat_template", "chat_template_kwargs", "documents", "continue_final_message", "add_generation_prompt",
-          "suffix", "tools", "tokens", "return_token_strs"]
-PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]),
-                                        "text": st.one_of(st.text(max_size=10), st.integers())}), max_size=3)
+          "suffix", "tools", "tokens", "return_token_strs", "system", "stop_sequences", "tool_choice", "thinking",
+          "metadata", "output_config"]
+PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x", "image", "tool_use",
+                                                                 "tool_result"]),
+                                        "text": st.one_of(st.text(max_size=10), st.integers())},
+                                       optional={"id": st.text(max_size=5), "name": st.text(max_size=5),
+                                                 "input": VALUES, "tool_use_id": st.text(max_size=5),
+                                                 "content": VALUES}), max_size=3)
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
                                            "content": st.one_of(st.text(max_size=30), st.none(), st.integers(),
                                                                 PARTS)}),
@@ -38,6 +43,19 @@ BODIES = st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=6) | st.fixed
                                       "logprobs": st.booleans(), "top_logprobs": st.integers(-1, 25)})
 
 
+# Anthropic's shape, with the served model's name ("SERVED" is replaced by it): past validation to the translation
+ANTHROPIC = st.fixed_dictionaries(
+    {"model": st.just("SERVED"), "max_tokens": st.integers(-1, 8),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                 "content": st.one_of(st.text(max_size=20), PARTS)}),
+                          min_size=1, max_size=3)},
+    optional={"system": st.one_of(st.text(max_size=10), PARTS, VALUES), "stream": st.booleans(),
+              "stop_sequences": VALUES, "temperature": VALUES, "top_k": VALUES, "tools": VALUES,
+              "tool_choice": st.one_of(VALUES, st.fixed_dictionaries({"type": st.sampled_from(
+                  ["auto", "any", "tool", "none", "x"])}, optional={"name": st.text(max_size=5)})),
+              "thinking": VALUES, "output_config": VALUES, "metadata": VALUES})
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
@@ -46,9 +64,12 @@ def server(tiny_checkpoint):
     s.stop()
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=BODIES, route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=BODIES | ANTHROPIC, route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize",
+                                                       "/detokenize", "/v1/messages", "/v1/messages/count_tokens"]))
 def test_fuzzed_bodies_never_5xx(server, body, route):
+    if body.get("model") == "SERVED":
+        body["model"] = server.model_name
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
         body["max_tokens"] = 8  # keep generated work small; validity is what is being fuzzed
     if isinstance(body.get("n"), int) and body["n"] > 4:
@@ -57,7 +78,9 @@ def test_fuzzed_bodies_never_5xx(server, body, route):
     r = httpx.post(server.url + route, content=json.dumps(body), timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code < 500, (body, r.text)
-    if r.status_code >= 400:
+    if r.status_code >= 400 and route.startswith("/v1/messages"):  # Anthropic's error shape
+        assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
+    elif r.status_code >= 400:
         assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
 
 

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.errors import NanoserveError
-from nanoserve.server import routes_generate, routes_models, routes_ops, routes_tokens
+from nanoserve.server import routes_generate, routes_messages, routes_models, routes_ops, routes_tokens
+from nanoserve.server.anthropic_errors import AnthropicErrors
 from nanoserve.server.context import APIError, RouteContext, server_version
 from nanoserve.server.context import error_response as _error
 from nanoserve.server.disconnect import ClientGone
@@ -37,7 +38,7 @@ from nanoserve.server.refusals import CountRefusals
 log = logging.getLogger("nanoserve.server")
 # Each adds its routes to the app's own router, in this order (the OpenAPI document's). Not include_router: in
 # FastAPI >= 0.165 that leaves one lazy _IncludedRouter in app.routes in place of the routes themselves.
-ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate)
+ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, routes_messages)
 
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
@@ -51,6 +52,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     is checked on the engine thread, where it cannot race."""
     app = FastAPI(title="nanoserve", version=server_version())
     app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name)
+    app.add_middleware(AnthropicErrors)  # outside the guard: its 401 and 413 too
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
     ctx = RouteContext(host, model_name, Metrics(host.stats, model_name), trust_request_chat_template,
                        tool_call_parser, prompt_tokens_details)

@@ -31,11 +31,11 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        authorized = self._expected is None or \
-            secrets.compare_digest(headers.get(b"authorization", b""), self._expected)  # constant time
+        authorized = self._expected is None or self._key_matches(headers)
         scope.setdefault("state", {})["authorized"] = authorized
         if not authorized and access(scope["path"]) == KEYED:
-            return await error_response(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+            return await error_response(401, "missing or wrong API key; send 'Authorization: Bearer <key>' (or "
+                                             "'x-api-key: <key>')",
                                         "authentication_error")(scope, receive, send)
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body:
@@ -55,6 +55,12 @@ class Guard:
         current_origin.set(TraceOrigin({name: headers[name.encode()].decode("latin-1") for name in TRACE_HEADERS
                                         if name.encode() in headers}, operation_of(scope["path"]), self.model_name))
         await self.app(scope, _replaying(b"".join(chunks), receive), send)
+
+    def _key_matches(self, headers: dict) -> bool:
+        """`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`; compared in constant time."""
+        bearer = secrets.compare_digest(headers.get(b"authorization", b""), self._expected)
+        x_api_key = secrets.compare_digest(headers.get(b"x-api-key", b""), self._expected[len(b"Bearer "):])
+        return bearer or x_api_key
 
     async def _too_large(self, declared: int | None, scope, receive, send, more: bool):
         """Answer 413. The rest of the body is read and dropped first (never parsed), up to DISCARD_BYTES:

@@ -13,10 +13,10 @@ from nanoserve.server.chat import ChatResponder
 from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
 from nanoserve.server.context import APIError, RouteContext, off_loop, respond
 from nanoserve.server.openapi import ERRORS, streamed
-from nanoserve.server.prompts import completion_prompts, rendered_chat
+from nanoserve.server.prompts import completion_prompts
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.server.schemas import ChatResponse, CompletionResponse
-from nanoserve.tools.parsers import parser_for
+from nanoserve.server.turn import prepare_turn
 
 
 async def complete(ctx: RouteContext, body: CompletionRequest, request: Request):
@@ -41,20 +41,10 @@ async def complete(ctx: RouteContext, body: CompletionRequest, request: Request)
 
 
 async def chat_complete(ctx: RouteContext, body: ChatCompletionRequest, request: Request):
-    """/v1/chat/completions: the messages rendered with the chat template; tool calls read by `parser`."""
-    ctx.admit(body)
-    ctx.check_template_trusted(body.chat_template)
-    engine = ctx.host.serving()
-    tokenizer = engine.tokenizer
-    tools = body.tool_request()
-    parser = parser_for(tools, tokenizer.template_source(body.chat_template, tools=[]) if tools else "",
-                        bool(tools) and tokenizer.template_reads("tools", body.chat_template), ctx.tool_call_parser)
-    text, ids = await off_loop(rendered_chat, body, tokenizer, tools, engine.max_model_len)
-    limit = body.token_limit()
-    params = body.sampling_params(limit if limit is not None else ctx.room_for(engine, ids), body.chat_logprobs())
-    rid = ctx.request_id(body, "chatcmpl")
-    fanout = await ctx.fanout(engine, [ids], params, rid, body)
-    responder = ChatResponder(body, fanout, tokenizer, ctx.model_name, rid, ctx.metrics, parser, text)
+    """/v1/chat/completions: the messages rendered with the chat template; tool calls read by the turn's parser."""
+    turn = await prepare_turn(ctx, body, "chatcmpl")
+    responder = ChatResponder(body, turn.fanout, turn.tokenizer, ctx.model_name, turn.rid, ctx.metrics, turn.parser,
+                              turn.prompt_text)
     return await respond(responder, body, request)
 
 
