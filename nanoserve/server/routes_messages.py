@@ -50,6 +50,10 @@ class TokenCount(BaseModel):
 
 
 _ERROR = {"model": AnthropicError}
+# OpenAPI describes one server-sent event per item of a text/event-stream body: Anthropic's name each event
+_SSE_EVENT = {"type": "object", "required": ["event", "data"],
+              "properties": {"event": {"type": "string", "description": "the event's type, as its data says"},
+                             "data": {"type": "string", "description": "the event as JSON"}}}
 ERRORS = {400: {**_ERROR, "description": "The request is refused: a bad value, or a field that is not supported"},
           401: {**_ERROR, "description": "Missing or wrong API key (x-api-key or Authorization: Bearer)"},
           404: {**_ERROR, "description": "The model named is not served here"},
@@ -57,7 +61,7 @@ ERRORS = {400: {**_ERROR, "description": "The request is refused: a bad value, o
           503: {**_ERROR, "description": "The waiting queue is full, or the engine is restarting; retry shortly"}}
 STREAMED = {200: {"model": Message, "description": "One message, or with stream: true Anthropic's server-sent "
                                                    "events (message_start ... message_stop)",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def translated(body) -> ChatCompletionRequest | dict:

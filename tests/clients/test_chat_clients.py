@@ -45,3 +45,18 @@ def test_langchain_invoke_stream_and_batch_equal_offline(client_env, live, offli
     assert got["invoke"] == got["stream"] == offline_chat(offline, first, GREEDY).text
     assert got["seeded_invoke"] == got["seeded_stream"] == offline_chat(offline, first, SEEDED).text
     assert got["batch"] == [offline_chat(offline, q, GREEDY).text for q in got["questions"]]
+
+
+def test_litellm_through_its_anthropic_provider_reaches_the_messages_api(client_env, live, offline, tmp_path):
+    """litellm's "anthropic/" provider speaks POST /v1/messages: the same answer as the offline chat, streamed
+    and not, and a named tool's call read back as an OpenAI tool call."""
+    mark = live.recorder.mark()
+    got = run_driver(client_env, live, tmp_path, "litellm_anthropic")
+    want = offline.chat([{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Name three colours."}], GREEDY, use_tqdm=False)[0]
+    assert got["plain"] == got["streamed"] == want.outputs[0].text
+    assert got["finish_reason"] == "length" and got["completion_tokens"] == len(want.outputs[0].token_ids)
+    assert got["prompt_tokens"] == len(want.prompt_token_ids)
+    assert got["tool_finish_reason"] == "tool_calls"
+    assert got["tool_call"]["name"] == "get_weather" and got["tool_call"]["arguments"]["city"] in ("Paris", "Rome")
+    assert len(live.recorder.since(mark, "/v1/messages")) == 3 and not live.recorder.since(mark, "/v1/chat/completions")
