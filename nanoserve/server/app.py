@@ -23,7 +23,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.errors import NanoserveError
-from nanoserve.server import routes_generate, routes_messages, routes_models, routes_ops, routes_tokens
+from nanoserve.server import (
+    routes_generate,
+    routes_messages,
+    routes_models,
+    routes_ops,
+    routes_responses,
+    routes_tokens,
+)
 from nanoserve.server.anthropic_errors import AnthropicErrors
 from nanoserve.server.context import APIError, RouteContext, server_version
 from nanoserve.server.context import error_response as _error
@@ -38,7 +45,7 @@ from nanoserve.server.refusals import CountRefusals
 log = logging.getLogger("nanoserve.server")
 # Each adds its routes to the app's own router, in this order (the OpenAPI document's). Not include_router: in
 # FastAPI >= 0.165 that leaves one lazy _IncludedRouter in app.routes in place of the routes themselves.
-ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, routes_messages)
+ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, routes_responses, routes_messages)
 
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,

@@ -1,0 +1,269 @@
+"""OpenAI's Responses request (POST /v1/responses), field by field, and its translation into the chat request every
+turn API shares (turn.py).
+
+Each field is honoured or refused with a 400 that says why. `input` is a string or a list of items (messages with
+text parts, `function_call`, `function_call_output`); with `previous_response_id` the stored conversation comes
+first. Built-in tools, reasoning, background mode, stored prompts and conversations are refused with the reason.
+Fields of newer SDKs that ask nothing of a local server are not declared: one warning names them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from nanoserve.server.protocol import INT64, TEXT_ONLY, ChatCompletionRequest, Number, TokenIds
+
+# name -> (values that ask for nothing, why any other value is refused and what to do instead)
+RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "background": ((None, False), "background mode is not built; send the request and read its stream"),
+    "conversation": ((None,), "the Conversations API is not served; chain turns with previous_response_id"),
+    "prompt": ((None,), "stored prompt templates are not served; send the instructions and input"),
+    "include": ((None, []), "no extra output data is produced (no reasoning, no tool sources, no logprobs); send "
+                            "include [] or none"),
+    "max_tool_calls": ((None,), "a limit on built-in tool calls applies to tools this server does not run"),
+    "top_logprobs": ((None, 0), "logprobs are not returned on this route; use /v1/chat/completions with logprobs"),
+    "truncation": ((None, "disabled"), "the conversation is never cut to fit: a prompt over the context is refused; "
+                                       "send truncation 'disabled' or none"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier here; send 'auto' or none"),
+    "context_management": ((None, []), "context management is not supported; trim the input on the client"),
+    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes live in memory while the server runs; send "
+                                                    "'in_memory' or none"),
+}
+RESPONSES_UNSUPPORTED_TOOLS = "built-in tools (web search, file search, computer use, code interpreter, ...)"
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # low and high ask a reasoning model to say less or more
+
+
+class Reasoning(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_obfuscation: StrictBool | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    unsupported: ClassVar[dict[str, tuple[tuple, str]]] = RESPONSES_UNSUPPORTED
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextConfig | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    store: StrictBool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint: every prefix here shares one cache anyway
+    reasoning: Reasoning | None = None
+    # vLLM's sampling extensions
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    seed: StrictInt | None = Field(default=None, ge=INT64[0], le=INT64[1])
+    repetition_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: StrictBool | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=200)
+    cache_salt: str | None = Field(default=None, min_length=1)
+    session_id: str | None = Field(default=None, min_length=1, max_length=200)
+    chat_template_kwargs: dict[str, Any] | None = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    include: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+    truncation: Any = None
+    service_tier: Any = None
+    context_management: Any = None
+    prompt_cache_retention: Any = None
+
+    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                                           "presence_penalty", "frequency_penalty", "min_tokens", "stop",
+                                           "stop_token_ids", "ignore_eos", "cache_salt", "session_id",
+                                           "parallel_tool_calls", "chat_template_kwargs")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+    def refusal(self) -> tuple[str, str] | None:
+        for name, (idle, why) in self.unsupported.items():
+            if getattr(self, name, None) not in idle:
+                return name, f"{name} is not supported: {why}"
+        reasoning = self.reasoning
+        if reasoning is not None and (reasoning.effort not in (None, "none") or reasoning.summary is not None
+                                      or reasoning.generate_summary is not None):
+            return "reasoning", ("this model does not reason in separate items; send reasoning {'effort': 'none'} "
+                                 "or none")
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options apply to a streamed response; send stream: true too"
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            return "stream_options.include_obfuscation", ("deltas are not padded against length side channels here; "
+                                                          "send include_obfuscation false")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            return "temperature", f"temperature must be in [0, 2], got {self.temperature}"
+        return None
+
+    def tool_fields(self) -> dict:
+        """tools and tool_choice as the chat request's (ValueError names a tool this server cannot run)."""
+        fields: dict[str, Any] = {}
+        if self.tools:
+            tools = []
+            for i, tool in enumerate(self.tools):
+                if tool.get("type") != "function":
+                    raise ValueError(f"tools[{i}] is a {tool.get('type')!r} tool; {RESPONSES_UNSUPPORTED_TOOLS} are "
+                                     "not run by this server: declare a function tool and run it yourself")
+                f = FunctionTool.model_validate(tool)
+                tools.append({"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)})
+            fields["tools"] = tools
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise ValueError("tool_choice names a function as {'type': 'function', 'name': ...}; other choices "
+                                 f"({choice.get('type')!r}) name tools this server does not run")
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        if choice is not None:
+            fields["tool_choice"] = choice
+        return fields
+
+    def input_items(self) -> list[dict]:
+        """This request's input as items, as the store keeps them: a string is one user message, and a message's
+        string content one text part (input_text; output_text for the assistant)."""
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        return [_as_item(item) for item in items]
+
+    def to_chat(self, history: list[dict]) -> ChatCompletionRequest:
+        """The chat request of this turn: `instructions`, the stored conversation's items `history`, then this
+        request's input. ValueError names an item that cannot be one."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else [])
+        messages += input_messages(history + self.input_items())
+        fields: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
+                                  "max_completion_tokens": self.max_output_tokens, **self.tool_fields()}
+        fields |= {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
+        user = self.user or self.safety_identifier
+        if user is not None:
+            fields["user"] = user
+        if self.request_id is not None:
+            fields["request_id"] = self.request_id
+        form = self.text.format if self.text is not None else None
+        if form is not None and form.type == "json_object":
+            fields["response_format"] = {"type": "json_object"}
+        elif form is not None and form.type == "json_schema":
+            if form.json_schema is None:
+                raise ValueError("text.format json_schema needs its 'schema'")
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": form.name or "output", "schema": form.json_schema, "strict": form.strict}}
+        return ChatCompletionRequest.model_validate(fields)
+
+
+def input_messages(given: list[dict]) -> list[dict]:
+    """Responses input items as chat messages: function calls join the assistant turn before them, function
+    outputs become tool messages."""
+    messages: list[dict] = []
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            messages.append({"role": _role(item, where), "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": item.get("arguments") or "{}"}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                             "content": _text(item.get("output"), where)})
+        elif kind == "reasoning":
+            raise ValueError(f"{where} is a reasoning item; this model does not reason in separate items, so send "
+                             "the conversation without it")
+        else:
+            raise ValueError(f"{where} is a {kind!r} item; this server takes messages, function_call and "
+                             f"function_call_output items ({RESPONSES_UNSUPPORTED_TOOLS} are not run here)")
+    return messages
+
+
+def _as_item(item: dict) -> dict:
+    if item.get("type", "message") != "message" or not isinstance(item.get("content"), str):
+        return item
+    kind = "output_text" if item.get("role") == "assistant" else "input_text"
+    return {**item, "type": "message", "content": [{"type": kind, "text": item["content"]}]}
+
+
+def _role(item: dict, where: str) -> str:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise ValueError(f"{where}.role must be user, assistant, system or developer, got {role!r}")
+    return role
+
+
+def _text(content, where: str) -> str:
+    """A string, or input_text / output_text / refusal parts, as text; other parts are refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise ValueError(f"{where}.content[{j}] is a {kind!r} part; {TEXT_ONLY}: send input_text parts")
+    return "\n".join(texts)
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where} needs its {key!r} (a string)")
+    return value

@@ -1,0 +1,115 @@
+"""OpenAI's Responses API: POST /v1/responses (a whole response or its event stream), GET and DELETE
+/v1/responses/{id} (the stored ones, response_store.py), GET /v1/responses/{id}/input_items.
+
+The request is translated into the chat request the other turn APIs share (responses_protocol.py, turn.py), so the
+prompt, tools, structured outputs (text.format), the prefix cache and disconnect handling are the chat route's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from nanoserve.server.context import APIError, RouteContext
+from nanoserve.server.disconnect import unless_disconnected
+from nanoserve.server.openapi import ERRORS
+from nanoserve.server.response_store import ResponseStore
+from nanoserve.server.responses_api import ResponsesResponder
+from nanoserve.server.responses_protocol import ResponsesRequest
+from nanoserve.server.turn import prepare_turn
+
+_SSE_EVENT = {"type": "object", "required": ["event", "data"],
+              "properties": {"event": {"type": "string", "description": "the event's type, as its data says"},
+                             "data": {"type": "string", "description": "the event as JSON, with its sequence_number"}}}
+
+
+class Response(BaseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class Deleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class InputItems(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+STREAMED = {200: {"model": Response, "description": "One response, or with stream: true server-sent events "
+                                                    "(response.created ... response.completed)",
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+NOT_STORED = {404: {**ERRORS[404], "description": "No such response is stored (never stored, deleted, or past "
+                                                  "the store's age or size)"}}
+
+
+def _stored(store: ResponseStore, response_id: str):
+    kept = store.get(response_id)
+    if kept is None:
+        raise APIError(404, f"no stored response {response_id!r}: responses are kept in memory for an hour, the "
+                            "latest 1,000, and only with store true", "not_found_error", "response_id")
+    return kept
+
+
+async def create(ctx: RouteContext, store: ResponseStore, body: ResponsesRequest, request: Request):
+    ctx.admit(body)
+    history = []
+    if body.previous_response_id is not None:
+        history = _stored(store, body.previous_response_id).conversation
+    try:
+        chat = body.to_chat(history)
+    except ValueError as e:
+        raise APIError(400, str(e).removeprefix("Value error, ")) from None
+    turn = await prepare_turn(ctx, chat, "resp")
+    asked = history + body.input_items()
+
+    def done(response: dict, output: list[dict]) -> None:
+        if body.store is not False:
+            store.put(response, asked + output)
+
+    responder = ResponsesResponder(body, turn, ctx.model_name, ctx.metrics, done)
+    return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
+
+
+def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
+    store = ResponseStore()  # the app's: an engine restart keeps it
+
+    @routes.post("/v1/responses", responses={**ERRORS, **STREAMED},
+                 summary="OpenAI's Responses API: a reply to the input (and a stored conversation), whole or streamed")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create(ctx, store, body, request)
+
+    @routes.get("/v1/responses/{response_id}", responses={**ERRORS, **NOT_STORED, 200: {"model": Response}},
+                summary="A stored response")
+    async def get_response(response_id: str):
+        return _stored(store, response_id).response
+
+    @routes.delete("/v1/responses/{response_id}", responses={**ERRORS, **NOT_STORED, 200: {"model": Deleted}},
+                   summary="Forget a stored response")
+    async def delete_response(response_id: str):
+        _stored(store, response_id)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @routes.get("/v1/responses/{response_id}/input_items",
+                responses={**ERRORS, **NOT_STORED, 200: {"model": InputItems}},
+                summary="The input items of a stored response: the conversation before its output")
+    async def input_items(response_id: str):
+        kept = _stored(store, response_id)
+        items = kept.conversation[:len(kept.conversation) - len(kept.response["output"])]
+        data = [{"id": item.get("id") or f"item_{i}", **item} for i, item in enumerate(reversed(items))]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": False}

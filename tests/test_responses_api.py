@@ -1,0 +1,142 @@
+"""OpenAI's Responses API (POST /v1/responses, GET / DELETE /v1/responses/{id}) driven by the real openai SDK
+against a live server: whole and streamed responses with their event sequence, responses.parse into a pydantic
+model, a function-call round trip with function_call_output, previous_response_id, the store, and refusals.
+The same conversation gives the chat route's text."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from tests.helpers import tiny_server_running
+
+openai = pytest.importorskip("openai")
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with tiny_server_running(tiny_checkpoint("llama"), {"max_model_len": 256}, api_key="sk-test") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-test", max_retries=0)
+
+
+def _chat_text(client, messages: list[dict], max_tokens: int) -> str:
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    return chat.choices[0].message.content
+
+
+def test_a_response_is_the_chat_routes_text_and_is_stored(client):
+    response = client.responses.create(model="tiny", instructions="Be brief.", input="Name a colour.",
+                                       max_output_tokens=6, **GREEDY)
+    assert response.object == "response" and response.id.startswith("resp_") and response.model == "tiny"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    assert response.output_text == _chat_text(client, chat, 6)
+    assert response.usage.output_tokens == 6 and response.usage.input_tokens > 0
+    assert response.usage.total_tokens == response.usage.input_tokens + 6
+    kept = client.responses.retrieve(response.id)
+    assert kept.id == response.id and kept.output_text == response.output_text
+    (asked,) = client.responses.input_items.list(response.id).data  # the input; instructions are not items
+    assert asked.role == "user" and asked.content[0].text == "Name a colour."
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+def test_previous_response_id_continues_the_stored_conversation(client):
+    first = client.responses.create(model="tiny", input="Say something.", max_output_tokens=5, **GREEDY)
+    second = client.responses.create(model="tiny", input="And more.", previous_response_id=first.id,
+                                     max_output_tokens=5, **GREEDY)
+    chat = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And more."}]
+    assert second.previous_response_id == first.id and second.output_text == _chat_text(client, chat, 5)
+    unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        client.responses.create(model="tiny", input="x", previous_response_id=unstored.id, max_output_tokens=2)
+
+
+def test_a_stream_sends_the_documented_events_numbered_and_the_same_text(client):
+    kwargs = dict(model="tiny", input="Tell me a story.", max_output_tokens=8, **GREEDY)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == whole.output_text == events[-1].response.output_text
+    stop = whole.output_text[3:5]  # ends it early: completed (the SDK's helper finishes on response.completed)
+    assert stop.strip()
+    ended = dict(model="tiny", input="Tell me a story.", max_output_tokens=8, temperature=0,
+                 extra_body={"ignore_eos": True, "stop": [stop]})
+    with client.responses.stream(**ended) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and "".join(texts) == final.output_text
+    assert whole.output_text.startswith(final.output_text) and stop not in final.output_text
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "Rome"]  # short values: the tiny random model writes whatever the schema allows
+    sunny: bool
+
+
+def test_parse_fills_a_pydantic_model_from_the_enforced_schema(client):
+    parsed = client.responses.parse(model="tiny", input="The weather in Paris?", text_format=Weather,
+                                    max_output_tokens=200, temperature=0)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Weather)
+    assert Weather.model_validate_json(parsed.output_text) == parsed.output_parsed
+
+
+def test_a_function_call_round_trip_with_function_call_output(client):
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.responses.create(model="tiny", input=asked, tools=[WEATHER], max_output_tokens=40,
+                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    answered = client.responses.create(
+        model="tiny", tools=[WEATHER], max_output_tokens=4, temperature=0, tool_choice="none",
+        input=[*asked, {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                        "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}])
+    assert answered.output[0].type == "message"
+    chained = client.responses.create(
+        model="tiny", previous_response_id=called.id, tools=[WEATHER], max_output_tokens=4, temperature=0,
+        tool_choice="none", input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}])
+    assert chained.output_text == answered.output_text  # the stored call, then its output: the same prompt
+    events = list(client.responses.create(model="tiny", input=asked, tools=[WEATHER], max_output_tokens=40,
+                                           tool_choice="required", temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert done and events[-1].response.output[-1].arguments == done[-1].arguments
+
+
+def test_what_this_server_cannot_do_is_refused_with_the_reason(server, client):
+    for kwargs, says in ((dict(tools=[{"type": "web_search"}]), "not run by this server"),
+                         (dict(reasoning={"effort": "high"}), "does not reason"),
+                         (dict(background=True), "background mode"),
+                         (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                          "text only"),
+                         (dict(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), "reasoning item")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.responses.create(**{"model": "tiny", "input": "hi", "max_output_tokens": 2, **kwargs})
+    assert httpx.get(f"{server.url}/v1/responses/resp_missing").status_code == 401  # behind the key
+
