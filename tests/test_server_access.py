@@ -42,6 +42,11 @@ ROUTES = {
                                                          "metadata": {"user_id": USER}}),
     ("POST", "/v1/messages/count_tokens"): ("keyed", "/v1/messages/count_tokens",
                                             {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/responses"): ("keyed", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2,
+                                                           "user": USER, "request_id": "stored"}),
+    ("GET", "/v1/responses/{response_id}"): ("keyed", None, None),  # the path of the response just stored
+    ("GET", "/v1/responses/{response_id}/input_items"): ("keyed", None, None),
+    ("DELETE", "/v1/responses/{response_id}"): ("keyed", None, None),  # last: it forgets the response
     ("GET", "/knobs"): ("keyed", "/knobs", None),
     ("POST", "/knobs"): ("keyed", "/knobs", {"max_step_ms": None}),
     ("GET", "/requests"): ("keyed", "/requests", None),  # after the completions: it lists theirs
@@ -70,11 +75,17 @@ def call(server, method: str, path: str, body, headers: dict) -> httpx.Response:
 def test_every_route_answers_what_its_row_allows(keyed_server):
     assert served_routes(keyed_server.app) == set(ROUTES), "declare the new route in ROUTES and access.py"
     right = {"Authorization": f"Bearer {KEY}"}
-    for (method, _), (without_key, path, body) in ROUTES.items():
+    stored = None
+    for (method, route), (without_key, path, body) in ROUTES.items():
+        if route.startswith("/v1/responses/{response_id}"):
+            path = route.replace("{response_id}", stored)
         served = call(keyed_server, method, path, body, right)
+        if route == "/v1/responses":
+            stored = served.json()["id"]
         assert served.status_code == 200, (path, served.text)
-        if without_key == "keyed":  # Anthropic's header carries the same key
-            assert call(keyed_server, method, path, body, {"x-api-key": KEY}).status_code == 200, path
+        if without_key == "keyed":  # Anthropic's header carries the same key (a DELETE done twice: 404)
+            again = call(keyed_server, method, path, body, {"x-api-key": KEY}).status_code
+            assert again == (404 if method == "DELETE" else 200), path
         for who, headers in CALLERS.items():
             r = call(keyed_server, method, path, body, headers)
             if without_key == "keyed":

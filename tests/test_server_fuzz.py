@@ -56,6 +56,20 @@ ANTHROPIC = st.fixed_dictionaries(
               "thinking": VALUES, "output_config": VALUES, "metadata": VALUES})
 
 
+# OpenAI's Responses shape: items of every kind, tools and formats of any value
+ITEMS = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "x"]),
+                           "content": st.one_of(st.text(max_size=20), PARTS, VALUES)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning", "x"])},
+                          optional={"call_id": VALUES, "name": VALUES, "arguments": VALUES, "output": VALUES})),
+    max_size=3)
+RESPONSES = st.fixed_dictionaries(
+    {"input": st.one_of(st.text(max_size=20), ITEMS)},
+    optional={"instructions": VALUES, "max_output_tokens": st.integers(-1, 8), "stream": st.booleans(),
+              "tools": VALUES, "tool_choice": VALUES, "text": VALUES, "store": VALUES, "reasoning": VALUES,
+              "previous_response_id": VALUES, "include": VALUES, "temperature": VALUES})
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
@@ -64,12 +78,15 @@ def server(tiny_checkpoint):
     s.stop()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=BODIES | ANTHROPIC, route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize",
-                                                       "/detokenize", "/v1/messages", "/v1/messages/count_tokens"]))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=BODIES | ANTHROPIC | RESPONSES,
+       route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
+                              "/v1/messages/count_tokens", "/v1/responses"]))
 def test_fuzzed_bodies_never_5xx(server, body, route):
     if body.get("model") == "SERVED":
         body["model"] = server.model_name
+    if isinstance(body.get("max_output_tokens"), int) and body["max_output_tokens"] > 8:
+        body["max_output_tokens"] = 8
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
         body["max_tokens"] = 8  # keep generated work small; validity is what is being fuzzed
     if isinstance(body.get("n"), int) and body["n"] > 4:

@@ -30,7 +30,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(client_env, live
     assert run.returncode == 0, run.output[-6000:]
     seen = live.recorder.since(mark)
     assert not [e for e in seen if e.status is None or e.status >= 500], live.recorder.failures(mark)
-    for route in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"):
         assert len([e for e in seen if e.method == "POST" and e.path == route]) >= MAX_EXAMPLES, route
 
 
@@ -49,7 +49,7 @@ def test_openapi_document_describes_the_success_bodies(live):
     doc = httpx.get(f"{live.url}/openapi.json").json()
     empty = []
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/messages",
-                 "/v1/messages/count_tokens"):
+                 "/v1/messages/count_tokens", "/v1/responses"):
         method = "post" if path != "/v1/models" else "get"
         schema = doc["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]
         if not schema:
