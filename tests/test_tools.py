@@ -176,14 +176,46 @@ def test_an_agents_history_reaches_the_model(default_server):
 @pytest.mark.parametrize("body,field", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "constrains it too"),
-    ({"tools": [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}]},
-     "strict tools are enforced"),
+    ({"tools": [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}],
+      "response_format": {"type": "json_object"}}, "strict tools under 'auto' enforce"),
     ({"tools": None, "tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS + TOOLS[:1]}, "more than once"),
 ])
 def test_what_cannot_work_is_refused(default_server, body, field):
     r = chat(default_server, **{"tools": TOOLS, **body})
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_strict_tools_under_auto_are_enforced_by_a_grammar_of_text_or_hermes_calls(default_server):
+    """auto with a strict function: text that never opens a call, or calls to declared functions whose arguments
+    follow the strict schema; the same grammar the request runs under, token by token."""
+    from nanoserve.structured.params import StructuredOutputsParams
+    from nanoserve.tools.spec import hermes_grammar, tool_request
+
+    strict = [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}, TOOLS[0]]
+    tools = tool_request(strict, "auto", None)
+    assert tools.constraint() == StructuredOutputsParams(grammar=hermes_grammar(tools.functions, True))
+    engine = default_server.host.serving()
+    grammar = engine.grammars.compile(tools.constraint())
+
+    def takes(text: str) -> bool:
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        return grammar.matcher().valid_prefix(ids) == len(ids)
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    assert takes("Let me add them.") and takes("Sure. " + call) and takes(call + call + " Done.")
+    assert takes('<tool_call>{"name": "get_weather", "arguments": {"anything": true}}</tool_call>')  # not strict
+    assert not takes('<tool_call>{"name": "add", "arguments": {"a": "two", "b": 3}}</tool_call>')
+    assert not takes('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3, "c": 4}}</tool_call>')  # closed
+    assert not takes('<tool_call>{"name": "subtract", "arguments": {}}</tool_call>')
+    one = engine.grammars.compile(StructuredOutputsParams(grammar=hermes_grammar(tools.functions, False)))
+    ids = engine.tokenizer.encode(call + call, add_special_tokens=False)
+    assert one.matcher().valid_prefix(ids) < len(ids)  # parallel_tool_calls false: one call
+    r = chat(default_server, tools=strict, max_tokens=60)
+    assert r.status_code == 200, r.text
+    for made in r.json()["choices"][0]["message"].get("tool_calls") or []:
+        if made["function"]["name"] == "add":
+            assert set(json.loads(made["function"]["arguments"])) == {"a", "b"}
 
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system

@@ -325,7 +325,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None  # the schema is enforced with tool_choice required or named; see refusal()
+    strict: StrictBool | None = None  # its schema is enforced: always under required or named, under auto if strict
 
 
 class ToolDefinition(BaseModel):
@@ -399,14 +399,12 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true; send both"
         tools = self.tool_request()
-        if tools is not None and tools.choice in ("required", "named"):
+        if tools is not None and tools.constraint() is not None:  # required, named, or auto with strict tools
             given = [name for name in ("response_format", "structured_outputs", *GUIDED) if self._asks(name)]
             if given:
-                return given[0], (f"tool_choice {tools.choice!r} constrains the output to tool calls, and {given[0]} "
-                                  "constrains it too; send one of them")
-        if tools is not None and tools.choice == "auto" and any(t.function.strict for t in self.tools or ()):
-            return "tools", ("strict tools are enforced by tool_choice 'required' or a named function; with 'auto' "
-                             "the model's arguments are parsed as written. Send one of those, or strict: false")
+                why = "strict tools under 'auto' enforce" if tools.choice == "auto" else \
+                    f"tool_choice {tools.choice!r} constrains the output to tool calls, and"
+                return given[0], f"{why} {given[0]} constrains it too; send one of them"
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             return "max_completion_tokens", ("max_tokens and max_completion_tokens disagree; send one of them "
                                              "(max_tokens is the older name of max_completion_tokens)")

@@ -5,12 +5,16 @@
 - `required`: the reply is a JSON array of one or more calls to declared tools, enforced by the grammar engine
   (one call when parallel_tool_calls is false), so it works on any model.
 - a named function: the reply is that function's arguments, enforced by its parameters schema.
+- `auto` with a `strict` function: the reply is text with Hermes `<tool_call>` blocks (the format the auto parser
+  reads), enforced by a Lark grammar: text that never writes the tag, or calls whose name is declared and whose
+  arguments follow the strict function's schema (any object for a function that is not strict).
 Enforced arguments hold only the parameters a function declares (its objects closed to other keys, as OpenAI's
 strict mode requires of a schema), unless its schema sets additionalProperties itself.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +38,7 @@ class Function:
     name: str
     description: str | None
     parameters: Mapping[str, Any]
+    strict: bool = False  # OpenAI's strict: its arguments follow the schema, enforced here under auto too
 
     def as_tool(self) -> dict:
         """OpenAI's tool shape, which chat templates read."""
@@ -51,7 +56,8 @@ class ToolRequest:
     parallel: bool = True
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar that enforces `required` or a named function; None for auto and none."""
+        """The grammar that enforces `required`, a named function, or `auto` with a strict function; None for
+        none and for auto without strict functions (the reply is parsed as written)."""
         if self.choice == "named":
             return StructuredOutputsParams(json=dict(self.function(self.named).parameters),
                                            disable_additional_properties=True)
@@ -64,6 +70,8 @@ class ToolRequest:
             if not self.parallel:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema, disable_additional_properties=True)
+        if self.choice == "auto" and any(f.strict for f in self.functions):
+            return StructuredOutputsParams(grammar=hermes_grammar(self.functions, self.parallel))
         return None
 
     def function(self, name: str) -> Function:
@@ -71,6 +79,29 @@ class ToolRequest:
 
     def template_tools(self) -> list[dict] | None:
         return None if self.choice == "none" else [f.as_tool() for f in self.functions]
+
+
+def hermes_grammar(functions: Sequence[Function], parallel: bool) -> str:
+    """Text, then Hermes calls (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), as a Lark grammar.
+
+    The text is one lazy lexeme that ends at the tag, so a call cannot hide inside text: the plain-text branch
+    may never contain `<tool_call>` at all. A strict function's arguments follow its schema, closed to undeclared
+    keys; another's are any object."""
+    from nanoserve.structured.schema import closed
+
+    calls = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": f.name},
+        "arguments": closed(dict(f.parameters)) if f.strict else ANY_OBJECT},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]}
+    return "\n".join([
+        "start: FINAL? | calls",
+        f"calls: call{'+' if parallel else ''} FINAL?",
+        'call: prose WS? body WS? "</tool_call>"',
+        "prose[lazy]: /(.|\\n)*<tool_call>/",
+        f"body: %json {json.dumps(calls)}",
+        "WS: /[ \\t\\n]+/",
+        "FINAL: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
+    ])
 
 
 def tool_request(tools: Sequence[Mapping] | None, tool_choice: Any, parallel_tool_calls: bool | None
@@ -114,4 +145,5 @@ def _function(tool: Mapping, i: int) -> Function:
         raise ToolError(f"tools.{i}.function.parameters", f"tools[{i}].function.parameters must be a JSON schema "
                                                           "object")
     description = fn.get("description")
-    return Function(fn["name"], description if isinstance(description, str) else None, parameters)
+    return Function(fn["name"], description if isinstance(description, str) else None, parameters,
+                    fn.get("strict") is True)

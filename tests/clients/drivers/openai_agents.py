@@ -19,9 +19,7 @@ set_tracing_disabled(True)  # the SDK would otherwise export its traces to OpenA
 calls = []
 
 
-# strict_mode off: a strict tool under tool_choice auto (the second turn's) is refused, since this server
-# enforces strict arguments only under required or a named function
-@function_tool(strict_mode=False)
+@function_tool  # strict, the SDK's default: enforced under the second turn's tool_choice auto too
 def get_weather(city: Literal["Paris", "Rome"]) -> str:
     """The weather in a city."""
     calls.append(city)
