@@ -190,8 +190,8 @@ class MessagesRequest(_MessagesBody):
 
     def refusal(self) -> tuple[str, str] | None:
         if self.output_config is not None and self.output_config.effort is not None:
-            return "output_config.effort", ("effort sets how long a reasoning model thinks; this server's models "
-                                            "do not reason separately, so send no effort")
+            return "output_config.effort", ("output_config.effort sets how long a reasoning model thinks; this "
+                                            "server's models do not reason separately, so send no effort")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             return "temperature", f"temperature must be in [0, 2], got {self.temperature}"
         return super().refusal()

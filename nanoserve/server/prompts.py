@@ -54,6 +54,11 @@ def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size
     return out
 
 
+# what rendering sets from the request's own fields: chat_template_kwargs may not set them a second time
+RENDER_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tokenize",
+                              "chat_template", "tools", "documents"})
+
+
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRequest | None = None,
                 max_model_len: int | None = None) -> list[int]:
     """The conversation rendered with the chat template (or the request's own) and encoded, with the request's
@@ -67,6 +72,10 @@ def rendered_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: Tool
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     _check_tool_results(messages)
     variables = dict(body.chat_template_kwargs or {})
+    own = sorted(set(variables) & RENDER_ARGUMENTS)
+    if own:
+        raise PromptError("chat_template_kwargs", f"chat_template_kwargs sets {', '.join(own)}, which the request "
+                                                  "sets itself; send it as its own field")
     if body.documents is not None:
         variables["documents"] = body.documents
     if tools is not None and tools.template_tools() is not None:

@@ -143,8 +143,8 @@ class ResponsesRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options apply to a streamed response; send stream: true too"
         if self.stream_options is not None and self.stream_options.include_obfuscation:
-            return "stream_options.include_obfuscation", ("deltas are not padded against length side channels here; "
-                                                          "send include_obfuscation false")
+            return "stream_options.include_obfuscation", ("stream_options.include_obfuscation: deltas are not "
+                                                          "padded against length side channels here; send false")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             return "temperature", f"temperature must be in [0, 2], got {self.temperature}"
         return None
@@ -185,6 +185,8 @@ class ResponsesRequest(BaseModel):
         fields: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
                                   "max_completion_tokens": self.max_output_tokens, **self.tool_fields()}
         fields |= {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
+        if not self.tools:  # OpenAI's own responses carry it whatever the tools: without tools it asks nothing
+            fields.pop("parallel_tool_calls", None)
         user = self.user or self.safety_identifier
         if user is not None:
             fields["user"] = user
