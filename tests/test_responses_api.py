@@ -38,7 +38,7 @@ def _chat_text(client, messages: list[dict], max_tokens: int) -> str:
     return chat.choices[0].message.content
 
 
-def test_a_response_is_the_chat_routes_text_and_is_stored(client):
+def test_a_response_is_the_chat_routes_text_and_is_stored(server, client):
     response = client.responses.create(model="tiny", instructions="Be brief.", input="Name a colour.",
                                        max_output_tokens=6, **GREEDY)
     assert response.object == "response" and response.id.startswith("resp_") and response.model == "tiny"
@@ -53,6 +53,19 @@ def test_a_response_is_the_chat_routes_text_and_is_stored(client):
     assert kept.id == response.id and kept.output_text == response.output_text
     (asked,) = client.responses.input_items.list(response.id).data  # the input; instructions are not items
     assert asked.role == "user" and asked.content[0].text == "Name a colour."
+    first = client.responses.create(model="tiny", input="One.", max_output_tokens=2, **GREEDY)
+    chained = client.responses.create(model="tiny", input="Two.", previous_response_id=first.id,
+                                      max_output_tokens=2, **GREEDY)
+    newest = client.responses.input_items.list(chained.id, limit=2)  # its input, the first's output, the first's
+    assert [i.type for i in newest.data] == ["message", "message"] and newest.has_more
+    assert newest.data[0].content[0].text == "Two." and newest.data[1].role == "assistant"
+    rest = client.responses.input_items.list(chained.id, limit=2, after=newest.last_id)
+    assert [i.content[0].text for i in rest.data] == ["One."] and not rest.has_more
+    oldest = client.responses.input_items.list(chained.id, order="asc", limit=1)
+    assert oldest.data[0].content[0].text == "One."
+    streamed = httpx.get(f"{server.url}/v1/responses/{chained.id}", params={"stream": "true"},
+                         headers={"Authorization": "Bearer sk-test"})
+    assert streamed.status_code == 400 and "'stream' is not supported" in streamed.json()["error"]["message"]
     client.responses.delete(response.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
 from nanoserve.server.context import APIError, RouteContext
@@ -94,7 +94,8 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
 
     @routes.get("/v1/responses/{response_id}", responses={**ERRORS, **NOT_STORED, 200: {"model": Response}},
                 summary="A stored response")
-    async def get_response(response_id: str):
+    async def get_response(response_id: str, request: Request):
+        _only_query(request, ())
         return _stored(store, response_id).response
 
     @routes.delete("/v1/responses/{response_id}", responses={**ERRORS, **NOT_STORED, 200: {"model": Deleted}},
@@ -106,10 +107,35 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
 
     @routes.get("/v1/responses/{response_id}/input_items",
                 responses={**ERRORS, **NOT_STORED, 200: {"model": InputItems}},
-                summary="The input items of a stored response: the conversation before its output")
-    async def input_items(response_id: str):
-        kept = _stored(store, response_id)
-        items = kept.conversation[:len(kept.conversation) - len(kept.response["output"])]
-        data = [{"id": item.get("id") or f"item_{i}", **item} for i, item in enumerate(reversed(items))]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": False}
+                summary="The input items of a stored response (the conversation before its output), a page at a "
+                        "time: order (desc, the default, or asc), limit (1 to 100, default 20), after (an item id)")
+    async def input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
+                          limit: int = Query(default=20, ge=1, le=100), after: str | None = None):
+        _only_query(request, ("order", "limit", "after"))
+        return items_page(_stored(store, response_id), order, limit, after)
+
+
+def _only_query(request: Request, known: tuple[str, ...]) -> None:
+    """OpenAI's other query parameters (stream, starting_after, include) ask for what is not served here: a 400,
+    never ignored. An empty include asks nothing."""
+    for name, value in request.query_params.multi_items():
+        if name not in known and not (name in ("include", "include[]") and not value):
+            raise APIError(400, f"the query parameter {name!r} is not supported here (a stored response is read "
+                                "whole, with no extra data); leave it out", param=name)
+
+
+def items_page(kept, order: str, limit: int, after: str | None) -> dict:
+    """One page of a stored response's input items, as OpenAI lists them (each with an id)."""
+    items = kept.conversation[:len(kept.conversation) - len(kept.response["output"])]
+    data = [{"id": item.get("id") or f"item_{i}", **item} for i, item in enumerate(items)]
+    if order == "desc":
+        data.reverse()
+    if after is not None:
+        ids = [item["id"] for item in data]
+        if after not in ids:
+            raise APIError(400, f"after names {after!r}, which is not an input item of this response",
+                           param="after")
+        data = data[ids.index(after) + 1:]
+    page = data[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
