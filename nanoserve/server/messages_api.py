@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from nanoserve.server.turn import PreparedTurn, TurnEnd, turn_events
-from nanoserve.tools.parsers import Arguments, CallStart, Content
+from nanoserve.server.turn import PreparedTurn, TurnEnd, turn_events, whole_turn
+from nanoserve.tools.parsers import CallStart, Content
 
 
 def message_id() -> str:
@@ -56,19 +56,9 @@ class MessagesResponder:
                 "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
     async def whole(self) -> dict:
-        text, calls, end = [], {}, None
-        async for event in turn_events(self.turn, self.metrics):
-            if isinstance(event, Content):
-                text.append(event.text)
-            elif isinstance(event, CallStart):
-                calls[event.index] = [event, ""]
-            elif isinstance(event, Arguments):
-                calls[event.index][1] += event.text
-            else:
-                end = event
-        content = []
-        joined = "".join(text)
-        for start, arguments in (calls[i] for i in sorted(calls)):
+        reply = await whole_turn(self.turn, self.metrics)
+        content, joined, end = [], reply.text, reply.end
+        for start, arguments in reply.calls:
             data = tool_input(arguments)
             if data is None:  # not an object the client could run: kept as text, never dropped
                 joined += arguments

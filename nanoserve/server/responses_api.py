@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 
 from nanoserve.server.responses_protocol import ResponsesRequest, item_id
-from nanoserve.server.turn import PreparedTurn, TurnEnd, turn_events
-from nanoserve.tools.parsers import Arguments, CallStart, Content
+from nanoserve.server.turn import PreparedTurn, TurnEnd, turn_events, whole_turn
+from nanoserve.tools.parsers import CallStart, Content
 
 
 def usage_of(end: TurnEnd) -> dict:
@@ -64,21 +64,13 @@ class ResponsesResponder:
         return response
 
     async def whole(self) -> dict:
-        text, calls, end = [], {}, None
-        async for event in turn_events(self.turn, self.metrics):
-            if isinstance(event, Content):
-                text.append(event.text)
-            elif isinstance(event, CallStart):
-                calls[event.index] = _call_item(event)
-            elif isinstance(event, Arguments):
-                calls[event.index]["arguments"] += event.text
-            else:
-                end = event
-        joined = "".join(text)
-        status = "incomplete" if end.finish_reason == "length" else "completed"
-        output = [_message_item(item_id("msg"), status, [text_part(joined)])] if joined or not calls else []
-        output += [{**calls[i], "status": "completed"} for i in sorted(calls)]
-        return self._finished(output, end)
+        reply = await whole_turn(self.turn, self.metrics)
+        status = "incomplete" if reply.end.finish_reason == "length" else "completed"
+        output = [_message_item(item_id("msg"), status, [text_part(reply.text)])] \
+            if reply.text or not reply.calls else []
+        output += [{**_call_item(start), "arguments": arguments, "status": "completed"}
+                   for start, arguments in reply.calls]
+        return self._finished(output, reply.end)
 
     def stream(self) -> StreamingResponse:
         return responses_sse(self._events())

@@ -17,7 +17,7 @@ from nanoserve.server.context import RouteContext, off_loop
 from nanoserve.server.fanout import Fanout
 from nanoserve.server.prompts import rendered_chat
 from nanoserve.server.protocol import ChatCompletionRequest
-from nanoserve.tools.parsers import CallStart, Content, parser_for
+from nanoserve.tools.parsers import Arguments, CallStart, Content, parser_for
 
 
 @dataclass
@@ -82,3 +82,27 @@ async def turn_events(turn: PreparedTurn, metrics) -> AsyncIterator[Content | Ca
             metrics.observe(out)
             prompt, made, cached = turn.fanout.usage_counts()
             yield TurnEnd(c.finish_reason, c.stop_reason, called, prompt, made, cached)
+
+
+@dataclass
+class WholeTurn:
+    """A reply read to its end: its text, its calls (each start with its arguments' JSON text) and its end."""
+
+    text: str
+    calls: list[tuple[CallStart, str]]
+    end: TurnEnd
+
+
+async def whole_turn(turn: PreparedTurn, metrics) -> WholeTurn:
+    """Read the reply to its end (a whole, unstreamed answer)."""
+    text, calls, end = [], {}, None
+    async for event in turn_events(turn, metrics):
+        if isinstance(event, Content):
+            text.append(event.text)
+        elif isinstance(event, CallStart):
+            calls[event.index] = [event, ""]
+        elif isinstance(event, Arguments):
+            calls[event.index][1] += event.text
+        else:
+            end = event
+    return WholeTurn("".join(text), [tuple(calls[i]) for i in sorted(calls)], end)
