@@ -84,6 +84,26 @@ def test_metrics_use_vllm_names(client, server):
     assert 'finished_reason="length"' in text
 
 
+def test_the_metrics_routers_scrape_carry_vllms_names_types_and_labels(client, server):
+    """llm-d and the Gateway API Inference Extension pick an endpoint by vLLM's own metric names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model="tiny", prompt="hi", **GREEDY)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    stats = health(server)
+    for name, want in (("vllm:num_requests_running", stats["scheduler"]["running"]),
+                       ("vllm:num_requests_waiting", stats["scheduler"]["waiting"]),
+                       ("vllm:kv_cache_usage_perc", stats["kv"]["usage"])):
+        (sample,) = families[name].samples
+        assert families[name].type == "gauge" and sample.labels == {"model_name": "tiny", "engine": "0"}
+        assert sample.value == want, name
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.value == 1 and info.labels["model_name"] == "tiny"
+    assert int(info.labels["block_size"]) == stats["kv"]["block_size"]
+    assert int(info.labels["num_gpu_blocks"]) == stats["kv"]["blocks_total"]
+    assert info.labels["enable_prefix_caching"] == "True"
+
+
 @pytest.mark.parametrize("body,status,needle", [
     ({"model": "tiny", "prompt": "x " * 300, "max_tokens": 4}, 400, "max_model_len"),
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
