@@ -124,14 +124,16 @@ def cmd_serve(args) -> int:
     from nanoserve.config import EngineConfig
 
     flags = {**engine_flags(args), "model": serve_model(args)}
-    from nanoserve.server.serve import Server
+    from nanoserve.server.serve import DataParallel, Server
 
+    data_parallel = DataParallel(args.data_parallel_size, args.data_parallel_backend, args.ray_address,
+                                 args.data_parallel_routing)
     server = Server(EngineConfig.from_flags(**flags), host=args.host, port=args.port,
                     api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                     trust_request_chat_template=args.trust_request_chat_template,
                     shutdown_timeout=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
                     header_timeout=args.header_timeout, tool_call_parser=args.tool_call_parser,
-                    prompt_tokens_details=args.enable_prompt_tokens_details)
+                    prompt_tokens_details=args.enable_prompt_tokens_details, data_parallel=data_parallel)
     server.run()
     return 0
 
@@ -143,6 +145,24 @@ BENCHMARKS = ("throughput", "serve", "linear", "ab", "inputs", "graphs", "wire",
 
 def cmd_bench(args) -> int:
     return args.bench_main(args)
+
+
+def add_data_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's data-parallel flags (nanoserve/dp/): replicas behind this server's one front end."""
+    group = parser.add_argument_group("data parallelism")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                       help="engine replicas, each its own process with its share of the CPU threads, or its own "
+                            "GPU; requests are routed by prefix-cache affinity, then load (default 1)")
+    group.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
+                       help="mp: processes on this machine; ray: actors on an existing Ray cluster (`ray start "
+                            "--head`; needs the ray extra)")
+    group.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                       help="the Ray cluster for --data-parallel-backend ray (default: the one `ray start` "
+                            "left running here, RAY_ADDRESS)")
+    group.add_argument("--data-parallel-routing", choices=("prefix-affinity", "least-loaded", "round-robin"),
+                       default="prefix-affinity",
+                       help="how the front end picks a replica: the longest cached prefix among replicas not a "
+                            "batch behind the least loaded, then load (default); load only; or in turn")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                        help="the format tool_choice 'auto' reads calls in (default: the chat template's own, "
                             "Hermes <tool_call> blocks where it writes them or renders no tools)")
+    add_data_parallel_flags(serve)
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -70,6 +70,7 @@ class RowStats:
     tpot_s: float | None = None  # time a token after the first (None before a second)
     total_s: float | None = None  # arrival to finish, or to now while live
     finish_reason: str | None = None
+    replica: int | None = None  # the data-parallel replica serving it (None: a single engine)
 
 
 @dataclass(frozen=True)

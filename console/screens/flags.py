@@ -245,7 +245,7 @@ class FlagsScreen(ConsoleScreen):
     async def _apply_live_here(self, changes: dict) -> None:
         """Live flags into this console's engine, between two steps."""
         try:
-            done = await self.app.server.host.call(lambda engine: engine.set_live(changes, "console"))
+            done = await self.app.server.host.set_live(changes, "console")
         except Exception as e:  # ConfigError: out of range, above what the engine started with
             self.say(f"not applied: {e}")
             return
@@ -301,7 +301,7 @@ class FlagsScreen(ConsoleScreen):
             self.run_worker(self._reset_here())
 
     async def _reset_here(self) -> None:
-        forgotten = await self.app.server.host.call(lambda engine: engine.reset_prefix_cache("console"))
+        forgotten = await self.app.server.host.reset_prefix_cache("console")
         self.say(f"prefix cache reset: {forgotten} cached blocks forgotten; running requests keep theirs")
 
     def _post(self, server, route: str, body: dict) -> None:

@@ -48,6 +48,12 @@ class KVManager:
         self._pending: list[int] = []  # blocks named for content a scheduled step has yet to write
         self._queries = self._hits = 0  # tokens looked up / found cached (vLLM's counters)
 
+    @property
+    def cache_root(self) -> bytes:
+        """The parent of every unsalted chain's first block name (a salted chain's is root_hash(it, salt)): what
+        a data-parallel front end needs to name a prompt's blocks as this pool does."""
+        return self._root
+
     # ---- sizes ----------------------------------------------------------------------------------------
     @property
     def num_usable(self) -> int:

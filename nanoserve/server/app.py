@@ -61,7 +61,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name)
     app.add_middleware(AnthropicErrors)  # outside the guard: its 401 and 413 too
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
-    ctx = RouteContext(host, model_name, Metrics(host.stats, model_name), trust_request_chat_template,
+    ctx = RouteContext(host, model_name, Metrics(host.stats, model_name, host.engine_stats), trust_request_chat_template,
                        tool_call_parser, prompt_tokens_details)
     install_openapi(app, lambda: host.serving().max_model_len)
     _install_error_handlers(app)

@@ -224,10 +224,15 @@ class EngineHost:
         return self._send(prompt, params, sink, request_id, user, cache_salt, session_id).result(timeout)
 
     def _send(self, prompt, params, sink, request_id, user=None, cache_salt=None,
-              session_id=None, streamed: bool = True) -> concurrent.futures.Future:
-        cmd = _Add(prompt, params, request_id, sink, user, cache_salt, session_id, streamed, current_origin.get())
+              session_id=None, streamed: bool = True, origin: TraceOrigin | None = None) -> concurrent.futures.Future:
+        """Queue a request; the future answers with its id once the engine admitted it, or with the refusal.
+        `origin` defaults to the calling route's (tracing.current_origin)."""
+        cmd = _Add(prompt, params, request_id, sink, user, cache_salt, session_id, streamed,
+                   origin if origin is not None else current_origin.get())
         self._enqueue(cmd, bounded=True)
         return cmd.accepted
+
+    send = _send  # for a data-parallel replica, which queues from its connection's thread
 
     def _enqueue(self, cmd, bounded: bool = False) -> None:
         """Queue a command for the engine thread, or refuse it (HostStopped) while admission is closed or the
@@ -260,9 +265,38 @@ class EngineHost:
 
     async def call(self, fn: Callable):
         """`fn(engine)` run on the engine thread between steps; its result (or its exception) comes back here."""
+        return await asyncio.wrap_future(self.run_on_engine(fn))
+
+    def run_on_engine(self, fn: Callable) -> concurrent.futures.Future:
+        """`call` for a caller on a plain thread: the future of `fn(engine)`, run between steps."""
         cmd = _Call(fn)
         self._enqueue(cmd)
-        return await asyncio.wrap_future(cmd.done)
+        return cmd.done
+
+    # ---- the operator's calls (a data-parallel front end answers the same ones across its replicas) ------
+    async def reset_prefix_cache(self, who: str) -> int:
+        """Forget every cached block's name; how many were named."""
+        return await self.call(lambda engine: engine.reset_prefix_cache(who))
+
+    async def knobs(self) -> dict:
+        """The live flags and the log of their changes (GET /knobs)."""
+        return await self.call(lambda engine: engine.knobs.as_dict())
+
+    async def set_live(self, changes: dict, who: str) -> list:
+        """Change live flags from the next step (ConfigError names what cannot change)."""
+        return await self.call(lambda engine: engine.set_live(changes, who))
+
+    async def request_rows(self, match: str = "") -> list[dict]:
+        """GET /requests: read between steps, so a row is never half-updated."""
+        return await self.call(lambda engine: engine.timelines.rows(time.monotonic(), match))
+
+    async def request_timeline(self, request_id: str) -> list[dict]:
+        """GET /requests/{id}: `timeline`, which needs no step to end."""
+        return self.timeline(request_id)
+
+    def engine_stats(self) -> list[tuple[str, EngineStats]]:
+        """Each engine's snapshot with its index (vLLM's `engine` label): this host's one engine is "0"."""
+        return [("0", self._stats)]
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -1,6 +1,7 @@
 """Prometheus metrics under vLLM's names with a `nanoserve:` prefix, so vLLM dashboards need little change; and the
 four that Kubernetes routers scrape to pick an endpoint (llm-d, the Gateway API Inference Extension) under vLLM's
-own `vllm:` names, types and labels (`model_name`, and `engine`, vLLM's engine index: 0 for this one engine).
+own `vllm:` names, types and labels (`model_name`, and `engine`, vLLM's engine index: one series per
+data-parallel replica, "0" for a single engine).
 
 Counters and gauges are read from the engine's stats snapshot at scrape time (one source of truth);
 latency histograms are observed per request from the timestamps its final output carries.
@@ -22,8 +23,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 
 
 class _SnapshotCollector:
-    def __init__(self, stats: Callable[[], EngineStats], model: str):
+    def __init__(self, stats: Callable[[], EngineStats], model: str,
+                 engines: Callable[[], list[tuple[str, EngineStats]]] | None = None):
         self.stats, self.model = stats, model
+        self.engines = engines or (lambda: [("0", self.stats())])
 
     def collect(self):
         s = self.stats()
@@ -58,32 +61,39 @@ class _SnapshotCollector:
             refused.add_metric([self.model, status], n)
         yield refused
         yield from self._speculative(s.features.get("speculative"), counter)
-        yield from self._for_routers(s)
+        yield from self._for_routers(self.engines())
         for section, values in sorted(s.features.items()):  # optional features (inputs, buckets, capture)
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield gauge(f"{section}_{key}", f"{section}.{key} from the stats snapshot.", value)
 
 
-    def _for_routers(self, s: EngineStats):
+    def _for_routers(self, engines: list[tuple[str, EngineStats]]):
         """vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc and vllm:cache_config_info, as vLLM's V1
-        engine exports them: what an endpoint picker scrapes (load, KV use, and the pool's size in blocks)."""
-        labels, values = ["model_name", "engine"], [self.model, "0"]
+        engine exports them: what an endpoint picker scrapes (load, KV use, and the pool's size in blocks), one
+        series per engine (a data-parallel replica each)."""
+        labels = ["model_name", "engine"]
         for name, doc, value in (("num_requests_running", "Number of requests in model execution batches.",
-                                  s.scheduler.running),
+                                  lambda s: s.scheduler.running),
                                  ("num_requests_waiting", "Number of requests waiting to be processed.",
-                                  s.scheduler.waiting),
-                                 ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv.usage)):
+                                  lambda s: s.scheduler.waiting),
+                                 ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  lambda s: s.kv.usage)):
             g = GaugeMetricFamily(ROUTER + name, doc, labels=labels)
-            g.add_metric(values, value)
+            for engine, s in engines:
+                g.add_metric([self.model, engine], value(s))
             yield g
-        config = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.blocks_total, "num_cpu_blocks": 0,
-                  "cache_dtype": s.dtype, "enable_prefix_caching": s.prefix_cache.enabled,
-                  "gpu_memory_utilization": s.flags.get("gpu_memory_utilization"), "device": s.device}
-        info = GaugeMetricFamily(ROUTER + "cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=[*labels, *config])
-        info.add_metric([*values, *(str(v) for v in config.values())], 1)
-        yield info
+        info = None
+        for engine, s in engines:
+            config = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.blocks_total, "num_cpu_blocks": 0,
+                      "cache_dtype": s.dtype, "enable_prefix_caching": s.prefix_cache.enabled,
+                      "gpu_memory_utilization": s.flags.get("gpu_memory_utilization"), "device": s.device}
+            if info is None:
+                info = GaugeMetricFamily(ROUTER + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                         labels=[*labels, *config])
+            info.add_metric([self.model, engine, *(str(v) for v in config.values())], 1)
+        if info is not None:
+            yield info
 
     def _speculative(self, spec: dict | None, counter):
         """vLLM's speculative-decoding counters (spec_decode_*), when speculation is on."""
@@ -100,10 +110,13 @@ class _SnapshotCollector:
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats], model: str):
+    def __init__(self, stats: Callable[[], EngineStats], model: str,
+                 engines: Callable[[], list[tuple[str, EngineStats]]] | None = None):
+        """`stats`: the server's snapshot; `engines`: each engine's own with its index, for the vllm: series
+        (default: the one snapshot as engine "0")."""
         self.registry = CollectorRegistry()
         self.model = model
-        self.registry.register(_SnapshotCollector(stats, model))
+        self.registry.register(_SnapshotCollector(stats, model, engines))
 
         def hist(name, doc):
             return Histogram(P + name, doc, ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -45,14 +44,14 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
                          "Guarded by the API key.")
     async def reset_prefix_cache(request: Request):
         who = f"http {request.client.host if request.client else '?'}"
-        forgotten = await host.call(lambda engine: engine.reset_prefix_cache(who))
+        forgotten = await host.reset_prefix_cache(who)
         return {"reset": True, "blocks_forgotten": forgotten}
 
     @routes.get("/knobs", responses={401: ERRORS[401]},
                 summary="The flags that change live (at the next step, with no restart) and the log of changes: "
                         "when, at which step, who asked, old and new. Guarded by the API key")
     async def knobs():
-        return await host.call(lambda engine: engine.knobs.as_dict())
+        return await host.knobs()
 
     @routes.post("/knobs", responses={400: ERRORS[400], 401: ERRORS[401], 503: ERRORS[503]},
                  summary="Change live flags, e.g. {\"max_num_seqs\": 8}: checked as at start, in force from the "
@@ -62,7 +61,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
         changes = await _json_object(request)
         who = f"http {request.client.host if request.client else '?'}"
         try:
-            done = await host.call(lambda engine: engine.set_live(changes, who))
+            done = await host.set_live(changes, who)
         except ConfigError as e:
             raise APIError(400, str(e)) from None
         return {"changed": [dataclasses.asdict(c) for c in done]}
@@ -73,7 +72,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
                         "those whose id, status or finish reason contains it. Guarded by the API key")
     async def requests_table(match: str = ""):
         """`?match=text`: only the sequences whose id, status or finish reason contains it."""
-        return {"requests": await host.call(lambda engine: engine.timelines.rows(time.monotonic(), match))}
+        return {"requests": await host.request_rows(match)}
 
     @routes.get("/requests/{request_id}", responses={401: ERRORS[401], 503: ERRORS[503],
                                                      404: NOT_KEPT},
@@ -81,7 +80,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
                         "cached tokens, decode runs with the rows they shared, preemptions), figures, sampling "
                         "parameters, prompt and answer, and its KV blocks while live. Guarded by the API key")
     async def request_timeline(request_id: str):
-        found = host.timeline(request_id)  # the recorder is read off the engine thread: no wait for a step
+        found = await host.request_timeline(request_id)
         if not found:
             raise APIError(404, f"no request {request_id!r} is live or among the latest finished; "
                                 "GET /requests lists the ones kept", "not_found_error")

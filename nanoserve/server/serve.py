@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import threading
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -29,7 +30,7 @@ class Server:
                  progress=None, trust_request_chat_template: bool = False, shutdown_timeout: float = 10.0,
                  tool_call_parser: str | None = None,
                  limit_concurrency: int | None = 1000, header_timeout: float = 15.0,
-                 prompt_tokens_details: bool = True):
+                 prompt_tokens_details: bool = True, data_parallel: DataParallel | None = None):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases.
 
         On a stop, requests in flight get `shutdown_timeout` seconds to finish before they are aborted.
@@ -44,12 +45,11 @@ class Server:
             log.warning("serving on %s without --api-key: every route is open to whoever reaches the port, the "
                         "stats snapshot on /health (requests, users, flags) included", host)
         try:
-            engine = Engine(config, progress=progress)
+            self.host, loaded_name = _start_host(config, max_waiting, data_parallel, progress)
         except BaseException:
             self.socket.close()
             raise
-        self.host = EngineHost(engine, max_waiting=max_waiting).start()
-        self.model_name = served_model_name or engine.runner.loaded.name
+        self.model_name = served_model_name or loaded_name
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # what a client here sends
         self.app = build_app(self.host, self.model_name, api_key=api_key,
                              trust_request_chat_template=trust_request_chat_template,
@@ -107,6 +107,35 @@ class Server:
         self.host.shutdown(drain=False)
         if self.host.engine is not None:
             self.host.engine.close()
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """`--data-parallel-size` and how its replicas run (dp/)."""
+
+    size: int = 1
+    backend: str = "mp"
+    ray_address: str | None = None
+    routing: str = "prefix-affinity"
+
+
+def _start_host(config: EngineConfig, max_waiting: int, data_parallel: DataParallel | None, progress):
+    """The host serving the routes, and the loaded model's name: one engine here, or the replicas' front end."""
+    if data_parallel is None or data_parallel.size == 1:
+        engine = Engine(config, progress=progress)
+        return EngineHost(engine, max_waiting=max_waiting).start(), engine.runner.loaded.name
+    from nanoserve.dp.front import DataParallelHost
+    from nanoserve.dp.launch import launcher
+
+    dp = data_parallel
+    if dp.size < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {dp.size}")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("--data-parallel-size with --tensor-parallel-size is not supported yet; run replicas "
+                          "of one device each, or one tensor-parallel engine")
+    start = launcher(dp.backend, config, dp.size, max_waiting, dp.ray_address)
+    host = DataParallelHost(start, dp.size, dp.routing, imbalance=config.max_num_seqs, progress=progress)
+    return host, host.front.name
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
