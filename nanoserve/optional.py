@@ -26,6 +26,7 @@ PACKAGES: dict[str, OptionalPackage] = {  # import name -> the package
     "transformers": OptionalPackage("transformers", "hf", "transformers' benchmark arm and random checkpoints"),
     "llama_cpp": OptionalPackage("llama-cpp-python", "peers", "llama.cpp's benchmark arm"),
     "xgrammar": OptionalPackage("xgrammar", "peers", "xgrammar's arm in bench grammar"),
+    "ray": OptionalPackage("ray", "ray", "--data-parallel-backend ray: replicas as Ray actors"),
     "cairosvg": OptionalPackage("cairosvg", "docs", "the console screenshots as PNG"),
     # a namespace package that fastapi may bring the API of: the parts are named by their dotted paths
     "opentelemetry.sdk": OptionalPackage("opentelemetry-sdk", "otel", "--otlp-traces-endpoint's spans"),

@@ -43,6 +43,8 @@ def _drafts(row: RowStats) -> str:
 
 def _cells(row: RowStats) -> tuple:
     state = f"{row.state} ({row.finish_reason})" if row.finish_reason else row.state
+    if row.replica is not None:  # a data-parallel server's: which replica serves it
+        state = f"{state} @{row.replica}"
     total = "-" if row.total_s is None else round(row.total_s, 2)
     return (row.request_id, state, row.prompt_tokens, row.generated_tokens, round(row.tokens_per_s, 1),
             _ms(row.ttft_s), _ms(row.tpot_s), total, row.blocks, _drafts(row))

@@ -19,6 +19,7 @@ from console.panels.header import EngineHeader
 from console.panels.kv import KVPanel
 from console.panels.read import ReadPanel
 from console.panels.recent import STALL_KEY, RecentPanel, latest_stall
+from console.panels.replicas import ReplicasPanel
 from console.panels.rows import RowsPanel
 from console.panels.speculation import SpeculationPanel
 from console.panels.throughput import ThroughputPanel, TokenRates
@@ -27,7 +28,8 @@ from nanoserve.stats import EngineStats
 
 PANEL_TITLES = {"rows": "Requests", "kv": "KV cache", "throughput": "Throughput and latency",
                 "read": "Paged read", "recent": "Recent (sliding windows)", "capture": "Capture", "inputs": "Persistent inputs",
-                "linear": "Linear kernels", "parallel": "Tensor parallel", "speculation": "Speculation"}
+                "linear": "Linear kernels", "parallel": "Tensor parallel", "speculation": "Speculation",
+                "replicas": "Replicas"}
 REFRESH_STEPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)  # the refresh intervals +/- step through, seconds
 
 
@@ -65,6 +67,7 @@ class Dashboard(ConsoleScreen):
                 yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
                 yield FeaturePanel("parallel", id="parallel")  # the group's ranks, their memory, collective time
                 yield SpeculationPanel(id="speculation")  # drafted and kept, since start and lately
+                yield ReplicasPanel(id="replicas")  # a data-parallel server's replicas, a line each
             yield Static("", markup=False, id="features-off")
         yield Static("", markup=False, id="no-snapshot")  # attached to a server that has not answered yet
 
@@ -199,7 +202,7 @@ class Dashboard(ConsoleScreen):
         for panel in self.query(FeaturePanel):
             panel.show(stats)
             panel.display = panel.published
-            if not panel.published:
+            if not panel.published and not isinstance(panel, ReplicasPanel):  # no replicas is not a switch off
                 off.append(PANEL_TITLES[panel.id].lower())
         self.query_one("#features-off", Static).update(f"off: {', '.join(off)} (not published by this engine)"
                                                         if off else "")

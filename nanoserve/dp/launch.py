@@ -110,7 +110,8 @@ class RayLauncher:
         from nanoserve.optional import require
 
         ray = require("ray", "--data-parallel-backend ray")
-        if not ray.is_initialized():
+        self._connected = not ray.is_initialized()  # this driver connected: it disconnects at the end
+        if self._connected:
             try:
                 ray.init(address=address or "auto", log_to_driver=False)
             except ConnectionError as e:
@@ -172,6 +173,8 @@ class RayLauncher:
     def stop_all(self, timeout: float = 10.0) -> None:
         for rank in list(self._actors):
             self.reap(rank, timeout)
+        if self._connected:
+            self.ray.shutdown()
 
 
 def launcher(backend: str, config, size: int, max_waiting: int | None, ray_address: str | None = None):
