@@ -10,7 +10,13 @@ import sys
 import time
 
 from nanoserve.errors import ConfigError, NanoserveError
-from nanoserve.flags import add_engine_flags, add_sampling_flags, engine_flags, sampling_params
+from nanoserve.flags import (
+    add_data_parallel_flags,
+    add_engine_flags,
+    add_sampling_flags,
+    engine_flags,
+    sampling_params,
+)
 from nanoserve.tools.parsers import PARSERS
 
 # Sampling fields generate cannot show (it streams one completion's text), each with where to get them.
@@ -145,24 +151,6 @@ BENCHMARKS = ("throughput", "serve", "linear", "ab", "inputs", "graphs", "wire",
 
 def cmd_bench(args) -> int:
     return args.bench_main(args)
-
-
-def add_data_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM's data-parallel flags (nanoserve/dp/): replicas behind this server's one front end."""
-    group = parser.add_argument_group("data parallelism")
-    group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
-                       help="engine replicas, each its own process with its share of the CPU threads, or its own "
-                            "GPU; requests are routed by prefix-cache affinity, then load (default 1)")
-    group.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
-                       help="mp: processes on this machine; ray: actors on an existing Ray cluster (`ray start "
-                            "--head`; needs the ray extra)")
-    group.add_argument("--ray-address", default=None, metavar="HOST:PORT",
-                       help="the Ray cluster for --data-parallel-backend ray (default: the one `ray start` "
-                            "left running here, RAY_ADDRESS)")
-    group.add_argument("--data-parallel-routing", choices=("prefix-affinity", "least-loaded", "round-robin"),
-                       default="prefix-affinity",
-                       help="how the front end picks a replica: the longest cached prefix among replicas not a "
-                            "batch behind the least loaded, then load (default); load only; or in turn")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -159,3 +159,21 @@ def sampling_values(args: argparse.Namespace) -> dict:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """SamplingParams from the flags `add_sampling_flags` added; its own checks refuse bad values."""
     return SamplingParams(**sampling_values(args))
+
+
+def add_data_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's data-parallel flags (nanoserve/dp/): replicas behind this server's one front end."""
+    group = parser.add_argument_group("data parallelism")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                       help="engine replicas, each its own process with its share of the CPU threads, or its own "
+                            "GPU; requests are routed by prefix-cache affinity, then load (default 1)")
+    group.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
+                       help="mp: processes on this machine; ray: actors on an existing Ray cluster (`ray start "
+                            "--head`; needs the ray extra)")
+    group.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                       help="the Ray cluster for --data-parallel-backend ray (default: the one `ray start` "
+                            "left running here, RAY_ADDRESS)")
+    group.add_argument("--data-parallel-routing", choices=("prefix-affinity", "least-loaded", "round-robin"),
+                       default="prefix-affinity",
+                       help="how the front end picks a replica: the longest cached prefix among replicas not a "
+                            "batch behind the least loaded, then load (default); load only; or in turn")

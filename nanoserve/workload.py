@@ -42,18 +42,30 @@ def pick_prompts(n: int) -> list[str]:
     return [REAL_PROMPTS[i % len(REAL_PROMPTS)] for i in range(n)]
 
 
+DATASETS = ("builtin", "synthetic", "shared-prefix")
+PREFIX_GROUPS = 8  # the shared-prefix dataset's distinct system prompts
+QUESTION_LEN = 16  # ... and each request's own tokens after its group's prefix
+
+
 def make_bodies(num_prompts: int, dataset: str, input_len: int, output_len: int, prompt_seed: int, vocab: int,
                 sampled: bool = False) -> list[dict]:
-    """Streamed request bodies: builtin chat prompts or synthetic token prompts; greedy, or seeded sampling.
+    """Streamed request bodies: builtin chat prompts, synthetic token prompts, or shared-prefix ones
+    (PREFIX_GROUPS system prompts of `input_len` tokens, each request one of them plus QUESTION_LEN tokens of its
+    own, the groups interleaved: what prefix-aware routing is for); greedy, or seeded sampling.
 
     Every request runs to `output_len` tokens (ignore_eos), so runs of the same shape do the same work.
     """
     rng = random.Random(prompt_seed)
     prompts = pick_prompts(num_prompts)
+    if dataset == "shared-prefix":
+        prefixes = [[rng.randrange(100, vocab) for _ in range(input_len)] for _ in range(PREFIX_GROUPS)]
     bodies = []
     for i in range(num_prompts):
         if dataset == "builtin":
             body = {"messages": [{"role": "user", "content": prompts[i]}]}
+        elif dataset == "shared-prefix":
+            body = {"prompt": prefixes[rng.randrange(PREFIX_GROUPS)] +
+                    [rng.randrange(100, vocab) for _ in range(QUESTION_LEN)]}
         else:
             body = {"prompt": [rng.randrange(100, vocab) for _ in range(input_len)]}
         body.update(max_tokens=output_len, temperature=0, ignore_eos=True, stream=True,

@@ -13,8 +13,8 @@ import httpx
 
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.client import fire, summarise
-from nanoserve.flags import add_engine_flags, engine_flags
-from nanoserve.workload import make_bodies
+from nanoserve.flags import add_data_parallel_flags, add_engine_flags, engine_flags
+from nanoserve.workload import DATASETS, make_bodies
 
 
 def add_parser(sub) -> None:
@@ -24,15 +24,22 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead")
-    p.add_argument("--dataset", choices=("builtin", "synthetic"), default="builtin")
+    p.add_argument("--dataset", choices=DATASETS, default="builtin",
+                   help="shared-prefix: 8 system prompts of --input-len tokens, each request one plus its own")
     p.add_argument("--input-len", type=int, default=128, help="synthetic prompt length in tokens")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompt-seed", type=int, default=0, help="seeds synthetic prompts and arrivals")
     p.add_argument("--out", default="bench-results")
+    p.add_argument("--rounds", type=int, default=3, help="with --data-parallel-size: rounds over the arms")
+    add_data_parallel_flags(p)
     add_engine_flags(p)
 
 
 def main(args) -> int:
+    if args.data_parallel_size > 1:  # DP=1 beside DP=N, and affinity beside round-robin (serve_dp.py)
+        from nanoserve.bench.serve_dp import main as data_parallel_main
+
+        return data_parallel_main(args)
     server = None
     url = args.url
     if url is None:
