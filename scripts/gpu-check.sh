@@ -119,6 +119,11 @@ for n in 2 4; do  # tensor parallelism over NCCL, one rank beside the group, whe
             --num-requests 32 --repeats 3 --skip-hf --skip-llama-cpp --out "$work/bench/tp$n"
     fi
 done
+if [ "$gpus" -ge 2 ]; then  # data parallelism: one replica per GPU beside one GPU, affinity beside round-robin
+    bench dp2 120 bench serve --data-parallel-size 2 --model "$work/llama-8h" --device cuda \
+        --dataset shared-prefix --input-len 512 --output-len 64 --num-prompts 64 --concurrency 16 --rounds 2 \
+        --kv-cache-gib 4 --out "$work/bench/dp2"
+fi
 tar czf "$out/bench.tar.gz" -C "$work" bench
 
 say "== summary: ${#ran[@]} steps ran in $((SECONDS - started)) s; ${#failed[@]} failed${failed:+: ${failed[*]}}"

@@ -52,6 +52,10 @@ class Replica:
         from nanoserve.server.host import EngineHost
 
         self.send(m.Hello(self.rank, os.getpid(), socket.gethostname(), self.actor_id))
+        if config.device.startswith("cuda:"):  # its own GPU is the current one: kernels and graphs launch there
+            import torch
+
+            torch.cuda.set_device(config.device)
         try:
             if hasattr(config, "data_parallel_rank"):  # TEMP
                 config = dataclasses.replace(config, data_parallel_rank=self.rank)
