@@ -225,8 +225,9 @@ class DataParallelHost:
         if link.conn is not conn:
             return
         link.conn = None
-        link.view.ready, link.view.in_flight = False, 0
-        link.view.cached.clear()
+        with self._lock:
+            link.view.ready = False
+            link.view.cached.clear()
         how = self.launcher.reap(link.rank, timeout=0 if not self._stopping else 10)
         was = link.status
         if self._stopping:
@@ -328,11 +329,11 @@ class DataParallelHost:
             self.abort(rid)
 
     def _retire(self, rid: str, link: ReplicaLink) -> None:
-        with self._lock:
+        with self._lock:  # counts change under the lock the router reads them under
             if self._requests.pop(rid, None) is None:
                 return
             self.ended += 1
-        link.view.in_flight -= 1
+            link.view.in_flight -= 1
 
     def _take_requests(self, link: ReplicaLink) -> list[tuple[str, _Live]]:
         with self._lock:
@@ -340,6 +341,7 @@ class DataParallelHost:
             for rid, _ in taken:
                 del self._requests[rid]
             self.ended += len(taken)
+            link.view.in_flight -= len(taken)
         return taken
 
     # ---- requests (the event loop) --------------------------------------------------------------------
@@ -392,7 +394,7 @@ class DataParallelHost:
             if self._requests.pop(rid, None) is None:
                 return
             self.admitted -= 1
-        link.view.in_flight -= 1
+            link.view.in_flight -= 1
 
     async def _stream(self, rid: str, outputs: OutputCollector) -> AsyncIterator:
         finished = False
