@@ -119,7 +119,7 @@ def test_a_duplicate_live_request_id_is_refused(dp_server):
 
 
 def _stream(server, prompt, results, index):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 100, "temperature": 0, "stream": True,
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 90, "temperature": 0, "stream": True,
             "ignore_eos": True, "cache_salt": f"k{index}"}
     events = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
