@@ -163,7 +163,10 @@ class DataParallelHost:
                 for link in self.links:
                     gone = self.launcher.exited(link.rank) if link.status == "starting" else None
                     if gone is not None:
-                        link.status, link.reason = "failed", f"it exited before loading ({gone})"
+                        link.status, link.reason = "failed", (
+                            f"it exited before loading ({gone}; a replica is a spawned process that imports the "
+                            "main script, so a script that starts a server does it under "
+                            "if __name__ == '__main__')")
                 failed = [link for link in self.links if link.status == "failed"]
                 if failed or time.monotonic() > deadline:
                     self.shutdown()
