@@ -10,6 +10,7 @@ import torch
 
 from nanoserve.attention.dispatch import STREAMED_NOT_INVARIANT, check_read_block
 from nanoserve.errors import ConfigError
+from nanoserve.kv.publisher import KVEventsConfig
 from nanoserve.sampling_params import MAX_LOGPROBS
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
@@ -114,6 +115,13 @@ class EngineConfig:
                                                    "http://host:4318/v1/traces is OTLP/HTTP, host:4317 OTLP/gRPC "
                                                    "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL overrides); needs the otel "
                                                    "extra")
+    kv_events_config: str | None = _flag(None, "publish KV cache events as vLLM does, its JSON: "
+                                               "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                               "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}' "
+                                               "(for KV-aware routers; needs the kv-events extra)")
+    data_parallel_rank: int = _flag(0, "this engine's rank among data-parallel replicas: its KV events carry it "
+                                       "and --kv-events-config's port is offset by it (--data-parallel-size sets "
+                                       "it for each replica)")
     distributed_timeout: float = _flag(60.0, "seconds a tensor-parallel collective may wait for the other ranks "
                                              "before the engine stops with an error (start-up: at least 120)")
 
@@ -138,6 +146,7 @@ class EngineConfig:
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.data_parallel_rank >= 0, f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}"),
             (self.distributed_init is None or self.distributed_init.startswith(("env://", "tcp://", "file://")),
              f"distributed_init must be env://, tcp://host:port or file://path, got {self.distributed_init!r}"),
             (self.distributed_init is None or self.tensor_parallel_size > 1,
@@ -177,6 +186,7 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         from nanoserve.speculative.config import SpeculativeConfig
 
+        KVEventsConfig.parse(self.kv_events_config)  # its JSON checked before anything loads
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and not self.batch_invariant:
             raise ConfigError("speculative decoding keeps a draft only where it equals the token decoding one at a "

@@ -17,10 +17,13 @@ from collections.abc import Callable
 
 from nanoserve.admission import Admission
 from nanoserve.config import EngineConfig
+from nanoserve.kv.events import KVEventHub
 from nanoserve.kv.manager import KVManager
+from nanoserve.kv.publisher import KVEventsConfig, ZmqEventPublisher
 from nanoserve.live_knobs import LiveKnobs, log_level
 from nanoserve.model.loader import LoadedModel
 from nanoserve.model.quant.linears import row_quantum
+from nanoserve.optional import require_all
 from nanoserve.output_processor import OutputProcessor
 from nanoserve.outputs import RequestOutput
 from nanoserve.request import Request
@@ -54,6 +57,9 @@ class Engine:
         self._started = time.monotonic()
         progress = progress or (lambda phase: None)
         tracer = self._tracer(config.otlp_traces_endpoint)  # before the load: a missing package is said at once
+        kv_events = KVEventsConfig.parse(config.kv_events_config)
+        if kv_events is not None and kv_events.publishing:
+            require_all(("zmq", "msgpack"), "--kv-events-config")
         self.runner = runner = ModelRunner(config, loaded, progress)
         self.tokenizer, self.model_config = runner.loaded.tokenizer, runner.model_config
         self.max_model_len, self.numerics = runner.max_model_len, runner.numerics
@@ -61,6 +67,11 @@ class Engine:
                             cache_identity=(runner.loaded.name, config.quantization, str(runner.dtype)))
         self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
         self.drafter = self._drafter(config.speculative_config)
+        self.kv_events = KVEventHub(self.kv)  # each step's named and evicted blocks, to whoever listens
+        self.kv_publisher = None
+        if kv_events is not None and kv_events.publishing:
+            self.kv_publisher = ZmqEventPublisher(kv_events, config.data_parallel_rank)
+            self.kv_events.listen(self.kv_publisher.publish)
         self.timelines = TimelineRecorder(detokenize=self.tokenizer.decode)  # each sequence's life, step by step
         self.tracer = None
         if tracer is not None:
@@ -89,6 +100,8 @@ class Engine:
         exporter (its batched spans sent first)."""
         if self.tracer is not None:
             self.tracer.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         self.runner.close()
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -133,7 +146,12 @@ class Engine:
         beside the live knobs' changes, with who asked."""
         forgotten = self.kv.reset_prefix_cache()
         self.knobs.record(self, who, "prefix_cache", f"{forgotten} blocks named", "reset")
+        self.kv_events.flush()  # an idle engine runs no step to carry it
         return forgotten
+
+    def add_kv_event_listener(self, listener) -> None:
+        """`listener(events)` hears each step's KV events (kv/events.py) on the engine thread, from now on."""
+        self.kv_events.listen(listener)
 
     def sequences(self, request_id: str) -> list[Request]:
         """The live sequences of a request (n of them), for inspection; empty once it has finished."""
@@ -166,6 +184,7 @@ class Engine:
     def _outputs(self) -> list[RequestOutput]:
         outputs = self.output_processor.outputs()  # an aborted request's final output sets its finish time
         self.timelines.settle(time.monotonic())
+        self.kv_events.flush()
         return outputs
 
     @staticmethod
@@ -265,7 +284,8 @@ class Engine:
                       "windows": self.output_processor.recent.snapshot(now, self._started),
                       "stalls": self.stalls.as_dict(), "step_budget": self.step_budget.as_dict(),
                       "live": {"log_level": log_level()},  # the live operation that is not a flag
-                      **({"speculative": self.drafter.as_dict()} if self.drafter is not None else {})},
+                      **({"speculative": self.drafter.as_dict()} if self.drafter is not None else {}),
+                      **({"kv_events": self.kv_publisher.stats()} if self.kv_publisher is not None else {})},
             latency=self.output_processor.latency(), prefix_cache=prefix,
         )
 

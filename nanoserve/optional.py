@@ -26,6 +26,8 @@ PACKAGES: dict[str, OptionalPackage] = {  # import name -> the package
     "transformers": OptionalPackage("transformers", "hf", "transformers' benchmark arm and random checkpoints"),
     "llama_cpp": OptionalPackage("llama-cpp-python", "peers", "llama.cpp's benchmark arm"),
     "xgrammar": OptionalPackage("xgrammar", "peers", "xgrammar's arm in bench grammar"),
+    "zmq": OptionalPackage("pyzmq", "kv-events", "--kv-events-config: KV events over ZMQ"),
+    "msgpack": OptionalPackage("msgpack", "kv-events", "--kv-events-config: KV events in msgpack"),
     "ray": OptionalPackage("ray", "ray", "--data-parallel-backend ray: replicas as Ray actors"),
     "cairosvg": OptionalPackage("cairosvg", "docs", "the console screenshots as PNG"),
     # a namespace package that fastapi may bring the API of: the parts are named by their dotted paths
@@ -82,3 +84,9 @@ def require(module: str, feature: str) -> ModuleType:
 def left_out(arm: str, module: str) -> str:
     """The line a benchmark prints when it runs without the arm that `module` would have given it."""
     return f"{arm} arm left out: {PACKAGES[module].distribution} is not installed ({install_hint(module)})"
+
+
+def require_all(modules, feature: str) -> None:
+    """`require` each of `modules` (a feature that needs several packages says the first missing one)."""
+    for module in modules:
+        require(module, feature)

@@ -213,3 +213,34 @@ async def test_the_attached_console_shows_each_replica(dp_server):
         await wait_in_app(pilot, lambda: any(s.endswith((" @0", " @1")) for s in states()), 30,
                           "a row marked with its replica")
         load.join()
+
+
+def test_each_replica_publishes_kv_events_with_its_rank(tiny_checkpoint):
+    """--kv-events-config under data parallelism: replica r binds the port plus r, and its batches carry r; what a
+    subscriber rebuilds per replica is what the front end routes by."""
+    pytest.importorskip("zmq")
+    import socket as sockets
+
+    from tests.test_kv_events import Subscriber
+
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"})
+    with tiny_server_running(tiny_checkpoint("llama"), {"kv_events_config": config},
+                             data_parallel=DataParallel(2)) as server:
+        subs = [Subscriber(f"tcp://127.0.0.1:{port + rank}", "") for rank in (0, 1)]
+        try:
+            import time
+
+            time.sleep(0.3)
+            for i in range(6):
+                _complete(server, f"kv events prompt number {i} " * 4, cache_salt=f"e{i}")
+            for sub in subs:
+                sub.drain()
+            assert [sub.ranks for sub in subs] == [{0}, {1}]
+            for rank, sub in enumerate(subs):
+                assert sub.blocks and sub.blocks == server.host.links[rank].view.cached
+        finally:
+            for sub in subs:
+                sub.close()

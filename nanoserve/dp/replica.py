@@ -57,14 +57,11 @@ class Replica:
 
             torch.cuda.set_device(config.device)
         try:
-            if hasattr(config, "data_parallel_rank"):  # TEMP
-                config = dataclasses.replace(config, data_parallel_rank=self.rank)
-            engine = Engine(config)
+            engine = Engine(dataclasses.replace(config, data_parallel_rank=self.rank))
         except BaseException as e:  # said to the front end, which decides whether to try again
             self.send(m.LoadFailed(f"{type(e).__name__}: {e}"))
             return
-        if hasattr(engine, "add_kv_event_listener"):  # TEMP
-            engine.add_kv_event_listener(self._kv_events)
+        engine.add_kv_event_listener(self._kv_events)
         self.host = EngineHost(engine, max_waiting=max_waiting).start()
         kv = engine.kv
         self.send(m.Ready(engine.runner.loaded.name, engine.tokenizer, engine.model_config, engine.max_model_len,

@@ -161,6 +161,14 @@ class KVManager:
                 self._pending.append(block)
         self._named[req.serial] = full
 
+    def record_events(self, log) -> None:
+        """From now on the pool tells `log` (kv.events.KVEventLog) every name it takes in or lets go."""
+        self._pool.events = log
+
+    def named_blocks(self) -> set[bytes]:
+        """The block names the pool holds now."""
+        return self._pool.named()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block's name (vLLM's reset_prefix_cache); returns how many were named."""
         return self._pool.reset_cache()

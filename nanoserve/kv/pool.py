@@ -49,6 +49,7 @@ class BlockPool:
         self._content: dict[int, Cached] = {}  # block -> what it was cached with
         self._generations = itertools.count()
         self.evictions = 0  # cached blocks handed out for new content
+        self.events = None  # a kv.events.KVEventLog while someone listens to what is named and let go
 
     @property
     def num_free(self) -> int:
@@ -142,6 +143,8 @@ class BlockPool:
             return False
         self._content[block] = Cached(name, tuple(tokens), parent, next(self._generations))
         self._named[name] = block
+        if self.events is not None:
+            self.events.stored(name, None if parent_block is None else self._content[parent_block].name, tokens)
         return True
 
     def uncache(self, blocks: Iterable[int]) -> None:
@@ -155,12 +158,20 @@ class BlockPool:
         n = len(self._content)
         self._named.clear()
         self._content.clear()
+        if self.events is not None:
+            self.events.cleared()
         return n
 
     def _uncache(self, block: int) -> None:
         held = self._content.pop(block)
         if self._named.get(held.name) == block:
             del self._named[held.name]
+            if self.events is not None:
+                self.events.removed(held.name)
+
+    def named(self) -> set[bytes]:
+        """Every name the pool holds content under (what a KV event subscriber should have rebuilt)."""
+        return set(self._named)
 
     # ---- proof ----------------------------------------------------------------------------------------
     def audit(self, owners: Mapping[str, Iterable[int]]) -> None:

@@ -1,0 +1,219 @@
+"""--kv-events-config: vLLM's KV events over ZMQ, read back by a subscriber written as vLLM's example is (pyzmq,
+and msgspec decoding into vLLM's own struct definitions): the block set it rebuilds is the pool's own."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.errors import ConfigError
+from nanoserve.kv.events import KVEventLog
+from nanoserve.kv.publisher import KVEventsConfig, offset_endpoint
+
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+
+# ---- vLLM's types (vllm/distributed/kv_events.py), as its example subscriber copies them -------------------------
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Subscriber:
+    """vLLM's example subscriber: SUB on the topic, decode each batch, keep the block set."""
+
+    def __init__(self, endpoint: str, topic: str):
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.connect(endpoint)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.blocks: set = set()
+        self.seqs: list[int] = []
+        self.ranks: set = set()
+        self.kinds: list[str] = []
+
+    def drain(self, idle_ms: int = 500) -> None:
+        while self.sub.poll(idle_ms):
+            topic, seq, payload = self.sub.recv_multipart()
+            self.seqs.append(int.from_bytes(seq, "big"))
+            batch = self.decoder.decode(payload)
+            self.ranks.add(batch.data_parallel_rank)
+            for event in batch.events:
+                self.kinds.append(type(event).__name__)
+                if isinstance(event, BlockStored):
+                    assert event.block_size == 16 and len(event.token_ids) == 16 * len(event.block_hashes)
+                    self.blocks.update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    self.blocks.difference_update(event.block_hashes)
+                else:
+                    self.blocks.clear()
+
+    def close(self) -> None:
+        self.sub.close()
+        self.context.term()
+
+
+@pytest.fixture
+def publishing_llm(tiny_checkpoint):
+    port = _free_port() - 1  # rank 1 binds the port after it
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+              "topic": "kv-events"}
+    from tests.test_engine_crowd import BLOCK_BYTES
+
+    llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=16 * BLOCK_BYTES / 2**30,
+              kv_events_config=json.dumps(config), data_parallel_rank=1)  # 16 blocks: the prompts evict
+    yield llm, f"tcp://127.0.0.1:{port + 1}"
+    llm.engine.close()
+
+
+def test_a_subscriber_rebuilds_the_pools_block_set(publishing_llm):
+    import time
+
+    llm, endpoint = publishing_llm
+    assert llm.engine.kv_publisher.endpoint == endpoint  # the port offset by the rank
+    sub = Subscriber(endpoint, "kv-events")
+    try:
+        time.sleep(0.3)  # a SUB socket hears only what is sent after it has joined
+        shared = list(range(200, 248))  # three full blocks every prompt starts with
+        prompts = [{"prompt_token_ids": shared + [300 + i] * (20 + i)} for i in range(12)]
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        for chunk in (prompts[:4], prompts[4:8], prompts[8:]):  # a small pool: later prompts evict earlier blocks
+            llm.generate(chunk, params, use_tqdm=False)
+        sub.drain()
+        pool = llm.engine.kv.named_blocks()
+        stats = llm.engine.stats().prefix_cache
+        assert stats.evictions > 0 and "BlockRemoved" in sub.kinds
+        assert sub.blocks == pool and len(pool) > 0
+        assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))  # no gap
+        assert sub.ranks == {1}
+        published = llm.engine.stats().features["kv_events"]
+        assert published["dropped_batches"] == 0 and published["events"] >= len(sub.kinds)
+
+        llm.engine.reset_prefix_cache("test")
+        sub.drain()
+        assert sub.kinds[-1] == "AllBlocksCleared" and sub.blocks == set() == llm.engine.kv.named_blocks()
+    finally:
+        sub.close()
+
+
+def test_a_late_subscriber_catches_up_through_the_replay_socket(tiny_checkpoint):
+    port, replay_port = _free_port(), _free_port()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}",
+              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "buffer_steps": 1000}
+    llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01,
+              kv_events_config=json.dumps(config))
+    try:
+        llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=4), use_tqdm=False)
+        context = zmq.Context()
+        replay = context.socket(zmq.DEALER)  # a REQ socket would take the first answer only
+        replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        seqs, blocks = [], set()
+        while True:
+            if not replay.poll(5000):
+                raise AssertionError("no replay answer")
+            _, seq, payload = replay.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    blocks.update(event.block_hashes)
+        replay.close()
+        context.term()
+        assert seqs[0] == 0 and seqs == list(range(len(seqs)))
+        assert blocks == llm.engine.kv.named_blocks() and blocks
+    finally:
+        llm.engine.close()
+
+
+def test_nothing_is_recorded_without_a_listener(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+    assert llm.engine.kv._pool.events is None
+    heard = []
+    llm.engine.add_kv_event_listener(heard.append)
+    llm.generate([{"prompt_token_ids": list(range(100, 140))}], SamplingParams(max_tokens=2), use_tqdm=False)
+    stored = [e for batch in heard for e in batch if type(e).__name__ == "BlockStored"]
+    assert len(stored) == 1 and len(stored[0].block_hashes) == 2  # one chain's two full blocks, one event
+    assert stored[0].parent_block_hash is None
+    assert set(stored[0].block_hashes) == llm.engine.kv.named_blocks()
+
+
+def test_a_chain_in_one_step_is_one_event_and_its_next_block_names_its_parent():
+    log = KVEventLog(16)
+    log.stored(b"a", None, [1] * 16)
+    log.stored(b"b", b"a", [2] * 16)
+    log.stored(b"x", None, [3] * 16)
+    log.removed(b"a")
+    log.removed(b"b")
+    events = log.drain()
+    assert [e.wire()[0] for e in events] == ["BlockStored", "BlockStored", "BlockRemoved"]
+    assert events[0].block_hashes == [b"a", b"b"] and len(events[0].token_ids) == 32
+    assert events[2].block_hashes == [b"a", b"b"] and log.drain() == []
+
+
+@pytest.mark.parametrize("text, said", [
+    ("{not json", "not valid JSON"),
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher 'kafka'"),
+    ('{"enable_kv_cache_events": true, "endpoit": "tcp://*:5557"}', "no field endpoit"),
+    ('{"enable_kv_cache_events": true, "endpoint": "localhost:5557"}', "not a ZMQ endpoint"),
+    ('{"enable_kv_cache_events": true, "buffer_steps": 0}', "buffer_steps must be a positive integer"),
+    ("[1]", "JSON object"),
+])
+def test_a_bad_config_is_refused_with_the_fix(text, said):
+    from nanoserve import EngineConfig
+
+    with pytest.raises(ConfigError, match=said):
+        EngineConfig(kv_events_config=text)
+
+
+def test_events_off_or_null_publish_nothing():
+    assert not KVEventsConfig.parse('{"enable_kv_cache_events": false}').publishing
+    assert not KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "null"}').publishing
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": true}').publishing
+
+
+def test_each_rank_has_its_own_endpoint():
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
