@@ -79,6 +79,12 @@ check "nanoserve bench throughput (default model, peers left out)" bash -c "
       >$work/bench.log && cat $work/bench.log && grep 'transformers arm left out' $work/bench.log \
       && test -s $work/bench/throughput.json"
 check "nanoserve serve --port 0 answers a completion" python "$root/scripts/quickstart_serve.py"
+check "nanoserve serve --data-parallel-size 2 answers a completion" python "$root/scripts/quickstart_serve.py" \
+    --data-parallel-size 2
+refused "nanoserve serve --data-parallel-backend ray (no Ray)" "pip install 'nanoserve[ray]'" \
+    nanoserve serve --port 0 --data-parallel-size 2 --data-parallel-backend ray
+refused "nanoserve serve --kv-events-config (no pyzmq)" "pip install 'nanoserve[kv-events]'" \
+    nanoserve serve --port 0 --kv-events-config '{"enable_kv_cache_events": true}'
 refused "nanoserve bench reads (no CUDA, no Triton)" "pip install 'nanoserve[gpu]'" nanoserve bench reads
 refused "scripts/random-checkpoint.py (no transformers)" "pip install 'nanoserve[hf]'" \
     python scripts/random-checkpoint.py --out "$work/ckpt"

@@ -2,6 +2,7 @@
 stops cleanly on Ctrl-C. Run by scripts/quickstart-check.sh with only the standard library beside nanoserve.
 
     python scripts/quickstart_serve.py      # exit 0 when all three hold; otherwise why, and the server's output
+    python scripts/quickstart_serve.py --data-parallel-size 2     # any other arguments go to `nanoserve serve`
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import urllib.request
 SERVING = re.compile(r"serving (\S+) at (http://\S+)/v1")
 
 
-def main() -> int:
-    server = subprocess.Popen(["nanoserve", "serve", "--port", "0"], stdout=subprocess.PIPE,
+def main(extra: list[str]) -> int:
+    server = subprocess.Popen(["nanoserve", "serve", "--port", "0", *extra], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     seen = []
     try:
@@ -53,4 +54,4 @@ def fail(why: str, output: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

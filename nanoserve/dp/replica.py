@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import threading
 from multiprocessing.connection import Client, Connection
@@ -23,7 +24,11 @@ log = logging.getLogger("nanoserve.dp.replica")
 
 
 def spawned(address, authkey: bytes, rank: int, config, threads: int, max_waiting: int | None) -> None:
-    """A spawned process's entry point (launch.ProcessLauncher)."""
+    """A spawned process's entry point (launch.ProcessLauncher). Ctrl-C in a terminal reaches the whole process
+    group, and systemd's stop every process of the unit: the replica leaves both to the front end, which stops it
+    in order (and a replica whose front end is gone stops when its connection drops)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s replica {rank} %(name)s: %(message)s")
     if threads:
         import torch
