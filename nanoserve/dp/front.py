@@ -231,7 +231,7 @@ class DataParallelHost:
         with self._lock:
             link.view.ready = False
             link.view.cached.clear()
-        how = self.launcher.reap(link.rank, timeout=0 if not self._stopping else 10)
+        how = self.launcher.reap(link.rank, timeout=2 if not self._stopping else 10)
         was = link.status
         if self._stopping:
             link.status = "stopped"

@@ -165,7 +165,9 @@ class RayLauncher:
         try:
             self.ray.get(run, timeout=timeout)
             how = "the actor returned"
-        except Exception as e:  # RayActorError when it died, GetTimeoutError when it hangs
+        except self.ray.exceptions.GetTimeoutError:
+            how = f"the actor did not return within {timeout:g} s and was killed"
+        except Exception as e:  # RayActorError: it died (killed, out of memory, its node lost)
             how = f"the actor died ({type(e).__name__})"
         self.ray.kill(actor, no_restart=True)
         return how
