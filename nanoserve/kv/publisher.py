@@ -118,6 +118,7 @@ class ZmqEventPublisher:
         self._pub = self._bind(self.zmq.PUB, self.endpoint)
         self._pub.set_hwm(config.hwm)
         self._replay = self._bind(self.zmq.ROUTER, self.replay_endpoint) if self.replay_endpoint else None
+        self._warn_if_open()
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self.publish([AllBlocksCleared()])
@@ -135,6 +136,16 @@ class ZmqEventPublisher:
             raise ConfigError(f"--kv-events-config cannot bind {endpoint} ({e}); pick a free port (each "
                               "data-parallel replica takes the port plus its rank)") from None
         return socket
+
+    def _warn_if_open(self) -> None:
+        """The events carry every cached block's token ids (the prompts' text, in tokens) and ZMQ asks no key:
+        said once at start when the socket is reachable from other machines, as vLLM's default tcp://*:5557 is."""
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if endpoint and endpoint.startswith("tcp://") and not endpoint.startswith(
+                    ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")):
+                log.warning("--kv-events-config publishes the token ids of every cached block on %s with no key "
+                            "(the API key does not cover it): keep that port on a private network, or bind "
+                            "tcp://127.0.0.1:PORT", endpoint)
 
     def publish(self, events: list) -> None:
         """Queue one step's events (called on the engine thread; never blocks)."""
