@@ -244,3 +244,23 @@ def test_each_replica_publishes_kv_events_with_its_rank(tiny_checkpoint):
         finally:
             for sub in subs:
                 sub.close()
+
+
+def test_a_replica_killed_while_loading_fails_the_start(tiny_checkpoint, monkeypatch):
+    """Dying before Ready (out of memory while loading, say) stops the start with how it ended; no retry loop."""
+    from nanoserve import EngineConfig
+    from nanoserve.dp import front
+    from nanoserve.dp.front import ReplicaStartFailed
+    from nanoserve.server.serve import Server
+
+    read = front.DataParallelHost._read
+
+    def killed_after_hello(host, link, conn):  # replica 1 is SIGKILLed as soon as it has said Hello
+        if link.rank == 1:
+            host.launcher.kill(1)
+        read(host, link, conn)
+
+    monkeypatch.setattr(front.DataParallelHost, "_read", killed_after_hello)
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
+    with pytest.raises(ReplicaStartFailed, match=r"replica 1 did not start: it stopped while loading \(exit code"):
+        Server(config, port=0, data_parallel=DataParallel(2))

@@ -144,6 +144,7 @@ class DataParallelHost:
         self._calls = itertools.count()
         self._closed: str | None = None
         self._stopping = False
+        self._started = False  # every replica was ready once: from then on a lost one is started again
         self._changed = threading.Condition()
         self._authkey = secrets.token_bytes(32)
         self._listener = Listener((launcher.listen_host, 0), authkey=self._authkey)
@@ -173,6 +174,7 @@ class DataParallelHost:
                     why = failed[0].reason if failed else f"not ready within {timeout:.0f}s"
                     raise ReplicaStartFailed(f"replica {failed[0].rank if failed else '?'} did not start: {why}")
                 self._changed.wait(0.5)
+        self._started = True
         progress("ready")
 
     def _accept(self) -> None:
@@ -235,6 +237,9 @@ class DataParallelHost:
         was = link.status
         if self._stopping:
             link.status = "stopped"
+        elif not self._started:  # dying while loading (out of memory, say) fails the start, not a retry loop
+            link.status = "failed"
+            link.reason = link.reason if was == "failed" else f"it stopped while loading ({how})"
         else:
             link.status = "restarting" if was != "failed" else "failed"
             link.reason = (link.reason if was == "failed" else f"it stopped ({how})")
@@ -252,7 +257,7 @@ class DataParallelHost:
         link.ops.clear()
         with self._changed:
             self._changed.notify_all()
-        if not self._stopping:
+        if not self._stopping and self._started:
             log.error("replica %d stopped (%s); %d requests on it ended with an error", link.rank, how, len(taken))
             self._schedule_restart(link)
 
