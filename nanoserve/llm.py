@@ -8,7 +8,7 @@ from typing import Any
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.errors import RequestError
+from nanoserve.errors import ConfigError, RequestError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 
@@ -22,7 +22,13 @@ _TOKENS_KEYS = {"prompt_token_ids", "prompt", "multi_modal_data", "mm_processor_
 class LLM:
     """`LLM(model=None, **engine_flags)`; with no model the embedded default model runs."""
 
-    def __init__(self, model: str | None = None, **engine_flags):
+    def __init__(self, model: str | None = None, data_parallel_size: int = 1, **engine_flags):
+        """`data_parallel_size` other than 1 is refused: replicas are served (`nanoserve serve
+        --data-parallel-size N`), not run in one offline process."""
+        if data_parallel_size != 1:
+            raise ConfigError(f"LLM(data_parallel_size={data_parallel_size}) is not built: serve replicas with "
+                              "`nanoserve serve --data-parallel-size N`, or run one LLM per process, each on its "
+                              "own share of the machine")
         self.engine = Engine(EngineConfig.from_flags(model=model, **engine_flags))
 
     @property

@@ -264,3 +264,11 @@ def test_a_replica_killed_while_loading_fails_the_start(tiny_checkpoint, monkeyp
     config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01)
     with pytest.raises(ReplicaStartFailed, match=r"replica 1 did not start: it stopped while loading \(exit code"):
         Server(config, port=0, data_parallel=DataParallel(2))
+
+
+def test_offline_data_parallelism_is_refused_with_where_to_get_it():
+    from nanoserve import LLM
+    from nanoserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="nanoserve serve --data-parallel-size N"):
+        LLM(data_parallel_size=2)
