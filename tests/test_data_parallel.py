@@ -140,6 +140,7 @@ def test_a_killed_replica_ends_its_streams_and_comes_back(tiny_checkpoint):
         for t in threads:
             t.start()
         assert wait_until(lambda: host.links[1].view.in_flight > 0 and host.links[0].view.in_flight > 0)
+        assert httpx.post(server.url + "/knobs", json={"max_num_seqs": 5}, timeout=10).status_code == 200
         old_pid = host.links[1].pid
         host.launcher.kill(1)
         for t in threads:
@@ -156,6 +157,7 @@ def test_a_killed_replica_ends_its_streams_and_comes_back(tiny_checkpoint):
         for events in finished:
             assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1]) > 0
         assert wait_until(lambda: host.links[1].status == "ready", timeout=60)
+        assert wait_until(lambda: host.links[1].stats.flags["max_num_seqs"] == 5)  # the live change, replayed
         replica = _replicas(server)[1]
         assert replica["restarts"] == 1 and replica["pid"] != old_pid
         assert host.accounting()["live"] == 0

@@ -145,6 +145,7 @@ class DataParallelHost:
         self._closed: str | None = None
         self._stopping = False
         self._started = False  # every replica was ready once: from then on a lost one is started again
+        self._live_changes: list[tuple[dict, str]] = []  # POST /knobs changes, for a restarted replica
         self._changed = threading.Condition()
         self._authkey = secrets.token_bytes(32)
         self._listener = Listener((launcher.listen_host, 0), authkey=self._authkey)
@@ -213,6 +214,8 @@ class DataParallelHost:
     def _on_ready(self, link: ReplicaLink, ready: m.Ready) -> None:
         if self.front is None:
             self.front = FrontModel(ready)
+        for changes, who in self._live_changes:  # a restarted replica takes the live flags the others have,
+            self._op(link, "set_live", changes, f"{who} (replayed on restart)")  # queued before any request
         with self._changed:
             link.status, link.reason, link.ready_since = "ready", None, time.monotonic()
             link.view.ready = True
@@ -466,8 +469,10 @@ class DataParallelHost:
         return (await self._all("knobs"))[0][1]
 
     async def set_live(self, changes: dict, who: str) -> list:
-        """Every ready replica takes the same changes (a restarted one starts from the start-up flags)."""
-        return (await self._all("set_live", changes, who))[0][1]
+        """Every ready replica takes the same changes, and a replica started again later takes them too."""
+        done = (await self._all("set_live", changes, who))[0][1]
+        self._live_changes.append((changes, who))
+        return done
 
     async def request_rows(self, match: str = "") -> list[dict]:
         return [{**row, "replica": rank} for rank, rows in await self._all("rows", match) for row in rows]

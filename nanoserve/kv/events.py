@@ -7,8 +7,10 @@ engine's KVEventHub hands the step's events to its listeners: the ZMQ publisher 
 (kv/publisher.py) and a data-parallel replica's link to its front end (dp/replica.py). Consecutive blocks of one
 chain named in one step travel as one BlockStored, as vLLM's do.
 
-The block hashes are the pool's own 32-byte SHA-256 names (kv/prefix.py): vLLM's ExternalBlockHash is bytes or
-int. `medium` is "GPU", vLLM's word for the engine's own KV pool, which its CPU backend uses too.
+The records hold vLLM's required fields, in its order (vllm/distributed/kv_events.py); how they travel is the
+publisher's business (kv/publisher.py). The block hashes are the pool's own 32-byte SHA-256 names (kv/prefix.py):
+vLLM's ExternalBlockHash is bytes or int. `medium` is "GPU", vLLM's word for the engine's own KV pool, which its CPU
+backend uses too. nanoserve has no LoRA, so `lora_id` and `lora_name` are always None.
 """
 
 from __future__ import annotations
@@ -30,11 +32,7 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM
-
-    def wire(self) -> list:
-        """vLLM's msgpack form: a tagged array (msgspec's array_like=True, tag=True)."""
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
-                self.lora_id, self.medium]
+    lora_name: str | None = None
 
 
 @dataclass
@@ -42,14 +40,10 @@ class BlockRemoved:
     block_hashes: list[bytes]
     medium: str | None = MEDIUM
 
-    def wire(self) -> list:
-        return ["BlockRemoved", self.block_hashes, self.medium]
-
 
 @dataclass
 class AllBlocksCleared:
-    def wire(self) -> list:
-        return ["AllBlocksCleared"]
+    pass
 
 
 class KVEventLog:
