@@ -20,10 +20,10 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
 from nanoserve.dp import messages as m
+from nanoserve.dp.link import FrontModel, LiveRequest, ReplicaFailures, ReplicaLink
 from nanoserve.dp.merge import FrontLatency, merge
 from nanoserve.dp.routing import ReplicaView, Router, prompt_chain
 from nanoserve.errors import NanoserveError, RequestError
@@ -44,87 +44,6 @@ class ReplicaStartFailed(NanoserveError):
     """A replica failed to load at start-up (its reason is the engine's)."""
 
 
-@dataclass
-class ReplicaLink:
-    """The front end's side of one replica."""
-
-    rank: int
-    view: ReplicaView
-    status: str = "starting"  # starting | ready | restarting | failed | stopped
-    reason: str | None = None
-    conn: Connection | None = None
-    pid: int | None = None
-    node: str | None = None
-    actor_id: str | None = None
-    restarts: int = 0
-    tries: int = 0  # restarts in a row without STEADY_S of service
-    ready_since: float | None = None
-    stats: EngineStats | None = None
-    health: Health | None = None
-    failed_steps_total: int = 0
-    served: int = 0  # requests that ended with their final output
-    ops: dict = field(default_factory=dict)  # call id -> Future
-    sending: threading.Lock = field(default_factory=threading.Lock)
-
-    def send(self, message) -> None:
-        conn = self.conn
-        if conn is None:
-            raise HostStopped(f"replica {self.rank} is {self.status}; retry")
-        with self.sending:
-            try:
-                conn.send(message)
-            except (OSError, EOFError, ValueError) as e:
-                raise HostStopped(f"replica {self.rank} went away ({e}); retry") from None
-
-    def describe(self) -> dict:
-        """Its line in /health's data_parallel.replicas."""
-        s, prefix = self.stats, self.stats.prefix_cache if self.stats else None
-        return {"rank": self.rank, "status": self.status, "reason": self.reason, "pid": self.pid, "node": self.node,
-                "actor_id": self.actor_id, "restarts": self.restarts, "in_flight": self.view.in_flight,
-                "running": s.scheduler.running if s else 0, "waiting": s.scheduler.waiting if s else 0,
-                "kv_cache_usage": round(s.kv.usage, 4) if s else 0.0, "requests_served": self.served,
-                "routed": self.view.routed, "routed_prefix_blocks": self.view.prompt_blocks,
-                "routed_prefix_blocks_matched": self.view.matched_blocks, "cached_blocks_known": len(self.view.cached),
-                "prefix_cache": {"queries": prefix.queries, "hits": prefix.hits, "cached_blocks": prefix.cached_blocks,
-                                 "evictions": prefix.evictions} if prefix else None}
-
-
-@dataclass
-class _Live:
-    link: ReplicaLink
-    sink: Callable
-    accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-class FrontModel:
-    """What the routes read from `host.serving()`, as an Engine offers it, without the weights: the tokenizer,
-    the model's config and limits, and a grammar compiler to check structured outputs up front."""
-
-    def __init__(self, ready: m.Ready):
-        from nanoserve.structured.grammars import Grammars
-
-        self.name, self.tokenizer, self.model_config = ready.model_name, ready.tokenizer, ready.model_config
-        self.max_model_len, self.ready = ready.max_model_len, ready
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids)
-
-    def prompt_ids(self, prompt) -> list[int]:
-        """The ids the replica's engine will see (text is tokenized as Admission does), for routing only."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
-
-class _Failures:
-    """`host.failures` for /health: the replicas' failed steps, added up."""
-
-    def __init__(self, links: list[ReplicaLink]):
-        self._links = links
-
-    @property
-    def total(self) -> int:
-        return sum(link.failed_steps_total for link in self._links)
-
-
 class DataParallelHost:
     def __init__(self, launcher, size: int, routing: str = "prefix-affinity", imbalance: int = 64,
                  ready_timeout: float = 600.0, progress: Callable[[str], None] | None = None):
@@ -135,10 +54,10 @@ class DataParallelHost:
         self.refusals = Refusals()
         self.latency = FrontLatency()
         self.links = [ReplicaLink(rank, ReplicaView(rank)) for rank in range(size)]
-        self.failures = _Failures(self.links)
+        self.failures = ReplicaFailures(self.links)
         self.front: FrontModel | None = None
         self.admitted = self.ended = self.dropped = 0
-        self._requests: dict[str, _Live] = {}
+        self._requests: dict[str, LiveRequest] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._calls = itertools.count()
@@ -332,7 +251,7 @@ class DataParallelHost:
         else:
             future.set_result(done.result)
 
-    def _deliver(self, rid: str, live: _Live, item) -> None:
+    def _deliver(self, rid: str, live: LiveRequest, item) -> None:
         try:
             live.sink(item)
         except Exception as e:  # the route's loop closed: nobody reads this request any more
@@ -346,7 +265,7 @@ class DataParallelHost:
             self.ended += 1
             link.view.in_flight -= 1
 
-    def _take_requests(self, link: ReplicaLink) -> list[tuple[str, _Live]]:
+    def _take_requests(self, link: ReplicaLink) -> list[tuple[str, LiveRequest]]:
         with self._lock:
             taken = [(rid, live) for rid, live in self._requests.items() if live.link is link]
             for rid, _ in taken:
@@ -388,7 +307,7 @@ class DataParallelHost:
             if view is None:
                 raise HostStopped(self._no_replica())
             link = self.links[view.rank]
-            live = self._requests[rid] = _Live(link, sink)
+            live = self._requests[rid] = LiveRequest(link, sink)
             view.in_flight += 1
             self.admitted += 1
         try:
