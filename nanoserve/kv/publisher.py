@@ -1,12 +1,18 @@
 """--kv-events-config: vLLM's KV events over ZMQ, for the routers built around them (llm-d's precise prefix-cache
 scorer, Dynamo, Ray Serve's KV-aware router).
 
-The contract is vLLM's ZmqEventPublisher: a PUB socket bound to `endpoint`, each message three frames, the topic,
-an 8-byte big-endian sequence number (from 0), and a msgpack KVEventBatch `[ts, [event, ...], data_parallel_rank]`
-whose events are tagged arrays (kv/events.py). With `replay_endpoint`, a ROUTER socket answers a subscriber that
-missed messages: it sends the first sequence number it wants (8 bytes), and gets every batch still kept (the last
-`buffer_steps`) from there, each as [seq, payload], then [-1, b""]. Under data parallelism each replica binds its own
-port: a tcp endpoint's port plus its rank, an ipc or inproc path with "_dp<rank>" (vLLM's offset_endpoint_port).
+The contract is vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py): a PUB socket at `endpoint`, bound when
+the endpoint is a wildcard ("*" or "::") or ipc/inproc and connected otherwise (tcp://router-host:5557 reaches a
+router that binds its SUB socket, as llm-d's does). Each message is three frames: the topic, an 8-byte big-endian
+sequence number (from 0), and a msgpack KVEventBatch `[ts, [event, ...], data_parallel_rank]`. Each event is what
+msgspec writes for vLLM's tag=True structs: a map {"type": "BlockStored", "block_hashes": ..., ...} since vLLM 0.26
+(wire_format "map", the default), or a tagged array ["BlockStored", ...] as older vLLM sent (wire_format "array",
+nanoserve's one key beyond vLLM's, for routers that predate the change). With `replay_endpoint`, a ROUTER socket
+answers a subscriber that missed messages: it sends the first sequence number it wants (8 bytes) and gets every
+batch still kept (the last `buffer_steps`) from there, each as [topic, seq, payload], then [b"", -1, b""] (with
+wire_format "array": [seq, payload], then [-1, b""], as older vLLM answered). Under data parallelism each replica
+has its own endpoint: a tcp endpoint's port plus its rank, an inproc (or ipc: vLLM refuses those) path with
+"_dp<rank>" (vLLM's offset_endpoint_port).
 
 A step only queues its events (never blocks); one thread owns both sockets, encodes and sends. A full queue drops
 the batch and counts it. The first message is an AllBlocksCleared, so a subscriber that followed an earlier
@@ -30,11 +36,12 @@ from nanoserve.kv.events import AllBlocksCleared
 log = logging.getLogger("nanoserve.kv")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+WIRE_FORMATS = ("map", "array")
 
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM's KVEventsConfig, field for field."""
+    """vLLM's KVEventsConfig, field for field, and wire_format (see the module's docstring)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; unset: zmq when events are enabled
@@ -44,6 +51,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    wire_format: str = "map"
 
     @property
     def publishing(self) -> bool:
@@ -83,12 +91,31 @@ class KVEventsConfig:
                 raise ConfigError(f"--kv-events-config: {name} must be a positive integer, got {value!r}")
         if not isinstance(self.topic, str):
             raise ConfigError("--kv-events-config: topic must be a string")
+        if self.wire_format not in WIRE_FORMATS:
+            raise ConfigError(f"--kv-events-config: wire_format {self.wire_format!r} is not one nanoserve has; use "
+                              '"map" (vLLM 0.26 and later) or "array" (the tagged arrays of older vLLM)')
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and
-                                          re.match(r"^(tcp://[^:/]+:\d+|ipc://.+|inproc://.+)$", value)):
-                raise ConfigError(f"--kv-events-config: {name} {value!r} is not a ZMQ endpoint; use "
-                                  "tcp://HOST:PORT (tcp://*:5557 binds every interface), ipc://PATH or inproc://NAME")
+            if value is not None and not (isinstance(value, str) and re.match(
+                    r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):\d+|ipc://.+|inproc://.+)$", value)):
+                raise ConfigError(f"--kv-events-config: {name} {value!r} is not a ZMQ endpoint; use tcp://*:PORT "
+                                  "(binds every interface), tcp://HOST:PORT (connects to a subscriber that binds), "
+                                  "ipc://PATH or inproc://NAME")
+
+
+def binds(endpoint: str) -> bool:
+    """Whether the PUB socket binds `endpoint` or connects to it (vLLM's rule: bind a wildcard, ipc or inproc)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def wire(event, wire_format: str = "map"):
+    """One event as msgspec writes vLLM's tag=True struct: a map led by its "type" (vLLM 0.26 and later), or with
+    wire_format "array" the tagged array of older vLLM. Every field the records hold is one vLLM requires, so none is
+    left out (msgspec's omit_defaults drops only fields with defaults)."""
+    tag, names = type(event).__name__, [f.name for f in fields(event)]
+    if wire_format == "array":
+        return [tag, *(getattr(event, name) for name in names)]
+    return {"type": tag, **{name: getattr(event, name) for name in names}}
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
@@ -101,6 +128,11 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
+def batch_payload(msgpack, ts: float, events: list, rank: int, wire_format: str = "map") -> bytes:
+    """A KVEventBatch as msgspec writes vLLM's (an array_like struct: [ts, events, data_parallel_rank])."""
+    return msgpack.packb([ts, [wire(event, wire_format) for event in events], rank], use_bin_type=True)
+
+
 class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
         from nanoserve.optional import require
@@ -108,6 +140,7 @@ class ZmqEventPublisher:
         self.zmq = require("zmq", "--kv-events-config")
         self.msgpack = require("msgpack", "--kv-events-config")
         self.config, self.rank = config, data_parallel_rank
+        self._pub = None
         self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
         self.replay_endpoint = (offset_endpoint(config.replay_endpoint, data_parallel_rank)
                                 if config.replay_endpoint else None)
@@ -115,9 +148,8 @@ class ZmqEventPublisher:
         self._stop = threading.Event()
         self.batches = self.events = self.dropped = 0
         self._context = self.zmq.Context()
-        self._pub = self._bind(self.zmq.PUB, self.endpoint)
-        self._pub.set_hwm(config.hwm)
-        self._replay = self._bind(self.zmq.ROUTER, self.replay_endpoint) if self.replay_endpoint else None
+        self._pub = self._open(self.zmq.PUB, self.endpoint, binds(self.endpoint), config.hwm)
+        self._replay = (self._open(self.zmq.ROUTER, self.replay_endpoint, True) if self.replay_endpoint else None)
         self._warn_if_open()
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
@@ -125,27 +157,37 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="nanoserve-kv-events", daemon=True)
         self._thread.start()
 
-    def _bind(self, kind, endpoint: str):
+    def _open(self, kind, endpoint: str, bind: bool, hwm: int | None = None):
         socket = self._context.socket(kind)
         socket.setsockopt(self.zmq.LINGER, 0)
+        if hwm is not None:
+            socket.set_hwm(hwm)
+        if endpoint.startswith("tcp://["):
+            socket.setsockopt(self.zmq.IPV6, 1)
         try:
-            socket.bind(endpoint)
+            socket.bind(endpoint) if bind else socket.connect(endpoint)
         except self.zmq.ZMQError as e:
             socket.close()
+            if self._pub is not None:
+                self._pub.close()
             self._context.term()
+            if not bind:
+                raise ConfigError(f"--kv-events-config cannot connect to {endpoint} ({e}); name the subscriber's "
+                                  "host and port, or bind with tcp://*:PORT") from None
             raise ConfigError(f"--kv-events-config cannot bind {endpoint} ({e}); pick a free port (each "
                               "data-parallel replica takes the port plus its rank)") from None
         return socket
 
     def _warn_if_open(self) -> None:
         """The events carry every cached block's token ids (the prompts' text, in tokens) and ZMQ asks no key:
-        said once at start when the socket is reachable from other machines, as vLLM's default tcp://*:5557 is."""
-        for endpoint in (self.endpoint, self.replay_endpoint):
-            if endpoint and endpoint.startswith("tcp://") and not endpoint.startswith(
+        said once at start when a socket it binds is reachable from other machines, as vLLM's default tcp://*:5557
+        is. (A connecting PUB socket sends only to the subscriber it names.)"""
+        for endpoint, bound in ((self.endpoint, binds(self.endpoint)), (self.replay_endpoint, True)):
+            if endpoint and bound and endpoint.startswith("tcp://") and not endpoint.startswith(
                     ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")):
                 log.warning("--kv-events-config publishes the token ids of every cached block on %s with no key "
-                            "(the API key does not cover it): keep that port on a private network, or bind "
-                            "tcp://127.0.0.1:PORT", endpoint)
+                            "(the API key does not cover it): keep that port on a private network, or publish on "
+                            "ipc://PATH or to a subscriber that binds (tcp://HOST:PORT)", endpoint)
 
     def publish(self, events: list) -> None:
         """Queue one step's events (called on the engine thread; never blocks)."""
@@ -179,8 +221,7 @@ class ZmqEventPublisher:
         self._context.term()
 
     def _send(self, ts: float, events: list) -> None:
-        batch = [ts, [event.wire() for event in events], self.rank]
-        payload = self.msgpack.packb(batch, use_bin_type=True)
+        payload = batch_payload(self.msgpack, ts, events, self.rank, self.config.wire_format)
         seq = self._seq
         self._seq += 1
         self._pub.send_multipart([self.config.topic.encode(), seq.to_bytes(8, "big"), payload])
@@ -189,12 +230,14 @@ class ZmqEventPublisher:
         self.events += len(events)
 
     def _answer_replay(self) -> None:
+        """vLLM's replay answer; with wire_format "array", without the topic frames, as older vLLM answered."""
         frames = self._replay.recv_multipart()
         identity, start = frames[0], int.from_bytes(frames[-1], "big")
+        topic = [] if self.config.wire_format == "array" else [self.config.topic.encode()]
         for seq, payload in list(self._kept):
             if seq >= start:
-                self._replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([identity, b"", END_SEQ, b""])
+                self._replay.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([identity, b"", *[b"" for _ in topic], END_SEQ, b""])
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then close the sockets."""
