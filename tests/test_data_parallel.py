@@ -228,14 +228,18 @@ def test_each_replica_publishes_kv_events_with_its_rank(tiny_checkpoint):
     with sockets.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"})
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
     with tiny_server_running(tiny_checkpoint("llama"), {"kv_events_config": config},
                              data_parallel=DataParallel(2)) as server:
         subs = [Subscriber(f"tcp://127.0.0.1:{port + rank}", "") for rank in (0, 1)]
         try:
-            import time
+            def joined() -> bool:  # a SUB socket hears only what is sent once it has joined: a reset tells when
+                httpx.post(server.url + "/reset_prefix_cache", timeout=10)
+                for sub in subs:
+                    sub.drain(100)
+                return all("AllBlocksCleared" in sub.kinds for sub in subs)
 
-            time.sleep(0.3)
+            assert wait_until(joined, timeout=20, every=0.1)
             for i in range(6):
                 _complete(server, f"kv events prompt number {i} " * 4, cache_salt=f"e{i}")
             for sub in subs:
