@@ -116,7 +116,7 @@ def test_a_burst_cannot_overfill_the_waiting_queue(tiny_checkpoint):
         outcomes = []  # each a refusal (at the send, or from the engine thread) or an admission
         for _ in range(10):
             try:
-                outcomes.append(host._send("burst", SamplingParams(max_tokens=2, **GREEDY), lambda _: None, None))
+                outcomes.append(host.send("burst", SamplingParams(max_tokens=2, **GREEDY), lambda _: None, None))
             except QueueFull as e:
                 outcomes.append(e)
         gate.set()

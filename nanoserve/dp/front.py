@@ -27,7 +27,7 @@ from nanoserve.dp.link import FrontModel, LiveRequest, ReplicaFailures, ReplicaL
 from nanoserve.dp.merge import FrontLatency, merge
 from nanoserve.dp.routing import ReplicaView, Router, prompt_chain
 from nanoserve.errors import NanoserveError, RequestError
-from nanoserve.server.collector import OutputCollector
+from nanoserve.server.collector import OutputCollector, relay
 from nanoserve.server.health import Health
 from nanoserve.server.host import EngineFailure, HostStopped
 from nanoserve.server.refusals import Refusals
@@ -316,7 +316,7 @@ class DataParallelHost:
         except BaseException:
             self._forget(rid, link)
             raise
-        return self._stream(rid, outputs)
+        return relay(outputs, lambda: self.abort(rid))
 
     def _forget(self, rid: str, link: ReplicaLink) -> None:
         """A request refused or never sent: it was not admitted after all."""
@@ -325,19 +325,6 @@ class DataParallelHost:
                 return
             self.admitted -= 1
             link.view.in_flight -= 1
-
-    async def _stream(self, rid: str, outputs: OutputCollector) -> AsyncIterator:
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         live = self._requests.get(request_id)
@@ -398,19 +385,6 @@ class DataParallelHost:
 
     async def request_timeline(self, request_id: str) -> list[dict]:
         return [{**seq, "replica": rank} for rank, seqs in await self._all("timeline", request_id) for seq in seqs]
-
-    def rows(self, match: str = "") -> list[dict]:
-        return self._sync(self.request_rows(match))
-
-    def timeline(self, request_id: str) -> list[dict]:
-        return self._sync(self.request_timeline(request_id))
-
-    @staticmethod
-    def _sync(coroutine):
-        try:
-            return asyncio.run(coroutine)
-        except HostStopped:
-            return []
 
     # ---- state ----------------------------------------------------------------------------------------
     @property

@@ -2,9 +2,11 @@
 
 Counts add up (requests running and waiting, tokens, KV blocks, prefix-cache lookups and hits, reads); the rows
 are every replica's, each marked with its replica; what describes the model (flags, dtype, numerics) is the first
-replica's, since every replica loads the same flags. Request latency percentiles are the front end's own, over
-the final outputs it relayed (percentiles of replicas' percentiles would be no percentile at all); the step
-percentiles are the slowest replica's. Per-replica figures stay available in features["data_parallel"].
+replica's, since every replica loads the same flags. The optional features' sections (stalls, step budget,
+windows, kernels) are the first replica's too: they mix counts with thresholds, targets and percentiles, which do
+not add. Request latency percentiles are the front end's own, over the final outputs it relayed (percentiles of
+replicas' percentiles would be no percentile at all); the step percentiles are the slowest replica's. Per-replica
+figures stay available in features["data_parallel"].
 """
 
 from __future__ import annotations
@@ -64,24 +66,6 @@ def _finished_counts(stats: list[EngineStats]) -> dict:
     return total
 
 
-def _features(stats: list[EngineStats]) -> dict:
-    """Each optional feature's section: numbers added across replicas, anything else the first replica's."""
-    merged: dict = {}
-    for s in stats:
-        for name, section in s.features.items():
-            if not isinstance(section, dict):
-                merged.setdefault(name, section)
-                continue
-            into = merged.setdefault(name, {})
-            for key, value in section.items():
-                number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if number and isinstance(into.get(key), (int, float)) and key in into:
-                    into[key] = into[key] + value
-                else:
-                    into.setdefault(key, value)
-    return merged
-
-
 def merge(replicas: list[tuple[int, EngineStats]], latency: FrontLatency, data_parallel: dict) -> EngineStats:
     """The server's snapshot from each replica's latest (rank, stats); `data_parallel` is published as a
     feature (the replicas' table, /health's `data_parallel`)."""
@@ -99,4 +83,4 @@ def merge(replicas: list[tuple[int, EngineStats]], latency: FrontLatency, data_p
     return dataclasses.replace(
         first, device=", ".join(devices), scheduler=scheduler, kv=kv, prefix_cache=prefix, paged_read=read,
         rows=rows, finished_rows=finished[:ROWS_KEPT], latency=latency.stats(stats),
-        features={**_features(stats), "data_parallel": data_parallel})
+        features={**first.features, "data_parallel": data_parallel})

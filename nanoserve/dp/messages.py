@@ -65,7 +65,6 @@ class Ready:
     tokenizer: Any
     model_config: Any
     max_model_len: int
-    max_logprobs: int
     block_size: int
     cache_root: bytes  # KVManager.cache_root: the parent of every unsalted block-name chain
     prefix_caching: bool
@@ -104,7 +103,6 @@ class Status:
     stats: Any  # EngineStats
     health: Any  # server.health.Health
     failed_steps_total: int
-    live: int
 
 
 @dataclass

@@ -70,7 +70,7 @@ class Replica:
         self.host = EngineHost(engine, max_waiting=max_waiting).start()
         kv = engine.kv
         self.send(m.Ready(engine.runner.loaded.name, engine.tokenizer, engine.model_config, engine.max_model_len,
-                          config.max_logprobs, kv.block_size, kv.cache_root, kv.prefix_caching))
+                          kv.block_size, kv.cache_root, kv.prefix_caching))
         self._send_quietly(self._status())  # the front end has a snapshot from the moment it routes here
         status = threading.Thread(target=self._report, name="nanoserve-replica-status", daemon=True)
         status.start()
@@ -157,7 +157,7 @@ class Replica:
 
     def _status(self) -> m.Status:
         host = self.host
-        return m.Status(host.stats(), host.health(), host.failures.total, host.live_requests())
+        return m.Status(host.stats(), host.health(), host.failures.total)
 
     def _send_quietly(self, message) -> None:
         """Send from a thread that can do nothing about a front end that went away (the reader notices)."""

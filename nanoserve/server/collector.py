@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator, Callable
 
 from nanoserve.outputs import RequestOutput
 
@@ -58,3 +59,19 @@ class OutputCollector:
             index = next(iter(self._pending))
             return self._pending.pop(index)
         raise self._error
+
+
+async def relay(outputs: OutputCollector, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as its route reads them, until its final one; an exception put in is raised. A reader
+    that stops before the end (a client gone) calls `abandon`, which aborts the request."""
+    finished = False
+    try:
+        while not finished:
+            item = await outputs.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abandon()

@@ -26,7 +26,7 @@ from nanoserve.engine import Engine, StepFailed
 from nanoserve.errors import NanoserveError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
-from nanoserve.server.collector import OutputCollector
+from nanoserve.server.collector import OutputCollector, relay
 from nanoserve.server.health import FailureLog, Health
 from nanoserve.server.refusals import Refusals
 from nanoserve.stats import EngineStats
@@ -221,9 +221,9 @@ class EngineHost:
                timeout: float = 60.0, user: str | None = None, cache_salt: str | None = None,
                session_id: str | None = None) -> str:
         """Queue a request from any thread; returns its id, or raises the engine's refusal (nothing held)."""
-        return self._send(prompt, params, sink, request_id, user, cache_salt, session_id).result(timeout)
+        return self.send(prompt, params, sink, request_id, user, cache_salt, session_id).result(timeout)
 
-    def _send(self, prompt, params, sink, request_id, user=None, cache_salt=None,
+    def send(self, prompt, params, sink, request_id, user=None, cache_salt=None,
               session_id=None, streamed: bool = True, origin: TraceOrigin | None = None) -> concurrent.futures.Future:
         """Queue a request; the future answers with its id once the engine admitted it, or with the refusal.
         `origin` defaults to the calling route's (tracing.current_origin)."""
@@ -231,8 +231,6 @@ class EngineHost:
                    origin if origin is not None else current_origin.get())
         self._enqueue(cmd, bounded=True)
         return cmd.accepted
-
-    send = _send  # for a data-parallel replica, which queues from its connection's thread
 
     def _enqueue(self, cmd, bounded: bool = False) -> None:
         """Queue a command for the engine thread, or refuse it (HostStopped) while admission is closed or the
@@ -317,22 +315,9 @@ class EngineHost:
             loop.call_soon_threadsafe(outputs.put, item)  # raises once the loop is closed: the host aborts
 
         # Awaiting the engine thread's answer holds no executor thread, however many clients arrive at once.
-        rid = await asyncio.wrap_future(self._send(prompt, params, sink, request_id, user, cache_salt, session_id,
+        rid = await asyncio.wrap_future(self.send(prompt, params, sink, request_id, user, cache_salt, session_id,
                                                    streamed))
-        return self._stream(rid, outputs)
-
-    async def _stream(self, rid: str, outputs: OutputCollector) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(rid)
+        return relay(outputs, lambda: self.abort(rid))
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:

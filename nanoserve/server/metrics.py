@@ -67,7 +67,6 @@ class _SnapshotCollector:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield gauge(f"{section}_{key}", f"{section}.{key} from the stats snapshot.", value)
 
-
     def _for_routers(self, engines: list[tuple[str, EngineStats]]):
         """vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc and vllm:cache_config_info, as vLLM's V1
         engine exports them: what an endpoint picker scrapes (load, KV use, and the pool's size in blocks), one
