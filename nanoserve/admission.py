@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 
 from nanoserve.errors import RequestError
@@ -42,6 +43,7 @@ class Admission:
         bad_words = self.bad_word_ids(params.bad_words)
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         group = []
+        arrived = time.monotonic() if arrival_time is None else arrival_time  # one arrival for all n sequences
         for index in range(params.n):
             own = params if params.n == 1 else params.for_completion(index)
             if index:  # the prompt's logprobs are the same for every completion: compute them once
@@ -51,8 +53,7 @@ class Admission:
                           session_id=session_id, cache_salt=cache_salt, matcher=grammar.matcher() if grammar else None)
             if own.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
-            if arrival_time is not None:
-                req.arrival_time = arrival_time
+            req.arrival_time = arrived
             group.append(req)
         return group
 

@@ -218,20 +218,35 @@ def _q4_weight(out: int, k: int, seed: int = 6):
     return Int4Blocks(codes, scales, zeros)
 
 
-def _q4_reference(blocks, x: torch.Tensor) -> torch.Tensor:
-    """linear.c's arithmetic in float64 after its activation rounding: each row's groups of 32 as 16-bit codes
-    (scale max |x| / 32767, rounded to nearest even in float32), the exact integer products, then the scales."""
+def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear.c's activation rounding: each row's groups of 32 as 16-bit codes (scale max |x| / 32767, rounded to
+    nearest even in float32), as float64 codes [rows, groups, 32] and scales [rows, groups]."""
     rows, k = x.shape
     groups = x.view(rows, k // 32, 32)
     top = groups.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
     codes = torch.round(groups * inv)  # float32 product, then half to even: the kernel's rounding
-    d = (top / 32767.0).double()
-    q = blocks.codes.view(blocks.codes.shape[0], k // 32, 32).double() - 8
-    products = torch.einsum("rgi,ogi->rog", codes.double(), q)  # exact integers
-    sums = codes.double().sum(-1)  # [rows, groups]
-    return (blocks.scales.double()[None] * d.squeeze(-1)[:, None] * products
-            + blocks.zeros.double()[None] * (d.squeeze(-1) * sums)[:, None]).sum(-1)
+    return codes.double(), (top / 32767.0).double().squeeze(-1)
+
+
+def _q4_terms(blocks, x: torch.Tensor) -> torch.Tensor:
+    """linear.c's per-group terms in float64 after its activation rounding, [rows, out, groups]: the exact
+    integer products, then the scales (the output is their sum in group order)."""
+    codes, d = _activation_codes(x)
+    q = blocks.codes.view(blocks.codes.shape[0], x.shape[1] // 32, 32).double() - 8
+    products = torch.einsum("rgi,ogi->rog", codes, q)  # exact integers
+    sums = codes.sum(-1)  # [rows, groups]
+    return blocks.scales.double()[None] * d[:, None] * products + blocks.zeros.double()[None] * (d * sums)[:, None]
+
+
+def _assert_float32_sum(y: torch.Tensor, terms: torch.Tensor, ops_per_term: int) -> None:
+    """y is the float64 sum of `terms` [..., groups] up to float32's rounding as the kernel does it: each term
+    rounded `ops_per_term` times, then added in order to a running sum. The bound is the textbook one for that
+    sequence, (groups + ops_per_term) u sum |term| (u = 2^-24), so an output whose terms cancel is held to its
+    terms' size, not its own, and a vector width or instruction set that reorders nothing passes with any data."""
+    bound = (terms.shape[-1] + ops_per_term) * 2.0**-24 * terms.abs().sum(-1) + 1e-30
+    excess = (y.double() - terms.sum(-1)).abs() / bound
+    assert excess.max() <= 1.0, f"off by {excess.max():.2f}x the float32 bound at {divmod(int(excess.argmax()), y.shape[-1])}"
 
 
 def test_q4_matmul_is_its_formula_and_close_to_the_dense_product(kernels):
@@ -239,7 +254,7 @@ def test_q4_matmul_is_its_formula_and_close_to_the_dense_product(kernels):
     packed = kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros)
     x = torch.randn(5, 256)
     y = kernels.q4_matmul(packed, x, 96)
-    torch.testing.assert_close(y.double(), _q4_reference(blocks, x), rtol=1e-5, atol=1e-5)
+    _assert_float32_sum(y, _q4_terms(blocks, x), ops_per_term=4)  # d c, s (d c), z (d sum v), the add
     dense = x.double() @ blocks.dequantize().double().T
     assert ((y.double() - dense).abs().max() / dense.abs().max()) < 1e-4  # 16-bit activations
 
@@ -313,16 +328,17 @@ def _q8_weight(out: int, k: int, seed: int = 7):
     return Int8Blocks(codes, scales)
 
 
+def _q8_terms(blocks, x: torch.Tensor) -> torch.Tensor:
+    """The 8-bit kernel's per-group terms in float64 after its activation rounding (as _q4_terms'): its integer
+    products pass 2^24, so their conversion to float32 rounds too."""
+    codes, d = _activation_codes(x)
+    q = blocks.codes.view(blocks.codes.shape[0], x.shape[1] // 32, 32).double()
+    products = torch.einsum("rgi,ogi->rog", codes, q)  # exact integers
+    return blocks.scales.double()[None] * d[:, None] * products
+
+
 def _q8_reference(blocks, x: torch.Tensor) -> torch.Tensor:
-    """The 8-bit kernel's arithmetic in float64 after its activation rounding (as _q4_reference's)."""
-    rows, k = x.shape
-    groups = x.view(rows, k // 32, 32)
-    top = groups.abs().amax(-1, keepdim=True)
-    codes = torch.round(groups * torch.where(top > 0, 32767.0 / top, torch.zeros_like(top)))
-    d = (top / 32767.0).double()
-    q = blocks.codes.view(blocks.codes.shape[0], k // 32, 32).double()
-    products = torch.einsum("rgi,ogi->rog", codes.double(), q)  # exact integers
-    return (blocks.scales.double()[None] * d.squeeze(-1)[:, None] * products).sum(-1)
+    return _q8_terms(blocks, x).sum(-1)
 
 
 def test_q8_matmul_is_its_formula_and_a_row_is_the_same_alone_in_a_crowd_and_on_the_tiles(kernels):
@@ -334,7 +350,7 @@ def test_q8_matmul_is_its_formula_and_a_row_is_the_same_alone_in_a_crowd_and_on_
     x[3, :32] = 0
     x[7, 40:90] *= 1e4
     crowd = kernels.q8_matmul(packed, x, 48)
-    torch.testing.assert_close(crowd.double(), _q8_reference(blocks, x), rtol=1e-5, atol=1e-4)
+    _assert_float32_sum(crowd, _q8_terms(blocks, x), ops_per_term=4)  # (float) c, d c, s (d c), the add
     assert all(torch.equal(kernels.q8_matmul(packed, x[r: r + 1].contiguous(), 48)[0], crowd[r]) for r in range(37))
     kernels.use_tiles(False)
     try:

@@ -163,16 +163,22 @@ def test_a_restart_whose_flags_and_fallback_both_fail_says_so(tiny_checkpoint, m
 
 
 def test_a_send_racing_shutdown_is_always_answered(tiny_checkpoint):
+    """Sends racing a shutdown are each answered (admitted, or refused with HostStopped), never left pending; the
+    sender's own failures are collected, so a broken call fails the test instead of ending its thread quietly."""
     engine = LLM(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01).engine
+    sent = 0
     for _ in range(20):
         host = EngineHost(engine).start()
-        futures, stop = [], threading.Event()
+        futures, errors, stop = [], [], threading.Event()
 
-        def sender(host=host, futures=futures, stop=stop):
+        def sender(host=host, futures=futures, errors=errors, stop=stop):
             while not stop.is_set():
                 try:
-                    futures.append(host._send("hi", SamplingParams(max_tokens=1), lambda _: None, None))
+                    futures.append(host.send("hi", SamplingParams(max_tokens=1), lambda _: None, None))
                 except HostStopped:
+                    return
+                except Exception as exc:  # anything else is the failure this test looks for
+                    errors.append(exc)
                     return
 
         t = threading.Thread(target=sender)
@@ -181,8 +187,11 @@ def test_a_send_racing_shutdown_is_always_answered(tiny_checkpoint):
         host.shutdown()
         stop.set()
         t.join()
+        assert not errors, errors
         for f in futures:
             f.exception(5)  # answered (a result or HostStopped), never left pending: this raises TimeoutError
+        sent += len(futures)
+    assert sent > 0  # the race was run: sends landed before the shutdowns
 
 
 def _out(index: int, text: str, ids: tuple, finished: bool = False) -> RequestOutput:
