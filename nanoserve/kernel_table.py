@@ -24,7 +24,10 @@ log = logging.getLogger("nanoserve.kernels")
 
 
 def machine_key() -> str:
-    """What a timing depends on besides the shape: the CPU (model and flags), the machine, torch, the threads."""
+    """What a timing depends on besides the shape: the CPU (model and flags), the machine, torch, the threads, and
+    the instruction sets the kernels were capped to ($NANOSERVE_CPU_ISA, $ATEN_CPU_CAPABILITY)."""
+    from nanoserve.kernels.build import isa_cap
+
     fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -33,7 +36,10 @@ def machine_key() -> str:
     model = fields.get("model name") or platform.processor() or platform.machine()
     flags = " ".join(sorted(fields.get("flags", "").split()))
     digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"{model} flags:{digest} torch {torch.__version__} threads {torch.get_num_threads()}"
+    capped = "" if isa_cap() == "native" else f" isa {isa_cap()}"  # the kernels built as a smaller machine's
+    if os.environ.get("ATEN_CPU_CAPABILITY"):  # torch's own kernels capped likewise
+        capped += f" aten {torch.backends.cpu.get_cpu_capability()}"
+    return f"{model} flags:{digest} torch {torch.__version__} threads {torch.get_num_threads()}{capped}"
 
 
 def table_path() -> Path:

@@ -20,6 +20,30 @@ from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-shared", "-fPIC", "-pthread")
 COMPILE_TIMEOUT_S = 120
+# $NANOSERVE_CPU_ISA builds the kernels as a machine with less would: an AVX-512 or AMX machine then runs (and
+# its tests cover) the AVX2 or the plain-C path that other users' machines take. The flags follow -march=native.
+ISA_CAPS = {
+    "native": (),
+    "avx2": ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-mavx2", "-mfma", "-mf16c"),
+    "portable": ("-mno-avx", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"),
+}
+
+
+def isa_cap() -> str:
+    """The instruction set the kernels are built for: $NANOSERVE_CPU_ISA, else "native" (all this CPU has)."""
+    cap = os.environ.get("NANOSERVE_CPU_ISA", "native") or "native"
+    if cap not in ISA_CAPS:
+        raise ValueError(f"NANOSERVE_CPU_ISA={cap!r} is not one of {', '.join(ISA_CAPS)}; unset it to build for "
+                         "this CPU")
+    return cap
+
+
+def compile_flags() -> tuple[str, ...]:
+    """FLAGS, then the ones $NANOSERVE_CPU_ISA takes away (x86-64 only: elsewhere native is the one build)."""
+    cap = isa_cap()
+    if cap != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(f"NANOSERVE_CPU_ISA={cap} names an x86-64 build, and this machine is {platform.machine()}")
+    return FLAGS + ISA_CAPS[cap]
 
 
 def cache_dir() -> Path:
@@ -48,7 +72,7 @@ SOURCES = ("fused.c", "linear.c")  # compiled together into one library
 
 
 def library_path(source: bytes, compiler: str) -> Path:
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(compile_flags()).encode(),
                                      platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
     return cache_dir() / f"fused-{key}.so"
 
@@ -86,7 +110,8 @@ def build(names: tuple[str, ...] = SOURCES) -> tuple[Path | None, str]:
             out = Path(work) / target.name
             for source_name, text in sources.items():
                 (Path(work) / source_name).write_bytes(text)
-            done = subprocess.run([compiler, *FLAGS, *(str(Path(work) / n) for n in sources), "-o", str(out), "-lm"],
+            command = [compiler, *compile_flags(), *(str(Path(work) / n) for n in sources), "-o", str(out), "-lm"]
+            done = subprocess.run(command,
                                   capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode != 0:
                 first = (done.stderr.strip().splitlines() or ["no message"])[0]
