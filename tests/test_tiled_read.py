@@ -34,6 +34,20 @@ def test_a_row_whose_tiles_all_lie_past_its_context_is_unaffected():
     assert (ours.double() - dense_oracle(q, k, v, table, lens, scale)).abs().max().item() < 2e-5
 
 
+def test_a_bucketed_table_wide_as_the_model_walks_no_tile_past_the_longest_row():
+    """Decode buckets hand the read a block table as wide as max_model_len. The columns past every row's end are
+    never read: the output is the narrow table's bit for bit even when those blocks hold NaN (a masked tile that
+    was walked would add 0 x NaN), which is also why a bucketed streamed step costs what an unbucketed one does."""
+    q, k, v, table, lens = random_case(3, 4, 2, 64, 16, torch.float32, seed=5, max_len=70)
+    scale = 64**-0.5
+    narrow = tiled_decode(q, k, v, table, lens, scale, 16)
+    spare = torch.arange(k.shape[0], k.shape[0] + 64).expand(3, 64)  # 64 more blocks a row, all poisoned
+    k_wide = torch.cat([k, torch.full((64, *k.shape[1:]), float("nan"))])
+    v_wide = torch.cat([v, torch.full((64, *v.shape[1:]), float("nan"))])
+    wide = tiled_decode(q, k_wide, v_wide, torch.cat([table, spare], 1), lens, scale, 16)
+    assert torch.equal(wide, narrow)
+
+
 def test_without_cuda_the_streamed_read_runs_the_torch_tiles(monkeypatch):
     import nanoserve.attention.streamed as triton_read
 

@@ -3,7 +3,8 @@
 Each step reads `block` positions of every row straight from the block pool, scores them, and folds them into
 a running (max, sum, accumulator) with an online softmax, so no more than one tile of scores is ever alive and
 the [rows, width] rectangle the gathered read builds never exists. The arithmetic is the kernel's: float32
-scores and accumulation whatever the cache's dtype. Rows shorter than the widest skip their empty tiles by mask.
+scores and accumulation whatever the cache's dtype. Rows shorter than the longest skip their empty tiles by mask;
+no tile past the longest is walked, however wide a bucketed block table is.
 It is the CPU's streamed read (the Triton kernel runs there only under its interpreter, hundreds of times
 slower); with CUDA the Triton kernel runs.
 """
@@ -23,8 +24,12 @@ def tiled_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     device = q.device
     qg = q.reshape(rows, kv_heads, group, dim).float()
     keys, values = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
-    width = block_table.shape[1] * block_size
     lens = context_lens.to(device)[:, None]
+    # Walk the tiles the longest row reaches, not the table's width: a bucketed step's table is as wide as
+    # max_model_len, and a tile past every row's end only multiplies the sums by exp(0) and adds zeros (the same
+    # bits), thousands of einsums a token for nothing. Reading the lengths is free here: this twin runs on the
+    # CPU (with CUDA the Triton kernel stops each row at its own length on the device).
+    width = min(block_table.shape[1] * block_size, int(context_lens.max()))
     m = torch.full((rows, kv_heads, group), float("-inf"), device=device)
     total = torch.zeros(rows, kv_heads, group, device=device)
     acc = torch.zeros(rows, kv_heads, group, dim, device=device)
