@@ -20,6 +20,8 @@ from console.screens.load import LoadScreen
 from console.screens.log import LogScreen
 from nanoserve.config import EngineConfig
 
+PHASE_TICK_S = 0.25  # how often the status line's phase clock ticks while the engine is not serving
+
 # mode name -> (screen, key, title); every mode is a footer binding and a command-palette entry
 SCREENS = {
     "dashboard": (Dashboard, "d", "Dashboard"),
@@ -108,8 +110,17 @@ class NanoserveConsole(App):
         self._app_thread = threading.get_ident()
         self.engine_log.attach()
         self.run_worker(self._start_server, thread=True, name="server", exit_on_error=False)
+        self.set_interval(PHASE_TICK_S, self.tick_phase)
         if self.attached:
             self.set_interval(min(self.refresh_s, 0.5), self.follow_attached)
+
+    def tick_phase(self) -> None:
+        """While the engine is not serving (starting, loading, restarting), the status line's clock of the
+        current phase ticks on its own timer, whatever the refresh interval, so a long phase shows it is alive."""
+        from console.screens.base import ConsoleScreen
+
+        if (self.phase != "serving" or self.server is None) and isinstance(self.screen, ConsoleScreen):
+            self.screen.show_status()
 
     # ---- engine lifecycle (worker threads) ----------------------------------------------------------
     def set_phase(self, phase: str) -> None:

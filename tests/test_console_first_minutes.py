@@ -260,3 +260,30 @@ def test_a_stall_is_shown_with_what_the_step_carried():
     Stats.features["stalls"]["latest"][-1].update(requests=[f"r{i}" for i in range(64)], requests_cut=True)
     assert stall_line(Stats()).endswith("0 preemptions; 64+ requests in it")  # --once: no key to press
     assert stall_line(Stats(), "t").endswith("0 preemptions; 64+ requests in it (t: list them)")
+
+
+async def test_the_start_up_phase_clock_ticks_live_whatever_the_refresh(config):
+    """A 6 s load once read "loading weights... 0.6 s" throughout: the phase's clock ticks on its own timer."""
+    import re
+    import threading
+
+    release = threading.Event()
+
+    app = NanoserveConsole(config, refresh_s=60.0)  # the dashboard's own refresh would not come for a minute
+
+    def slow_load() -> None:  # a load that takes as long as the test says
+        app.set_phase("loading weights")
+        release.wait(30)
+
+    app._load = slow_load
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: "loading weights" in text(app, "#status"), 5, "the loading phase")
+
+            def seconds() -> float:
+                return float(re.search(r"loading weights… ([\d.]+) s", text(app, "#status")).group(1))
+
+            first = seconds()
+            await wait_until(pilot, lambda: seconds() >= first + 0.5, 5, "the phase clock to tick")
+    finally:
+        release.set()
