@@ -294,3 +294,21 @@ async def test_the_stall_key_leaves_the_stalls_requests_alone_in_the_table_and_b
         await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
         assert table.has_focus  # Esc on the table, not a text field: every row again
         await press_and_see("escape", ["a", "b", "c", "pair", "pair#1"])
+
+
+def test_recent_columns_never_run_together():
+    """`--once --attach` printed "- / -320.8 / 2,547.3325.4 / 2,547.3": a cell as wide as its column touched the
+    next. Every column is as wide as its widest cell, two spaces apart."""
+    from console.panels.recent import recent_text
+
+    def window(p50, p99):
+        return {"seconds": 10.0, "finished_per_s": {"stop": 1.5}, **{f"{k}_p50_ms": p50 for k in ("ttft", "tpot", "step")},
+                **{f"{k}_p99_ms": p99 for k in ("ttft", "tpot", "step")}}
+
+    stats = snapshot(features={"windows": {"10s": window(None, None), "1m": window(320.8, 2547.3),
+                                           "5m": window(325.4, 2547.3)}})
+    lines = recent_text(stats).splitlines()
+    ttft = next(line for line in lines if line.startswith("TTFT ms"))
+    assert "- / -  " in ttft and "320.8 / 2,547.3  325.4 / 2,547.3" in ttft
+    header = lines[0]
+    assert header.index("1 min") + len("1 min") == ttft.index("320.8 / 2,547.3") + len("320.8 / 2,547.3")
