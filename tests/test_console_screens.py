@@ -166,7 +166,7 @@ async def test_z_gives_the_requests_table_the_whole_height_and_back(tiny_checkpo
                                         device="cpu"), port=0, refresh_s=0.1)
     async with app.run_test(size=(150, 44)) as pilot:
         await started(app, pilot)
-        rows, counters = app.screen.query_one("#rows"), app.screen.query_one("#counters")
+        rows, counters = app.screen.query_one("#rows"), app.screen.query_one("#lower")
         await pilot.pause(0.3)  # the panels have their first snapshot: their heights are settled
         beside = rows.size.height
         await pilot.press("z")
