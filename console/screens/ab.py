@@ -59,9 +59,9 @@ class ABScreen(ConsoleScreen):
     ABScreen #ab-form Input { width: 18; border-title-color: $accent; }
     ABScreen #ab-form #flags-a, ABScreen #ab-form #flags-b { width: 1fr; }  /* a line of their own: flag sets are long */
     ABScreen #ab-form Button { margin: 0 0 0 1; min-width: 8; }
-    ABScreen #ab-progress-line { height: 1; padding: 0 1; }
+    ABScreen #ab-progress-line { height: auto; padding: 0 1; }
     ABScreen #ab-progress { width: 50; }
-    ABScreen #ab-phase { width: 1fr; color: $text-muted; }
+    ABScreen #ab-phase { width: 1fr; height: auto; color: $text-muted; }  /* wraps: never cut at the edge */
     ABScreen #ab-summary { height: auto; max-height: 8; overflow-y: auto; padding: 0 1; text-style: bold; }
     ABScreen #ab-summary.refused { color: $error; }
     ABScreen #ab-tables { height: 1fr; min-height: 8; }
