@@ -20,6 +20,8 @@ from console.screens.load import LoadScreen
 from console.screens.log import LogScreen
 from nanoserve.config import EngineConfig
 
+PHASE_TICK_S = 0.25  # how often the status line's phase clock ticks while the engine is not serving
+
 # mode name -> (screen, key, title); every mode is a footer binding and a command-palette entry
 SCREENS = {
     "dashboard": (Dashboard, "d", "Dashboard"),
@@ -108,8 +110,17 @@ class NanoserveConsole(App):
         self._app_thread = threading.get_ident()
         self.engine_log.attach()
         self.run_worker(self._start_server, thread=True, name="server", exit_on_error=False)
+        self.set_interval(PHASE_TICK_S, self.tick_phase)
         if self.attached:
             self.set_interval(min(self.refresh_s, 0.5), self.follow_attached)
+
+    def tick_phase(self) -> None:
+        """While the engine is not serving (starting, loading, restarting), the status line's clock of the
+        current phase ticks on its own timer, whatever the refresh interval, so a long phase shows it is alive."""
+        from console.screens.base import ConsoleScreen
+
+        if (self.phase != "serving" or self.server is None) and isinstance(self.screen, ConsoleScreen):
+            self.screen.show_status()
 
     # ---- engine lifecycle (worker threads) ----------------------------------------------------------
     def set_phase(self, phase: str) -> None:
@@ -250,8 +261,7 @@ class NanoserveConsole(App):
     # ---- actions ------------------------------------------------------------------------------------
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            shown = [b for b in self.BINDINGS if self.check_action(b.action, ())]  # not the server keys unless attached
-            self.push_screen(HelpScreen(shown + list(self.screen.BINDINGS)))
+            self.push_screen(HelpScreen(help_sections(self.screen), getattr(self, "_keymap", {})))
 
     def get_system_commands(self, screen):
         """The command palette (ctrl+p): every screen and every action of the screen in view."""
@@ -264,6 +274,24 @@ class NanoserveConsole(App):
             if isinstance(binding, Binding) and binding.description:
                 yield SystemCommand(binding.description, f"{title_of(screen)}: key {binding.key_display or binding.key}",
                                     lambda b=binding: self.run_action(b.action, screen))
+
+
+def help_sections(screen) -> list[tuple[str, list[Binding]]]:
+    """Every binding, from the BINDINGS of the app and of each screen (the one in view first), for help."""
+    from console.screens.base import ConsoleScreen
+    from console.screens.flags import ConfirmRestart
+    from console.screens.request import RequestScreen
+
+    everywhere = [*NanoserveConsole.BINDINGS, *ConsoleScreen.BINDINGS]
+    servers = [b for b in everywhere if b.action.endswith("_server")]
+    sections = [("Everywhere", [b for b in everywhere if b not in servers]),
+                ("Attached to several servers (--attach twice or more)", servers)]
+    screens = [(f"{title} screen ({key})", cls) for cls, key, title in SCREENS.values()]
+    screens += [("A request's screen (Enter on a Requests row)", RequestScreen),
+                ("Restart confirmation (flags screen)", ConfirmRestart), ("This help", HelpScreen)]
+    screens.sort(key=lambda item: not isinstance(screen, item[1]))  # the screen in view first
+    return sections[:1] + [(title + (" · in view" if isinstance(screen, cls) else ""), list(cls.BINDINGS))
+                           for title, cls in screens] + sections[1:]
 
 
 def attached_phase(server) -> str:

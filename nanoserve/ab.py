@@ -72,12 +72,18 @@ def variant(base: EngineConfig, text: str) -> EngineConfig:
 
 
 # ---- requests and verdicts --------------------------------------------------------------------------
-def ab_requests(prompts, max_tokens: int, sampled_seed: int = 1234, chat: bool = True) -> list[dict]:
-    """Streamed bodies alternating greedy and seeded-sampled; ignore_eos keeps every text max_tokens long."""
+def ab_requests(prompts, max_tokens: int, sampled_seed: int = 1234, chat: bool = True,
+                ignore_eos: bool | None = None) -> list[dict]:
+    """Streamed bodies alternating greedy and seeded-sampled.
+
+    A chat prompt's answer ends where the chat's does, at the end of the assistant's turn (the chat route stops
+    on the template's end-of-turn token, as for the console's chat, which sends no ignore_eos): run past it, the
+    model writes a made-up next turn ("Paris.⏎system⏎⏎") that no client would see. A raw prompt has no turn to
+    end and runs to max_tokens. `ignore_eos` forces one or the other (True: every text max_tokens long)."""
     bodies = []
     for i, prompt in enumerate(prompts):
         body = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-        body.update(max_tokens=max_tokens, ignore_eos=True, stream=True)
+        body.update(max_tokens=max_tokens, ignore_eos=not chat if ignore_eos is None else ignore_eos, stream=True)
         body.update({**SAMPLED, "seed": sampled_seed + i} if i % 2 else {"temperature": 0})
         bodies.append(body)
     return bodies

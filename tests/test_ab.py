@@ -69,8 +69,17 @@ def test_requests_alternate_greedy_and_seeded_sampled():
     assert all(b["stream"] and b["max_tokens"] == 16 and "messages" in b for b in bodies)
 
 
+def test_chat_answers_end_where_the_chats_do():
+    """A chat prompt stops at the end of its turn, as the console's chat does (no ignore_eos); a raw prompt has
+    no turn and runs to max_tokens; ignore_eos=True forces full-length texts (counter checks)."""
+    assert not any(b["ignore_eos"] for b in ab_requests(pick_prompts(2), 8))
+    assert all(b["ignore_eos"] for b in ab_requests(pick_prompts(2), 8, chat=False))
+    assert all(b["ignore_eos"] for b in ab_requests(pick_prompts(2), 8, ignore_eos=True))
+
+
 def test_another_scheduling_changes_no_text(base):
-    result = run_ab(base, variant(base, SCHEDULING_B), ab_requests(pick_prompts(8), 16), concurrency=6)
+    result = run_ab(base, variant(base, SCHEDULING_B), ab_requests(pick_prompts(8), 16, ignore_eos=True),
+                    concurrency=6)
     assert len(result.verdicts) == 8 and {v.kind for v in result.verdicts} == {"greedy", "sampled"}
     assert all(v.identical for v in result.verdicts), [v.label for v in result.verdicts]
     assert all(len(v.text_a) > 0 and v.finish_a == "length" for v in result.verdicts)

@@ -51,13 +51,22 @@ async def test_default_ab_run_plain_vs_fast_path_is_identical_and_shows_both_sid
         assert text(app, "#ab-summary").startswith("6/6 identical")
         assert "done" in text(app, "#ab-phase")
         counters = screen.query_one("#counters", DataTable)
-        assert [str(c.label) for c in counters.columns.values()] == ["counter", "A", "B"]
-        assert [str(cell) for cell in counters.get_row("flag decode_buckets")] == ["flag decode_buckets", "False", "True"]
+        assert [str(c.label) for c in counters.columns.values()] == ["counter", "A", "B", "B vs A"]
+        assert [str(cell) for cell in counters.get_row("flag decode_buckets")] == ["flag decode_buckets", "False",
+                                                                                  "True", "differs"]
         padded = [str(cell) for cell in counters.get_row("buckets.padded_rows")][1:]
-        assert padded[0] == "-" and int(padded[1].replace(",", "")) > 0  # B ran padded buckets, A none
-        assert [str(cell) for cell in counters.get_row("scheduler.generation_tokens_total")][1:] == ["96", "96"]
+        assert padded[0] == "-" and int(padded[1].replace(",", "")) > 0 and padded[2] == "only B"  # B padded, A none
+        generated = [str(cell) for cell in counters.get_row("scheduler.generation_tokens_total")][1:]
+        assert generated[0] == generated[1] and generated[2] == "same"
+        assert all(len(str(cell)) <= 34 for row in range(counters.row_count) for cell in counters.get_row_at(row))
         assert screen.query_one("#verdicts", DataTable).row_count == 6
         assert screen.ab.live == [] and engine_threads() == 1  # only the console's own engine is left
+        assert not any(body["ignore_eos"] for body in screen.ab.bodies)  # answers end where the chat's do
+
+        screen.query_one("#flags-b", Input).value = "streamed_read=on"  # refused: the verdict above must go
+        await pilot.press("ctrl+r")
+        assert screen.result is None and screen.verdicts == [] and counters.row_count == 0
+        assert text(app, "#ab-summary").startswith("not started: B flags: streamed_read")
 
 
 async def test_aa_runs_the_a_flags_on_both_arms_and_its_noise_discounts_a_later_ab(config):
@@ -93,6 +102,21 @@ async def test_stop_midway_takes_the_servers_down(config):
         assert screen.result is None and "stopped" in text(app, "#ab-phase")
         assert screen.ab.live == [] and screen.ab.a.blocks_held_after_stop == 0
         assert engine_threads() == 1
+
+
+async def test_a_refusal_is_shown_whole_in_the_ab_screens_own_words(config):
+    """The founding A/B (B = streamed_read=on) is refused by the engine's check, which names a CLI flag; the A/B
+    screen says it as typed there (batch_invariant=off), whole, wrapped at 100 columns."""
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_ab(app, pilot, flags_b="streamed_read=on")
+        await pilot.press("ctrl+r")
+        assert not screen.running and screen.ab is None
+        said = text(app, "#ab-summary")
+        assert said.startswith("not started: B flags: streamed_read") and "batch_invariant=off" in said
+        assert "--no-batch-invariant" not in said and said.endswith("(batch_invariant=off)")
+        await pilot.pause()
+        assert screen.query_one("#ab-summary").size.height >= 2  # wrapped, not cut at the edge
 
 
 async def test_a_bad_flag_refuses_to_start(config):

@@ -146,7 +146,7 @@ async def test_stop_works_while_a_field_has_the_focus(config):
         assert "stopped after" in text(app, "#load-phase") and screen.done < 400
 
 
-async def test_a_100x30_dashboard_shows_every_figure_and_every_key(config):
+async def test_a_100x30_dashboard_reaches_every_figure_and_shows_every_key(config):
     from textual.widgets._footer import FooterKey
 
     app = NanoserveConsole(config, refresh_s=0.05)
@@ -161,6 +161,8 @@ async def test_a_100x30_dashboard_shows_every_figure_and_every_key(config):
                                 ("#read", ("mode", "saving"))):
             widget = screen.query_one(selector)
             assert all(w in text(app, selector) for w in words), selector
+            screen.query_one("#lower").scroll_to_widget(widget, animate=False)  # the panels scroll below the table
+            await pilot.pause()
             region = widget.region
             assert region.height > 0 and region.bottom <= app.size.height - 1, (selector, region)  # above the footer
             assert region.right <= app.size.width
@@ -177,6 +179,10 @@ def test_published_sections_are_written_as_numbers_not_python():
     assert shown("int4_calls", 7530) == "7,530"
     assert shown("dense_from_rows", {"int4 960x576": 32, "int4 576x576": 16}) == "int4 960x576 32 · int4 576x576 16"
     assert shown("head_us", {"own": 7231.6}) == "own 7,231.6"
+    # None is a word with its meaning, never Python's: a linear with no dense copy never switches to one
+    assert shown("dense_from_rows", {"q4x16 960x576": None, "q4x16 576x576": 64}) == \
+        "q4x16 960x576 never · q4x16 576x576 64"
+    assert shown("window", None) == "-" and shown("enabled", True) == "on" and shown("enabled", False) == "off"
 
 
 def test_once_prints_the_dashboard_as_text(tiny_checkpoint, capsys):
@@ -260,3 +266,30 @@ def test_a_stall_is_shown_with_what_the_step_carried():
     Stats.features["stalls"]["latest"][-1].update(requests=[f"r{i}" for i in range(64)], requests_cut=True)
     assert stall_line(Stats()).endswith("0 preemptions; 64+ requests in it")  # --once: no key to press
     assert stall_line(Stats(), "t").endswith("0 preemptions; 64+ requests in it (t: list them)")
+
+
+async def test_the_start_up_phase_clock_ticks_live_whatever_the_refresh(config):
+    """A 6 s load once read "loading weights... 0.6 s" throughout: the phase's clock ticks on its own timer."""
+    import re
+    import threading
+
+    release = threading.Event()
+
+    app = NanoserveConsole(config, refresh_s=60.0)  # the dashboard's own refresh would not come for a minute
+
+    def slow_load() -> None:  # a load that takes as long as the test says
+        app.set_phase("loading weights")
+        release.wait(30)
+
+    app._load = slow_load
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: "loading weights" in text(app, "#status"), 5, "the loading phase")
+
+            def seconds() -> float:
+                return float(re.search(r"loading weights… ([\d.]+) s", text(app, "#status")).group(1))
+
+            first = seconds()
+            await wait_until(pilot, lambda: seconds() >= first + 0.5, 5, "the phase clock to tick")
+    finally:
+        release.set()

@@ -151,3 +151,37 @@ async def test_cancelled_confirmation_changes_nothing(config):
         await pilot.press("n")
         await wait_until(pilot, lambda: "cancelled" in text(app, "#flags-message"), 5, "the cancel line")
         assert app.restarts == 0 and health(app)["flags"]["seed"] == 0
+
+
+async def test_confirmation_says_what_its_drain_box_says_and_switches_say_on_or_off(config):
+    """The line above the box follows it as it is toggled (never "aborted" above a checked "finish first"), the
+    choice made in the dialog is the one applied, and a switch's state is written, not only coloured."""
+    from textual.widgets import Checkbox, Switch
+
+    app = NanoserveConsole(config, refresh_s=0.05)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_flags(app, pilot)
+        switch = screen.query_one("#flag-batch_invariant", Switch)
+        marker = lambda: str(switch.parent.query_one(".switch-state").content)  # noqa: E731
+        assert switch.value and marker() == "on"
+        switch.value = False
+        await pilot.pause()
+        assert marker() == "off"
+        switch.value = True
+        screen.query_one("#flags-drain", Checkbox).value = True
+        screen.query_one("#flag-seed").value = "7"
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmRestart), 5, "the confirmation")
+        dialog = app.screen
+        box = dialog.query_one("#confirm-drain", Checkbox)
+        assert box.value and "finish first" in text(app, "#confirm-then")
+        assert "X" in str(box.render())  # checked shows an X, not only a colour
+        box.value = False
+        await pilot.pause()
+        assert "aborted" in text(app, "#confirm-then") and "finish" not in text(app, "#confirm-then")
+        assert "X" not in str(box.render())
+        box.value = True
+        await pilot.pause()
+        assert "finish first" in text(app, "#confirm-then")
+        await pilot.press("n")
+        await wait_until(pilot, lambda: "cancelled" in text(app, "#flags-message"), 5, "the cancel line")

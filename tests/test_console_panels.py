@@ -115,10 +115,13 @@ async def test_feature_panels_show_published_sections_only():
 def test_header_says_what_runs_and_falls_back_to_the_dtype_for_an_older_server():
     runs = Numerics("int4 (head int8g32, rest float32)", "bfloat16 in linears, float32", "float32")
     model, numerics, flags = header_text(dataclasses.replace(snapshot(), numerics=runs)).splitlines()
-    assert model == "m · cpu · max_model_len 128" and flags == "flags: block_size=16"
+    assert model == "m · cpu · max_model_len 128" and flags == "flags: all default (f: all)"
     assert numerics == "weights int4 (head int8g32, rest float32) · activations bfloat16 in linears, float32 · " \
                        "KV float32"
     assert header_text(snapshot()).splitlines()[1] == "float32"  # a snapshot without numerics: its dtype
+    from console.panels.header import flags_text
+
+    assert flags_text({"block_size": 16, "max_num_seqs": 8}) == "flags: max_num_seqs=8 (others default; f: all)"
 
 
 def test_token_rates_window_and_restart():
@@ -294,3 +297,75 @@ async def test_the_stall_key_leaves_the_stalls_requests_alone_in_the_table_and_b
         await wait_until(pilot, lambda: isinstance(app.screen, Dashboard), 5, "the dashboard")
         assert table.has_focus  # Esc on the table, not a text field: every row again
         await press_and_see("escape", ["a", "b", "c", "pair", "pair#1"])
+
+
+def test_recent_columns_never_run_together():
+    """`--once --attach` printed "- / -320.8 / 2,547.3325.4 / 2,547.3": a cell as wide as its column touched the
+    next. Every column is as wide as its widest cell, two spaces apart."""
+    from console.panels.recent import recent_text
+
+    def window(p50, p99):
+        return {"seconds": 10.0, "finished_per_s": {"stop": 1.5}, **{f"{k}_p50_ms": p50 for k in ("ttft", "tpot", "step")},
+                **{f"{k}_p99_ms": p99 for k in ("ttft", "tpot", "step")}}
+
+    stats = snapshot(features={"windows": {"10s": window(None, None), "1m": window(320.8, 2547.3),
+                                           "5m": window(325.4, 2547.3)}})
+    lines = recent_text(stats).splitlines()
+    ttft = next(line for line in lines if line.startswith("TTFT ms"))
+    assert "- / -  " in ttft and "320.8 / 2,547.3  325.4 / 2,547.3" in ttft
+    header = lines[0]
+    assert header.index("1 min") + len("1 min") == ttft.index("320.8 / 2,547.3") + len("320.8 / 2,547.3")
+
+
+def busy_snapshot() -> EngineStats:
+    """What the new user's 2-core machine showed: 8 running and 26 finished requests with long ids, a linear
+    section with None in it, the sliding windows and a stall."""
+    from nanoserve.windows import RecentActivity
+
+    running = [row(f"chatcmpl-{i:032x}", 12) for i in range(8)]
+    finished = [row(f"chatcmpl-{100 + i:032x}", 40, state="finished") for i in range(26)]
+    linear = {"format": "q4x16", "modules": 120, "dense_from_rows": {"q4x16 960x576": None, "q4x16 576x576": None},
+              "int4_calls": 0}
+    stall = {"kind": "step", "at": "12:00:03", "step_ms": 840.0, "p99_ms": 60.2, "decode_rows": 3,
+             "prefill_tokens": 0, "preemptions": 0, "prefill_requests": [], "requests": ["a"]}
+    features = {"linear": linear, "windows": RecentActivity().snapshot(10.0, 0.0),
+                "stalls": {"stalls": 1, "throughput_drops": 0, "latest": [stall]}}
+    flags = {f"flag_{i}": "x" * 12 for i in range(12)}  # a long flags line: it must wrap, not be cut
+    return dataclasses.replace(snapshot(running, features=features, finished=finished), flags=flags)
+
+
+@pytest.mark.parametrize("size", [(100, 30), (120, 40)], ids=["100x30", "120x40"])
+async def test_every_dashboard_panel_is_reachable_and_running_requests_come_first(size):
+    """At 100x30 and 120x40: the Requests table lists the running requests first, with every column in reach;
+    every panel below it can be scrolled into full view; the header's flags line is whole; no raw None."""
+    from console.app import NanoserveConsole
+    from console.panels.rows import RowsTable
+    from nanoserve.config import EngineConfig
+    from tests.console_helpers import started, text, wait_until
+
+    server = still_server(busy_snapshot())
+    app = NanoserveConsole(EngineConfig(), refresh_s=0.05, servers=[server])
+    async with app.run_test(size=size) as pilot:
+        await started(app, pilot)
+        table = app.screen.query_one(RowsTable)
+        await wait_until(pilot, lambda: table.row_count == 34, 5, "every row")
+        await pilot.pause(0.2)
+        states = [table.get_row_at(i)[1] for i in range(table.row_count)]
+        assert states == ["running"] * 8 + ["finished"] * 26
+        assert table.visible_rows() >= 3
+        assert table.virtual_size.width <= table.scrollable_content_region.width + 30  # the rest scrolls, and
+        assert table.max_scroll_x == 0 or table.show_horizontal_scrollbar  # a scrollbar says there is more
+
+        header = app.screen.query_one("#header")
+        assert header.virtual_size.height <= header.size.height and "flag_11=" in text(app, "#header")
+
+        lower = app.screen.query_one("#lower")
+        for panel in app.screen.query("#lower > * > *, #features-off"):
+            if not panel.display:
+                continue
+            lower.scroll_to_widget(panel, animate=False, top=True)
+            await pilot.pause()
+            inside = panel.region.intersection(lower.region)
+            assert inside.height == min(panel.region.height, lower.region.height), panel.id
+        assert app.screen.query_one("#recent").display and app.screen.query_one("#linear").display
+        assert "never" in text(app, "#linear") and "None" not in text(app, "#linear")

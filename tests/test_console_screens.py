@@ -85,6 +85,37 @@ async def test_help_lists_binding_ids_and_keymap_remaps(config):
         assert dashboard.paused and "PAUSED" in text(app, "#status")
 
 
+def every_binding():
+    """Every Binding of the app and of every screen the console can show, read from their classes."""
+    from console.screens.base import ConsoleScreen
+    from console.screens.flags import ConfirmRestart
+    from console.screens.request import RequestScreen
+
+    classes = [NanoserveConsole, ConsoleScreen, RequestScreen, ConfirmRestart, HelpScreen,
+               *(cls for cls, _, _ in SCREENS.values())]
+    return [b for cls in classes for b in cls.BINDINGS]
+
+
+async def test_help_lists_every_binding_of_every_screen(config):
+    """Help is generated from the BINDINGS, so it cannot drift: every id and key is listed (ctrl+r, ctrl+t,
+    ctrl+b, ctrl+n, ctrl+s, [ and ] among them), with Enter on a Requests row, and it fits at 100x30 (it scrolls)."""
+    from textual.keys import format_key
+
+    app = NanoserveConsole(config, refresh_s=0.5)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(app, pilot)
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), 5, "the help")
+        listed = text(app, "#help-keys")
+        for binding in every_binding():
+            assert f"id {binding.id}" in listed, binding
+            key = binding.key_display or " / ".join(format_key(k) for k in binding.key.split(","))
+            assert key in listed, binding
+        for key in ("ctrl+r", "ctrl+t", "ctrl+b", "ctrl+n", "ctrl+s", "[", "]", "Requests row"):
+            assert key in listed, key
+        assert app.screen.query_one("#help").size.height <= 30
+
+
 async def test_refresh_keys_and_row_filter(config):
     app = NanoserveConsole(config, refresh_s=0.5)
     async with app.run_test(size=(150, 48)) as pilot:
@@ -135,7 +166,7 @@ async def test_z_gives_the_requests_table_the_whole_height_and_back(tiny_checkpo
                                         device="cpu"), port=0, refresh_s=0.1)
     async with app.run_test(size=(150, 44)) as pilot:
         await started(app, pilot)
-        rows, counters = app.screen.query_one("#rows"), app.screen.query_one("#counters")
+        rows, counters = app.screen.query_one("#rows"), app.screen.query_one("#lower")
         await pilot.pause(0.3)  # the panels have their first snapshot: their heights are settled
         beside = rows.size.height
         await pilot.press("z")

@@ -22,7 +22,9 @@ from tests.console_helpers import wait_until  # noqa: E402
 
 PORT = 18765  # fixed so the URL on the status line is the same every run; below Linux's ephemeral range
 SIZE = (150, 44)
-SMALL = (100, 30)  # a terminal as small as people run it in: every figure must still show
+MID = (120, 40)  # the new user's terminal in issue 44
+SMALL = (100, 30)  # a terminal as small as people run it in: every figure must still be in reach
+SIZES = pytest.mark.parametrize("size", [SIZE, MID, SMALL], ids=["150x44", "120x40", "100x30"])
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,26 @@ def arrive(mode: str, *keys: str):
     ("log", ("x",)),
     ("dashboard", ("question_mark",)),
 ], ids=["dashboard", "flags", "load", "chat", "ab", "log", "help"])
-@pytest.mark.parametrize("size", [SIZE, SMALL], ids=["150x44", "100x30"])
+@SIZES
 def test_screen_snapshot(snap_compare, model_dir, mode, keys, size):
     assert snap_compare(console(model_dir), terminal_size=size, run_before=arrive(mode, *keys))
+
+
+@SIZES
+def test_attached_busy_snapshot(snap_compare, size):
+    """Attached to two servers whose snapshots hold still: 8 running and 26 finished requests (running listed
+    first), the sliding windows, a stall, a linear section with None in it, a long flags line. Still snapshots
+    make every figure fixed (the token rates are 0)."""
+    from console.panels.rows import RowsTable
+    from tests.test_console_panels import busy_snapshot, still_server
+
+    servers = [still_server(busy_snapshot()), still_server(busy_snapshot())]
+    servers[1].url = "http://127.0.0.1:10"
+    app = NanoserveConsole(EngineConfig(), refresh_s=0.1, servers=servers)
+
+    async def run_before(pilot) -> None:
+        await wait_until(pilot, lambda: app.phase == "serving", 10, "the first server")
+        await wait_until(pilot, lambda: app.screen.query_one(RowsTable).row_count == 34, 5, "every row")
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)

@@ -78,12 +78,17 @@ def test_the_installed_console_runs_in_a_terminal(tiny_checkpoint):
     try:
         term.wait_for("serving", 90)
         # the header can land before the panels' first snapshot is drawn: wait for the figures, then read the screen
-        figures = ("running", "waiting", "TTFT", "saving")  # every figure at 100x30, all on one screen
+        figures = ("running", "waiting", "TTFT", "mode")  # at 100x30 the table and the counters share the screen
         for figure in figures:
             screen = term.wait_for(figure, 30)
         assert all(figure in screen for figure in figures)
         assert "KV cache" in screen and "Throughput and latency" in screen and "Paged read" in screen
         assert "q Quit" in screen and "e Engine log" in screen  # the footer's keys, the last one too
+        term.press("\t\t")  # past the Requests table into the panels below it, which scroll
+        term.press("\x1b[6~")  # PageDown: the rest of the panels
+        screen = term.wait_for("Recent (sliding windows)", 10)
+        assert "saving" in screen or "Linear kernels" in screen or "off:" in screen
+        assert "q Quit" in screen
         term.press("c")
         term.wait_for("Ask the model", 10)
         term.press("hi")  # the prompt has the focus: letters are text, not screen keys

@@ -35,17 +35,26 @@ def feature_text(stats: EngineStats, sections) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def shown(key: str, value) -> str:
+# what None means under a key, where "-" (not known yet / not set) would mislead
+NONE_MEANS = {"dense_from_rows": "never"}  # no dense copy: every call runs the packed kernel
+
+
+def shown(key: str, value, none: str | None = None) -> str:
     """A published value as the console writes numbers: counts separated, bytes in MiB/GiB, a mapping as
-    'name value' pairs (never a Python dict)."""
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return str(value)
+    'name value' pairs (never a Python dict), None as the word it means under `key` ("-" when nothing better),
+    booleans as on / off."""
+    if value is None:
+        return none or NONE_MEANS.get(key, "-")
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str):
+        return value
     if isinstance(value, int):
         return size(value) if key.endswith("bytes") else count(value)
     if isinstance(value, float):
         return decimal(value)
     if isinstance(value, dict):
-        return " · ".join(f"{k} {shown(str(k), v)}" for k, v in value.items()) or "-"
+        return " · ".join(f"{k} {shown(str(k), v, NONE_MEANS.get(key))}" for k, v in value.items()) or "-"
     if isinstance(value, (list, tuple)):
         return ", ".join(shown(key, v) for v in value) or "-"
     return str(value)

@@ -10,7 +10,6 @@ from console.panels.text import TextPanel
 from nanoserve.stats import EngineStats
 
 TITLES = {"10s": "10 s", "1m": "1 min", "5m": "5 min"}
-WIDTH = 15
 STALL_KEY = "t"  # the dashboard's key for the latest stall's requests in the Requests table
 
 
@@ -26,23 +25,31 @@ def recent_text(stats: EngineStats, key: str | None = None) -> str:
     if not windows:
         return ""
     names = [n for n in TITLES if n in windows]
-    lines = [f"{'':<10}" + "".join(f"{TITLES[n]:>{WIDTH}}" for n in names)]
+    rows = [["", *(TITLES[n] for n in names)]]
     for kind, label in (("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("step", "step ms")):
-        cells = [f"{decimal(windows[n][f'{kind}_p50_ms'])} / {decimal(windows[n][f'{kind}_p99_ms'])}" for n in names]
-        lines.append(f"{label:<10}" + "".join(f"{c:>{WIDTH}}" for c in cells))
+        rows.append([label, *(f"{decimal(windows[n][f'{kind}_p50_ms'])} / {decimal(windows[n][f'{kind}_p99_ms'])}"
+                              for n in names)])
     for label, pick in (("finished/s", lambda r: sum(r.values())), ("aborts/s", lambda r: r.get("abort", 0.0)),
                         ("errors/s", lambda r: r.get("error", 0.0))):
-        cells = [decimal(pick(windows[n]["finished_per_s"]), 2) for n in names]
-        lines.append(f"{label:<10}" + "".join(f"{c:>{WIDTH}}" for c in cells))
+        rows.append([label, *(decimal(pick(windows[n]["finished_per_s"]), 2) for n in names)])
     refused = (stats.features.get("refusals") or {}).get("per_s")
     if refused:  # counted by the server's HTTP layer: an engine outside a server has none
-        lines.append(f"{'refused/s':<10}" + "".join(f"{decimal(refused.get(n, 0.0), 2):>{WIDTH}}" for n in names))
+        rows.append(["refused/s", *(decimal(refused.get(n, 0.0), 2) for n in names)])
+    lines = table(rows)
     lines.append("latency p50 / p99 over each window; rates per second")
     budget = budget_line(stats)
     if budget:
         lines.append(budget)
     lines.append(stall_line(stats, key))
     return "\n".join(lines)
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows as aligned lines: labels left, figures right, every column as wide as its widest cell and two
+    spaces apart, so a wide figure ("320.8 / 2,547.3") never runs into its neighbour."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            .rstrip() for row in rows]
 
 
 def budget_line(stats: EngineStats) -> str:

@@ -16,9 +16,11 @@ from nanoserve.timeline import finished_row
 
 SEARCH_EVERY_S = 1.0  # while a text filter is set, how often the host's kept finished requests are searched
 
-COLUMNS = (("id", "id"), ("state", "state"), ("prompt", "prompt tokens"), ("generated", "generated tokens"),
+# short labels, so all ten columns fit 100 columns (help and the README say what "gen" counts)
+COLUMNS = (("id", "id"), ("state", "state"), ("prompt", "prompt"), ("generated", "gen"),
            ("rate", "tok/s"), ("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("total", "total s"), ("blocks", "blocks"),
            ("drafts", "drafts kept"))
+ID_WIDTH = 18  # an id's cell: 'chatcmpl-…7f46a039' (the full id is matched by the filter and shown on Enter)
 LARGEST_FIRST = ("prompt", "generated", "rate", "ttft", "tpot", "total", "blocks")  # the keyboard sort's order
 
 
@@ -41,19 +43,26 @@ def _drafts(row: RowStats) -> str:
     return f"{round(100 * row.spec_accepted_tokens / drafted)}% of {drafted}" if drafted else "-"
 
 
+def short_id(rid: str) -> str:
+    """An id that fits its column: the start (its kind) and the end (the part that tells requests apart)."""
+    return rid if len(rid) <= ID_WIDTH else f"{rid[:9]}…{rid[-(ID_WIDTH - 10):]}"
+
+
 def _cells(row: RowStats) -> tuple:
     state = f"{row.state} ({row.finish_reason})" if row.finish_reason else row.state
     if row.replica is not None:  # a data-parallel server's: which replica serves it
         state = f"{state} @{row.replica}"
     total = "-" if row.total_s is None else round(row.total_s, 2)
-    return (row.request_id, state, row.prompt_tokens, row.generated_tokens, round(row.tokens_per_s, 1),
+    return (short_id(row.request_id), state, row.prompt_tokens, row.generated_tokens, round(row.tokens_per_s, 1),
             _ms(row.ttft_s), _ms(row.tpot_s), total, row.blocks, _drafts(row))
 
 
 class RowsTable(DataTable):
     """Rows keyed by request id: a snapshot adds, updates (changed cells only) and removes rows.
 
-    Selecting a column header sorts by it (again: reverses); the sort holds as rows come and go.
+    Unsorted, the live requests (running, then waiting) come first and then the finished ones, newest first,
+    so what runs now is at the top however many finished rows are kept. Selecting a column header sorts by it
+    (again: reverses); the sort holds as rows come and go.
     """
 
     def __init__(self, **kwargs):
@@ -63,6 +72,7 @@ class RowsTable(DataTable):
         self.only: frozenset[str] | None = None  # the ids a set filter keeps (None: every row)
         self.sort_column: str | None = None
         self.sort_reverse = False
+        self._place: dict[str, int] = {}  # id -> its place unsorted: the snapshot's order, live rows first
 
     def on_mount(self) -> None:
         for key, label in COLUMNS:
@@ -101,12 +111,19 @@ class RowsTable(DataTable):
         if self.only is not None and rid not in self.only:
             return False
         needle = self.filter_text.lower()
-        return not needle or needle in cells[0].lower() or needle in cells[1].lower()
+        return not needle or needle in rid.lower() or needle in cells[1].lower()
 
     def show(self, stats: EngineStats, found: Iterable[RowStats] = ()) -> None:
         """The snapshot's rows, and `found`: finished rows a search brought from beyond the snapshot's."""
-        live = {row.request_id: _cells(row) for row in (*found, *stats.rows, *stats.finished_rows)}
+        ordered = [*stats.rows, *stats.finished_rows, *found]  # running and waiting, finished newest first, found
+        live: dict[str, tuple] = {}
+        for row in ordered:  # a row the snapshot lists wins over the same request found by a search
+            if row.request_id not in live:
+                live[row.request_id] = _cells(row)
+        place = {rid: at for at, rid in enumerate(live)}
         live = {rid: cells for rid, cells in live.items() if self._visible(rid, cells)}
+        moved = place != self._place
+        self._place = place
         changed = False
         for rid in [rid for rid in self._shown if rid not in live]:
             self.remove_row(rid)
@@ -122,10 +139,13 @@ class RowsTable(DataTable):
                         self.update_cell(rid, column, after, update_width=True)
                         changed |= column == self.sort_column
             self._shown[rid] = cells
-        if changed:
+        if changed or (moved and self.sort_column is None):
             self._sort()
 
     def _sort(self) -> None:
+        if self.sort_column is None and self.row_count:  # unsorted: live rows first, then the newest finished
+            place = {short_id(rid): at for rid, at in self._place.items()}  # the key sees cells, not row keys
+            self.sort("id", key=lambda shown: place.get(shown, len(place)))
         if self.sort_column is not None and self.row_count:
             if self.sort_column in LARGEST_FIRST:  # numbers: the direction inside the key, "-" last both ways
                 self.sort(self.sort_column, key=_sort_key(self.sort_reverse))

@@ -20,6 +20,7 @@ from textual.widgets import Button, DataTable, Input, ProgressBar, Static
 from textual.worker import Worker, WorkerState
 
 from console import keys
+from console.panels.ab_counters import ab_form, counter_cells
 from console.screens.base import ConsoleScreen, positive_int
 from nanoserve.ab import (
     DEFAULT_B,
@@ -27,11 +28,12 @@ from nanoserve.ab import (
     ABResult,
     ABRun,
     ab_requests,
-    show,
     snippet,
     variant,
 )
 from nanoserve.workload import pick_prompts
+
+SNIPPET = 30  # characters of each text in a verdict row: the table fits 100 columns
 
 # input id -> (border title, default value, placeholder)
 FIELDS = {
@@ -57,14 +59,16 @@ class ABScreen(ConsoleScreen):
     ABScreen #ab-form Input { width: 18; border-title-color: $accent; }
     ABScreen #ab-form #flags-a, ABScreen #ab-form #flags-b { width: 1fr; }  /* a line of their own: flag sets are long */
     ABScreen #ab-form Button { margin: 0 0 0 1; min-width: 8; }
-    ABScreen #ab-progress-line { height: 1; padding: 0 1; }
+    ABScreen #ab-progress-line { height: auto; padding: 0 1; }
     ABScreen #ab-progress { width: 50; }
-    ABScreen #ab-phase { width: 1fr; color: $text-muted; }
-    ABScreen #ab-summary { height: auto; padding: 0 1; text-style: bold; }
-    ABScreen #ab-tables { height: 1fr; }
-    ABScreen #ab-tables DataTable { border: round $primary; border-title-color: $accent; height: 100%; }
-    ABScreen #verdicts { width: 1fr; }
-    ABScreen #counters { width: 1fr; }
+    ABScreen #ab-phase { width: 1fr; height: auto; color: $text-muted; }  /* wraps: never cut at the edge */
+    ABScreen #ab-summary { height: auto; max-height: 8; overflow-y: auto; padding: 0 1; text-style: bold; }
+    ABScreen #ab-summary.refused { color: $error; }
+    ABScreen #ab-tables { height: 1fr; min-height: 8; }
+    ABScreen #ab-tables DataTable { border: round $primary; border-title-color: $accent; height: 1fr; width: 1fr; }
+    /* narrow: the tables one above the other, each the full width, so the counters' A, B and diff all show */
+    ABScreen.-narrow #ab-tables { layout: vertical; }
+    ABScreen.-narrow #ab-progress { width: 30; }
     """
 
     def __init__(self, **kwargs):
@@ -104,7 +108,7 @@ class ABScreen(ConsoleScreen):
         self.query_one("#verdicts").border_title = "Verdicts (A vs B, byte for byte)"
         self.query_one("#counters").border_title = "Counters"
         self.query_one("#verdicts", DataTable).add_columns("#", "kind", "verdict", "A text", "B text")
-        self.query_one("#counters", DataTable).add_columns("counter", "A", "B")
+        self.query_one("#counters", DataTable).add_columns("counter", "A", "B", "B vs A")
 
     def on_unmount(self) -> None:
         if self.ab is not None:  # the app is closing: take down whatever the run has up
@@ -130,17 +134,17 @@ class ABScreen(ConsoleScreen):
         """Run A against B, or (`aa`) A against itself."""
         if self.running:
             return
+        self.clear_result()  # a refusal too: the previous run's verdict must not stand under it
         try:
+            side = "A flags"
             config_a = variant(self.app.config, self.query_one("#flags-a", Input).value)
+            side = "B flags"
             config_b = config_a if aa else variant(self.app.config, self.query_one("#flags-b", Input).value)
+            side = ""
             num_prompts, max_tokens, concurrency = map(self.count, ("num-prompts", "max-tokens", "concurrency"))
         except ValueError as e:  # ConfigError is a ValueError too
-            self.refuse(str(e))
+            self.refuse(f"{side}: {ab_form(str(e))}" if side else str(e))
             return
-        self.error, self.result, self.verdicts = None, None, []
-        self.query_one("#verdicts", DataTable).clear()
-        self.query_one("#counters", DataTable).clear()
-        self.query_one("#ab-summary", Static).update("")
         self.ab = ABRun(config_a, config_b, ab_requests(pick_prompts(num_prompts), max_tokens), concurrency,
                         progress=self.post_progress)
         self.set_running(True)
@@ -155,9 +159,22 @@ class ABScreen(ConsoleScreen):
     def count(self, field_id: str) -> int:
         return positive_int(self.query_one(f"#{field_id}", Input), FIELDS[field_id][0])
 
+    def clear_result(self) -> None:
+        self.error, self.result, self.verdicts = None, None, []
+        self.query_one("#verdicts", DataTable).clear()
+        self.query_one("#counters", DataTable).clear()
+        summary = self.query_one("#ab-summary", Static)
+        summary.update("")
+        summary.remove_class("refused")
+        summary.styles.color = None
+
     def refuse(self, message: str) -> None:
+        """Why Run did nothing, whole (the summary line wraps; the phase line is one line high)."""
         self.error = message
-        self.query_one("#ab-phase", Static).update(f"not started: {message}")
+        self.query_one("#ab-phase", Static).update("not started: the reason is below")
+        summary = self.query_one("#ab-summary", Static)
+        summary.update(f"not started: {message}")
+        summary.add_class("refused")
         self.notify(message, title="A/B not started", severity="error")
 
     def set_running(self, running: bool) -> None:
@@ -211,10 +228,10 @@ class ABScreen(ConsoleScreen):
         for v in result.verdicts:
             style = "green" if v.identical else "bold red"
             verdicts.add_row(Text(str(v.index)), Text(v.kind), Text(v.label, style=style),
-                             Text(snippet(v.text_a)), Text(snippet(v.text_b)), key=str(v.index))
+                             Text(snippet(v.text_a, SNIPPET)), Text(snippet(v.text_b, SNIPPET)), key=str(v.index))
         counters = self.query_one("#counters", DataTable)
-        for name, value_a, value_b in result.counter_rows():
-            counters.add_row(Text(name), Text(show(value_a, name)), Text(show(value_b, name)), key=name)
+        for (name, *_), cells in zip(result.counter_rows(), counter_cells(result.counter_rows())):
+            counters.add_row(*(Text(c) for c in cells), key=name)
         key = repr(result.a.config)
         if result.same_arms:
             self.aa_results[key] = result

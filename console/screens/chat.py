@@ -1,8 +1,9 @@
 """Chat: talk to the hosted model through its own OpenAI server, so the console exercises what clients use.
 
 The whole conversation goes to /v1/chat/completions on every turn (the server applies the chat template), and
-the answer streams into a Markdown widget as its tokens arrive. Esc closes the HTTP stream, which makes the
-server abort the request and free its blocks, and gives the prompt back.
+the answer streams into a Markdown widget as its tokens arrive. The shared stop key (ctrl+b) closes the HTTP
+stream, which makes the server abort the request and free its blocks, and gives the prompt back. Esc only leaves
+the text field, as on every screen, so leaving the field never costs an answer.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ class ChatScreen(ConsoleScreen):
     AUTO_FOCUS = "#chat-input"  # type straight away; Esc leaves the field for the screen keys (the footer says so)
     BINDINGS = [
         Binding("enter", "focus_prompt", "Write", id="chat_prompt"),
-        Binding("escape", "cancel", "Cancel / leave field", id="chat_cancel"),
-        keys.stop("stop_answer", "chat_stop", "Stop answer"),
+        keys.stop("cancel", "chat_stop", "Cancel answer"),
         keys.reset("clear", "chat_clear", "New chat"),
     ]
 
@@ -77,7 +77,7 @@ class ChatScreen(ConsoleScreen):
                 yield Label(label)
                 yield Input(default, placeholder="none" if empty_ok else "", id=control_id,
                             validators=[validator], valid_empty=empty_ok)
-        yield Input(placeholder="Ask the model… (Enter sends, Esc cancels, Tab leaves)", id="chat-input")
+        yield Input(placeholder="Ask the model… (Enter sends, ctrl+b cancels an answer, Esc leaves)", id="chat-input")
 
     def on_mount(self) -> None:
         self.query_one("#chat-log").border_title = "Conversation"
@@ -103,7 +103,7 @@ class ChatScreen(ConsoleScreen):
         if not prompt:
             return
         if self.generating:
-            self.notify("still answering; Esc cancels the answer", severity="warning")
+            self.notify(f"still answering; {keys.STOP} cancels the answer", severity="warning")
             return
         server = self.app.server
         if server is None or self.app.phase != "serving":
@@ -127,7 +127,7 @@ class ChatScreen(ConsoleScreen):
         url = f"{server.url}/v1/chat/completions"
         self._worker = self.run_worker(self.answer(url, server.headers, body, exchange, answer), exclusive=True,
                                        group="chat", name="chat")
-        self.generating = True  # only now: Esc needs the worker to cancel
+        self.generating = True  # only now: cancelling needs the worker
 
     async def answer(self, url: str, headers: dict, body: dict, exchange: Vertical, answer: Markdown) -> None:
         """The worker: stream one answer; cancelling it closes the stream, so the server aborts the request."""
@@ -195,9 +195,8 @@ class ChatScreen(ConsoleScreen):
         self.query_one("#chat-input").focus()
 
     def action_cancel(self) -> None:
-        """Esc: stop the answer and give the prompt back; with no answer streaming, leave the text field."""
+        """The stop key: stop the answer (the server aborts it) and give the prompt back."""
         if not self.generating:
-            self.action_blur()
             return
         worker, exchange = self._worker, self._exchange
         if worker.state is WorkerState.PENDING:  # it never ran, so it cannot remove its own turn
@@ -205,11 +204,6 @@ class ChatScreen(ConsoleScreen):
         worker.cancel()
         self.give_back()
         self.query_one("#chat-stats", Static).update("cancelled")
-
-    def action_stop_answer(self) -> None:
-        """The shared stop key: cancel a streaming answer (and nothing else: Esc also leaves the field)."""
-        if self.generating:
-            self.action_cancel()
 
     def action_clear(self) -> None:
         """A new conversation: the model sees none of the earlier turns."""

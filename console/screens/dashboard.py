@@ -1,8 +1,10 @@
 """The dashboard: every panel refreshed from one engine snapshot per tick.
 
-The requests table takes the height that is left; the counters sit below it in three columns, or two on a
-terminal narrower than base.NARROW columns (the paged read then wraps under them, and the sparklines go, so every
-figure still shows at 100x30). A feature the engine does not publish takes one line between them, not a panel.
+The requests table takes half the height; the panels share the other half in a scrolling area (Tab into it, then
+arrows, PageDown or the wheel), so every panel is reachable however small the terminal, and none pushes another
+off the screen. The counters sit in three columns, or two below base.NARROW columns (the paged read then wraps
+under them and the sparklines go); the feature panels side by side, or one under another when narrow. A feature
+the engine does not publish takes one line, not a panel.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Input, Static
 
 from console.panels.features import FeaturePanel
@@ -56,19 +58,20 @@ class Dashboard(ConsoleScreen):
     def compose_body(self) -> ComposeResult:
         with Vertical(id="panels"):
             yield RowsPanel(id="rows")
-            with Horizontal(id="counters"):
-                yield KVPanel(id="kv")
-                yield ThroughputPanel(id="throughput")
-                yield ReadPanel(id="read")
-            with Horizontal(id="features"):
-                yield RecentPanel(id="recent")
-                yield FeaturePanel("capture", id="capture")
-                yield FeaturePanel("inputs", "buckets", id="inputs")
-                yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
-                yield FeaturePanel("parallel", id="parallel")  # the group's ranks, their memory, collective time
-                yield SpeculationPanel(id="speculation")  # drafted and kept, since start and lately
-                yield ReplicasPanel(id="replicas")  # a data-parallel server's replicas, a line each
-            yield Static("", markup=False, id="features-off")
+            with VerticalScroll(id="lower"):  # every panel below the table, reachable by scrolling
+                with Horizontal(id="counters"):
+                    yield KVPanel(id="kv")
+                    yield ThroughputPanel(id="throughput")
+                    yield ReadPanel(id="read")
+                with Horizontal(id="features"):
+                    yield RecentPanel(id="recent")
+                    yield FeaturePanel("capture", id="capture")
+                    yield FeaturePanel("inputs", "buckets", id="inputs")
+                    yield FeaturePanel("linear", id="linear")  # which kernel serves the linears, and how often
+                    yield FeaturePanel("parallel", id="parallel")  # the group's ranks, their memory, collective time
+                    yield SpeculationPanel(id="speculation")  # drafted and kept, since start and lately
+                    yield ReplicasPanel(id="replicas")  # a data-parallel server's replicas, a line each
+                yield Static("", markup=False, id="features-off")
         yield Static("", markup=False, id="no-snapshot")  # attached to a server that has not answered yet
 
     def on_mount(self) -> None:

@@ -22,6 +22,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static, Switch
 
 from console import keys
+from console.marked import MarkedCheckbox, MarkedSwitch
 from console.screens.base import ConsoleScreen
 from nanoserve.config import EngineConfig, FlagSpec
 from nanoserve.live_knobs import LIVE, LOG_LEVELS, KnobChange, log_level
@@ -43,7 +44,7 @@ class FlagControl:
     def build(self, value):
         spec = self.spec
         if spec.kind is bool:
-            return Switch(value=bool(value), id=self.widget_id)
+            return MarkedSwitch(bool(value), self.widget_id)  # "on" / "off" beside it, not colour alone
         if spec.choices:
             return Select([(c, c) for c in spec.choices], value=value if value in spec.choices else spec.choices[0],
                           allow_blank=False, id=self.widget_id)
@@ -64,12 +65,15 @@ class FlagControl:
             widget.value = value
 
 
-class ConfirmRestart(ModalScreen[bool]):
-    """Lists the changes and asks before the engine restarts (running requests are aborted unless drained)."""
+class ConfirmRestart(ModalScreen[bool | None]):
+    """Lists the changes and asks before the engine restarts. Its own "finish first" box starts as the form's
+    and the line above it follows the box as it is toggled, so the dialog never says one thing while the box
+    says another. Dismissed with the drain choice (True / False) on yes, None on cancel."""
 
     DEFAULT_CSS = """
     ConfirmRestart { align: center middle; }
-    ConfirmRestart > Vertical { width: 72; height: auto; border: thick $warning; background: $surface; padding: 1 2; }
+    ConfirmRestart > Vertical { width: 72; max-width: 100%; height: auto; max-height: 100%; border: thick $warning;
+                                background: $surface; padding: 1 2; }
     ConfirmRestart Horizontal { height: auto; margin-top: 1; }
     ConfirmRestart Button { margin-right: 2; }
     """
@@ -83,19 +87,33 @@ class ConfirmRestart(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         lines = [f"  {name}: {_shown(old) or 'unset'} -> {_shown(new) or 'unset'}"
                  for name, (old, new) in self.changes.items()]
-        then = "running requests finish first" if self.drain else "running requests are aborted"
         with Vertical():
-            yield Static("Restart the engine with these flags?\n\n" + "\n".join(lines) + f"\n\n({then})",
-                         markup=False, id="confirm-text")
+            yield Static("Restart the engine with these flags?\n\n" + "\n".join(lines), markup=False,
+                         id="confirm-text")
+            yield Static(then_text(self.drain), markup=False, id="confirm-then")
+            yield MarkedCheckbox(DRAIN_LABEL, self.drain, id="confirm-drain")
             with Horizontal():
                 yield Button("Restart (y)", variant="warning", id="confirm-yes")
                 yield Button("Cancel (n)", id="confirm-no")
 
+    def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
+        self.drain = event.value
+        self.query_one("#confirm-then", Static).update(then_text(self.drain))
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "confirm-yes")
+        self.action_answer(event.button.id == "confirm-yes")
 
     def action_answer(self, yes: bool) -> None:
-        self.dismiss(yes)
+        self.dismiss(self.drain if yes else None)
+
+
+DRAIN_LABEL = "let running requests finish first"
+
+
+def then_text(drain: bool) -> str:
+    """What happens to the requests running when the restart starts, as the drain box says now."""
+    return ("running requests finish first, then the engine restarts" if drain
+            else "running requests are aborted when the engine restarts")
 
 
 class FlagsScreen(ConsoleScreen):
@@ -143,7 +161,7 @@ class FlagsScreen(ConsoleScreen):
             with Horizontal(id="flags-actions"):
                 yield Button(keys.label("Apply", keys.APPLY), variant="primary", id="flags-apply-button")
                 yield Button(keys.label("Reset", keys.RESET), id="flags-reset-button")
-                yield Checkbox("let running requests finish first", id="flags-drain")
+                yield MarkedCheckbox(DRAIN_LABEL, id="flags-drain")
             yield Static("", markup=False, id="flags-message")
             yield Static("", markup=False, id="flags-progress")
 
@@ -233,11 +251,12 @@ class FlagsScreen(ConsoleScreen):
         self.say("")
         drain = self.query_one("#flags-drain", Checkbox).value
 
-        def confirmed(yes: bool | None) -> None:
-            if yes:
-                self.start_restart(new, drain)
-            else:
+        def confirmed(drain: bool | None) -> None:
+            if drain is None:
                 self.say("not applied: cancelled")
+                return
+            self.query_one("#flags-drain", Checkbox).value = drain  # the form keeps the choice made in the dialog
+            self.start_restart(new, drain)
 
         self.app.push_screen(ConfirmRestart(changes, drain), confirmed)
 
