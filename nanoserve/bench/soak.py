@@ -3,8 +3,8 @@ of every request.
 
 Clients send streamed and non-streamed completions and chats, greedy and sampled; some disconnect mid-stream,
 some abandon a non-streamed call before its answer, some send hostile bodies; one reads a long stream slowly;
-the engine is restarted with new flags half-way; optionally, steps fail on purpose (--fault-every) to prove a
-failure ends only its own requests. /health is polled throughout. The table says what every client received,
+the engine is restarted with new flags half-way; one forward in 500 fails on purpose (--fault-every; 0 for none)
+to prove a failure ends only its own requests. /health is polled throughout. The table says what every client received,
 and what the server still holds at the end: blocks (must be 0), live requests (0), requests the host admitted
 but never answered (0), 5xx outside the injected faults (0).
 """
@@ -28,6 +28,9 @@ from nanoserve.stats import percentiles
 from nanoserve.workload import SAMPLED, pick_prompts
 
 
+FAULT_EVERY = 500  # a few faults a minute on the default model: each ends its step's requests, and no others
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("soak", help="mixed, hostile traffic with disconnects and a restart; account for every request")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of traffic (default 120)")
@@ -35,8 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="the most tokens a request asks for")
     p.add_argument("--restart-flags", default="max_num_seqs=6",
                    help="flags the mid-run restart applies, as name=value pairs ('' for no restart)")
-    p.add_argument("--fault-every", type=int, default=0,
-                   help="fail one engine step in N on purpose (0: none); their requests must end with an error")
+    p.add_argument("--fault-every", type=int, default=FAULT_EVERY,
+                   help=f"fail one engine forward in N on purpose (default {FAULT_EVERY}; 0: none); their requests "
+                        "must end with an error and no other request may")
     p.add_argument("--traffic-seed", type=int, default=0, help="seeds the traffic mix (the engine has --seed)")
     p.add_argument("--out", default="bench-results")
     add_engine_flags(p)
@@ -334,7 +338,8 @@ def soak(config, args) -> dict:
         tally.outcomes.get("stream: error event (not injected)", 0)
     return {
         "duration_s": duration, "requests_sent": sent, "outcomes": dict(sorted(tally.outcomes.items())),
-        "broken": tally.broken, "five_xx_not_injected": five_xx, "faults_injected": faults.injected,
+        "broken": tally.broken, "five_xx_not_injected": five_xx, "fault_every": args.fault_every,
+        "faults_injected": faults.injected,
         "blocks_held_at_end": kv.blocks_total - kv.blocks_free, "host": account,
         "unanswered": account["admitted"] - account["ended"] - account["live"] - account["dropped"],
         "restart_s": restarted.get("seconds"), "rss_mib_start": rss_start, "rss_mib_end": rss_end,
@@ -357,6 +362,10 @@ def clean(result: dict) -> list[str]:
         problems.append(f"the engine still holds {result['engine_leftovers']}")
     if result["host"]["live"] or result["host"]["dropped"]:
         problems.append(f"host: {result['host']}")
+    if result["fault_every"] and not result["faults_injected"]:
+        problems.append(f"no fault was injected in {result['duration_s']:.0f} s (one forward in "
+                        f"{result['fault_every']} fails): the run proves nothing about faults; run it longer "
+                        "(--duration) or fail more often (a smaller --fault-every)")
     return problems
 
 
