@@ -32,9 +32,8 @@ from nanoserve.server import (
     routes_tokens,
 )
 from nanoserve.server.anthropic_errors import AnthropicErrors
-from nanoserve.server.context import APIError, RouteContext, server_version
+from nanoserve.server.context import APIError, RouteContext, not_json_message, server_version
 from nanoserve.server.context import error_response as _error
-from nanoserve.server.context import not_json_message
 from nanoserve.server.disconnect import ClientGone
 from nanoserve.server.guard import MAX_BODY_BYTES, Guard
 from nanoserve.server.host import EngineFailure, EngineHost, HostStopped
