@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from collections import Counter
@@ -23,10 +22,10 @@ import httpx
 
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.hostile import chunked_oversize, hostile_bodies
+from nanoserve.bench.memory import resident_mib, trimmed_resident_mib
 from nanoserve.flags import add_engine_flags, engine_flags
 from nanoserve.stats import percentiles
 from nanoserve.workload import SAMPLED, pick_prompts
-
 
 FAULT_EVERY = 500  # a few faults a minute on the default model: each ends its step's requests, and no others
 
@@ -275,27 +274,6 @@ class Soak:
             stop.set()
             await asyncio.gather(*tasks)
             return time.monotonic() - started
-
-
-def resident_mib() -> float:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return 0.0
-
-
-def trimmed_resident_mib() -> float:
-    """Resident memory after glibc has handed its free arenas back (malloc_trim): what is really held, as
-    opposed to what the allocator keeps for reuse. Plain resident memory where glibc is absent."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return resident_mib()
 
 
 def soak(config, args) -> dict:
