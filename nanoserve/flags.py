@@ -14,7 +14,7 @@ import typing
 from collections.abc import Sequence
 
 from nanoserve.config import EngineConfig
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, SamplingParamsError
 from nanoserve.structured.params import StructuredOutputsParams
 
 
@@ -157,8 +157,18 @@ def sampling_values(args: argparse.Namespace) -> dict:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """SamplingParams from the flags `add_sampling_flags` added; its own checks refuse bad values."""
-    return SamplingParams(**sampling_values(args))
+    """SamplingParams from the flags `add_sampling_flags` added; its own checks refuse bad values, and a refusal
+    whose fix is a Python value (None) is said in the command line's words."""
+    values = sampling_values(args)
+    try:
+        return SamplingParams(**values)
+    except SamplingParamsError as e:
+        if e.field == "max_tokens":  # SamplingParams says "use None"; a flag cannot be None, only left out
+            raise SamplingParamsError("max_tokens", (
+                f"--max-tokens must be at least 1, got {values['max_tokens']}; leave it out for "
+                f"{SAMPLING_CLI_DEFAULTS['max_tokens']} tokens, or give more, up to the model's context length "
+                "(--max-model-len)")) from None
+        raise
 
 
 def add_data_parallel_flags(parser: argparse.ArgumentParser) -> None:

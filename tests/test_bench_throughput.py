@@ -15,7 +15,7 @@ from tests.gguf_fixtures import byte_level_vocab, hf_weights, write_llama_gguf
 from tests.without_optional import hidden_run
 
 COLUMNS = ["arm", "mixed_tok_s", "mixed_seconds", "output_tokens", "rows_at_once", "single_tok_s",
-           "single_share_of_bound"]
+           "single_share_of_bound", "peak_rss_mib"]
 # the same engine on eager torch ops, beside one on the fused CPU kernels (which run wherever a C compiler does)
 EAGER = ["nanoserve --no-fused-cpu-kernels"] if find_compiler() else []
 BUDGET_OFF = "nanoserve --max-step-ms 0"  # the step-time budget off: what smooth streams cost the workload
@@ -50,7 +50,9 @@ def check_arms(rows: list[dict], result: dict, arms: list[str]) -> None:
     assert len(tokens) == 1 and 16 <= tokens.pop() <= 32  # 4 requests of 4-8 tokens each
     for row in rows:
         assert float(row["mixed_tok_s"]) > 0 and float(row["single_tok_s"]) > 0
-        assert len(result["single_runs"][row["arm"]]) == 2  # --repeats, interleaved
+        assert len(result["single_runs"][row["arm"]]) == 2  # --repeats
+        assert float(row["peak_rss_mib"]) == result["peak_rss_mib_by_arm"][row["arm"]] > 0
+    assert result["peak_rss_over_engine"] > 0
     assert {"cpu", "cpu_flags", "threads", "torch"} <= set(result["machine"])
 
 
@@ -104,3 +106,33 @@ def test_bench_throughput_measures_determinism_from_either_side(tiny_gguf, tmp_p
     rows, _ = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-hf", "--skip-llama-cpp",
                          "--skip-invariance-arm", "--skip-budget-arm", "--skip-eager-arm"], tmp_path)
     assert [row["arm"] for row in rows] == ["nanoserve", "nanoserve dense"]
+
+
+def test_an_arm_is_freed_before_the_next_and_its_peak_is_its_own():
+    """run_arm holds an arm only while it runs: the resident memory it took is given back, and its sampled peak
+    shows it (the process's own high-water mark could not tell one arm from the next)."""
+    import argparse
+
+    import torch
+
+    from nanoserve.bench.memory import trimmed_resident_mib
+    from nanoserve.bench.throughput import run_arm
+
+    class Arm:  # holds 256 MiB, as a model would
+        def __init__(self):
+            self.weights = torch.ones(64 * 2**20)
+
+        def single(self, prompt, n):
+            return 1.0
+
+        def mixed(self, work):
+            return {"tok_s": 1.0}
+
+        def close(self):
+            self.weights = None
+
+    before = trimmed_resident_mib()
+    result = run_arm("fake", argparse.Namespace(repeats=2, single_tokens=4), Arm, lambda arm: ([], [1]))
+    assert result.single == [1.0, 1.0]
+    assert result.peak_rss_mib - before > 200  # it saw the arm's 256 MiB
+    assert trimmed_resident_mib() - before < 64  # and the arm's memory went back before the next arm

@@ -13,6 +13,7 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.cli import build_parser, main, serve_model
 from nanoserve.flags import SAMPLING_FLAG_NAMES, sampling_params
+from nanoserve.sampling_params import SamplingParamsError
 
 
 def test_generate_streams_the_same_text_as_the_api(tiny_checkpoint, capsys):
@@ -175,3 +176,14 @@ def test_flag_helpers_live_outside_the_cli_so_nothing_imports_it_back():
                     isinstance(node, ast.Import) and any(a.name == "nanoserve.cli" for a in node.names)):
                 offenders.append(str(path.relative_to(root)))
     assert not offenders, f"these modules import nanoserve.cli: {offenders}; import nanoserve.flags instead"
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_max_tokens_below_1_is_refused_in_the_command_lines_words(value, tmp_path, capsys):
+    """SamplingParams says "use None" (right in Python); a flag cannot be None, so the CLI says leave it out."""
+    assert main(["generate", "x", "--max-tokens", value, "--model", str(tmp_path / "not-loaded")]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-tokens must be at least 1, got {value}; leave it out for 256 tokens" in err
+    assert "None" not in err
+    with pytest.raises(SamplingParamsError, match="use None to generate up to the model's context length"):
+        SamplingParams(max_tokens=int(value))

@@ -22,3 +22,34 @@ def test_a_short_soak_loses_nothing(tiny_checkpoint):
         assert outcomes.get(seen, 0) > 0, outcomes
     assert any("injected fault" in k for k in outcomes), outcomes  # the faults reached their clients as errors
     assert result["restart_s"] is not None and result["host"]["admitted"] > 50
+
+
+def test_the_soak_injects_faults_by_default_as_the_readme_says():
+    """`nanoserve bench soak` alone fails one forward in FAULT_EVERY; --fault-every 0 turns it off."""
+    from types import SimpleNamespace
+
+    from nanoserve.bench.soak import FAULT_EVERY, FaultInjector
+    from nanoserve.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "soak"]).fault_every == FAULT_EVERY > 0
+    assert build_parser().parse_args(["bench", "soak", "--fault-every", "0"]).fault_every == 0
+    engine = SimpleNamespace(runner=SimpleNamespace(model=SimpleNamespace(forward=lambda: "ok")))
+    faults = FaultInjector(FAULT_EVERY)
+    faults.install(engine)
+    failed = 0
+    for _ in range(2 * FAULT_EVERY):
+        try:
+            engine.runner.model.forward()
+        except RuntimeError as e:
+            assert "injected fault" in str(e)
+            failed += 1
+    assert failed == faults.injected == 2
+
+
+def test_a_soak_asked_for_faults_that_injected_none_is_not_clean():
+    result = {"broken": [], "outcomes": {}, "five_xx_not_injected": 0, "blocks_held_at_end": 0, "unanswered": 0,
+              "health_failures": 0, "engine_leftovers": {}, "host": {"live": 0, "dropped": 0},
+              "fault_every": 500, "faults_injected": 0, "duration_s": 5.0}
+    assert any("no fault was injected" in p and "--duration" in p for p in clean(result))
+    assert not clean({**result, "fault_every": 0})
+    assert not clean({**result, "faults_injected": 1})

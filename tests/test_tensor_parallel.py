@@ -176,9 +176,24 @@ def test_the_default_models_4_bit_path_on_three_ranks_is_logprobs_close(default_
 
 def test_a_size_that_does_not_divide_is_refused_before_any_process_starts():
     started = time.monotonic()
-    with pytest.raises(ConfigError, match=r"attention heads 9 and kv heads 3; sizes that work: 1, 3$"):
+    with pytest.raises(ConfigError, match=r"attention heads 9 and kv heads 3; use a size that works \(1, 3\), or"
+                                          r".*: write one with python scripts/random-checkpoint.py --out "
+                                          r"/tmp/llama-8h and pass --model /tmp/llama-8h$"):
         LLM(tensor_parallel_size=2)
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("world", [2, 4, 5, 8])
+def test_the_random_checkpoint_the_refusal_names_divides_by_its_size(world):
+    """The command the refusal gives writes a shape that `world` ranks can split."""
+    from nanoserve.parallel.shard import random_checkpoint_command
+
+    command = random_checkpoint_command(world).split()
+    shape = {"--heads": 8, "--kv-heads": 4, "--intermediate": 1536}
+    for flag in shape:
+        if flag in command:
+            shape[flag] = int(command[command.index(flag) + 1])
+    assert all(value % world == 0 for value in shape.values()), (world, shape)
 
 
 def test_two_processes_meet_by_env_rendezvous(tiny_checkpoint, monkeypatch, tmp_path):

@@ -13,15 +13,20 @@ from pathlib import Path
 from nanoserve.optional import available, left_out
 
 
-def llama_cpp_arm(path: Path, threads: int, n_ctx: int, skip: bool = False) -> LlamaCppArm | None:
-    """llama.cpp on the engine's own file when it is a GGUF file, unless skipped; without llama-cpp-python the
-    arm is left out with a line saying how to install it."""
+def llama_cpp_runs(path: Path, skip: bool = False) -> bool:
+    """Whether llama.cpp's arm runs: on the engine's own file when it is a GGUF file, unless skipped; without
+    llama-cpp-python the arm is left out with a line saying how to install it."""
     if skip or not path.is_file():
-        return None
+        return False
     if not available("llama_cpp"):
         print(left_out("llama.cpp", "llama_cpp"))
-        return None
-    return LlamaCppArm(path, threads, n_ctx)
+        return False
+    return True
+
+
+def llama_cpp_arm(path: Path, threads: int, n_ctx: int, skip: bool = False) -> LlamaCppArm | None:
+    """llama.cpp on `path` when `llama_cpp_runs` says it can, else None."""
+    return LlamaCppArm(path, threads, n_ctx) if llama_cpp_runs(path, skip) else None
 
 
 class LlamaCppArm:
@@ -64,6 +69,13 @@ class LlamaCppArm:
         """Decode tokens/s of one stream after its first token (the same measure as the other arms)."""
         _, decode = self._run(prompt, n)
         return (n - 1) / decode
+
+    def facts(self) -> dict:
+        return {"version": self.version}
+
+    def close(self) -> None:
+        """Free the model and its context now, not when the collector gets to them (the next arm needs the memory)."""
+        self.llm.close()
 
     def mixed(self, work: list[tuple[list[int], int]]) -> dict:
         t = time.perf_counter()

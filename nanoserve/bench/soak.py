@@ -3,8 +3,8 @@ of every request.
 
 Clients send streamed and non-streamed completions and chats, greedy and sampled; some disconnect mid-stream,
 some abandon a non-streamed call before its answer, some send hostile bodies; one reads a long stream slowly;
-the engine is restarted with new flags half-way; optionally, steps fail on purpose (--fault-every) to prove a
-failure ends only its own requests. /health is polled throughout. The table says what every client received,
+the engine is restarted with new flags half-way; one forward in 500 fails on purpose (--fault-every; 0 for none)
+to prove a failure ends only its own requests. /health is polled throughout. The table says what every client received,
 and what the server still holds at the end: blocks (must be 0), live requests (0), requests the host admitted
 but never answered (0), 5xx outside the injected faults (0).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from collections import Counter
@@ -23,9 +22,12 @@ import httpx
 
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.hostile import chunked_oversize, hostile_bodies
+from nanoserve.bench.memory import resident_mib, trimmed_resident_mib
 from nanoserve.flags import add_engine_flags, engine_flags
 from nanoserve.stats import percentiles
 from nanoserve.workload import SAMPLED, pick_prompts
+
+FAULT_EVERY = 500  # a few faults a minute on the default model: each ends its step's requests, and no others
 
 
 def add_parser(sub) -> None:
@@ -35,8 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="the most tokens a request asks for")
     p.add_argument("--restart-flags", default="max_num_seqs=6",
                    help="flags the mid-run restart applies, as name=value pairs ('' for no restart)")
-    p.add_argument("--fault-every", type=int, default=0,
-                   help="fail one engine step in N on purpose (0: none); their requests must end with an error")
+    p.add_argument("--fault-every", type=int, default=FAULT_EVERY,
+                   help=f"fail one engine forward in N on purpose (default {FAULT_EVERY}; 0: none); their requests "
+                        "must end with an error and no other request may")
     p.add_argument("--traffic-seed", type=int, default=0, help="seeds the traffic mix (the engine has --seed)")
     p.add_argument("--out", default="bench-results")
     add_engine_flags(p)
@@ -273,27 +276,6 @@ class Soak:
             return time.monotonic() - started
 
 
-def resident_mib() -> float:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return 0.0
-
-
-def trimmed_resident_mib() -> float:
-    """Resident memory after glibc has handed its free arenas back (malloc_trim): what is really held, as
-    opposed to what the allocator keeps for reuse. Plain resident memory where glibc is absent."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return resident_mib()
-
-
 def soak(config, args) -> dict:
     """Serve `config` in this process, run the traffic, and return the account (see the module docstring)."""
     from nanoserve.ab import variant
@@ -334,7 +316,8 @@ def soak(config, args) -> dict:
         tally.outcomes.get("stream: error event (not injected)", 0)
     return {
         "duration_s": duration, "requests_sent": sent, "outcomes": dict(sorted(tally.outcomes.items())),
-        "broken": tally.broken, "five_xx_not_injected": five_xx, "faults_injected": faults.injected,
+        "broken": tally.broken, "five_xx_not_injected": five_xx, "fault_every": args.fault_every,
+        "faults_injected": faults.injected,
         "blocks_held_at_end": kv.blocks_total - kv.blocks_free, "host": account,
         "unanswered": account["admitted"] - account["ended"] - account["live"] - account["dropped"],
         "restart_s": restarted.get("seconds"), "rss_mib_start": rss_start, "rss_mib_end": rss_end,
@@ -357,6 +340,10 @@ def clean(result: dict) -> list[str]:
         problems.append(f"the engine still holds {result['engine_leftovers']}")
     if result["host"]["live"] or result["host"]["dropped"]:
         problems.append(f"host: {result['host']}")
+    if result["fault_every"] and not result["faults_injected"]:
+        problems.append(f"no fault was injected in {result['duration_s']:.0f} s (one forward in "
+                        f"{result['fault_every']} fails): the run proves nothing about faults; run it longer "
+                        "(--duration) or fail more often (a smaller --fault-every)")
     return problems
 
 

@@ -4,8 +4,11 @@ Every arm runs in one process on the same weights, device and threads: nanoserve
 with batch invariance switched the other way (what determinism costs), its dense float32 self when the linears
 are packed, transformers when installed (`nanoserve[hf]`; batched generate with left padding;
 only the tokens each request asked for count as useful output), and llama.cpp on the same GGUF file when
-llama-cpp-python is installed (`nanoserve[peers]`). Single-stream runs are interleaved across arms; the table
-gives medians. Each arm's bound is the device's read bandwidth over the bytes of weights a token reads.
+llama-cpp-python is installed (`nanoserve[peers]`). The arms run one at a time, each loaded, measured and
+freed before the next, so the run holds one model and one KV pool at a time (all of them at once came to
+several times the engine's own memory); each arm's peak resident memory is in the table. The table gives the
+median of each arm's single-stream runs. Each arm's bound is the device's read bandwidth over the bytes of
+weights a token reads.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import random
 import re
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from nanoserve.bench.common import machine, memory_bandwidth_gbs, peak_rss_mib, print_table, write_results
-from nanoserve.bench.peers import LlamaCppArm, llama_cpp_arm
+from nanoserve.bench.memory import PeakRss, trimmed_resident_mib
+from nanoserve.bench.peers import LlamaCppArm, llama_cpp_runs
 from nanoserve.flags import add_engine_flags, engine_flags
 from nanoserve.optional import available, left_out
 from nanoserve.parallel.group import memory_of
@@ -35,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     p.add_argument("--single-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="single-stream repeats (interleaved arms; median)")
+    p.add_argument("--repeats", type=int, default=3, help="single-stream runs per arm (the table gives the median)")
     p.add_argument("--hf-batch", type=int, default=16, help="transformers' generate batch size")
     p.add_argument("--skip-hf", action="store_true", help="leave out transformers' arm")
     p.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp's arm")
@@ -118,18 +123,17 @@ def model_path(engine) -> Path:
     return Path(engine.config.model) if engine.config.model else default_model_path()
 
 
-def load_hf(engine):
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device):
     """transformers' model on the same weights: its own GGUF loader, or the same HF directory."""
     from transformers import AutoModelForCausalLM
 
-    path = model_path(engine)
-    kwargs = {"dtype": engine.runner.dtype}
+    kwargs = {"dtype": dtype}
     if path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.generation_config.eos_token_id = None
-    return model.to(engine.runner.device).eval()  # beside nanoserve on its device: on a GPU machine, the GPU
+    return model.to(device).eval()  # on nanoserve's device: on a GPU machine, the GPU
 
 
 def decode_weight_bytes(model) -> int:
@@ -151,21 +155,79 @@ def _slug(arm: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", arm.lower().replace(".", "")).strip("_")
 
 
-def llama_cpp_for(args, engine, work) -> LlamaCppArm | None:
-    """llama.cpp on the engine's own GGUF file, when the model is one and llama-cpp-python is installed."""
-    longest = max(len(p) + n for p, n in work)
-    return llama_cpp_arm(model_path(engine), torch.get_num_threads(),
-                         n_ctx=max(longest, args.single_tokens + 64) + 16, skip=args.skip_llama_cpp)
+class NanoserveArm:
+    """An engine of `flags` as an arm; what the report needs of it is read off while it lives (`facts`)."""
+
+    def __init__(self, flags: dict):
+        from nanoserve import LLM
+
+        self.llm = LLM(**flags)
+        self.engine = self.llm.engine
+
+    def single(self, prompt, n) -> float:
+        return run_nanoserve_single(self.llm, prompt, n)
+
+    def mixed(self, work) -> dict:
+        return run_nanoserve_mixed(self.llm, work)
+
+    def facts(self) -> dict:
+        engine = self.engine
+        stats = engine.stats()
+        return {"weight_bytes": decode_weight_bytes(engine.runner.model), "model": engine.runner.loaded.name,
+                "dtype": engine.runner.dtype, "device": engine.runner.device, "path": model_path(engine),
+                "linear": stats.sections.get("linear"), "parallel": stats.sections.get("parallel"),
+                "fused": bool(stats.features.get("fused", {}).get("active")), "steps": stats.scheduler.steps,
+                "kv_pool_bytes": engine.runner.cache.nbytes,
+                "weights_bytes": memory_of(engine.runner.model, engine.runner.cache)["weights_bytes"],
+                "shared_exchange": engine.runner.parallel.group.shared is not None
+                if engine.config.tensor_parallel_size > 1 else False}
+
+    def close(self) -> None:
+        self.engine.close()
 
 
-def transformers_for(args, engine):
-    """transformers on the same weights, unless skipped; without transformers the arm is left out, saying so."""
-    if args.skip_hf:
-        return None
-    if not available("transformers"):
-        print(left_out("transformers", "transformers"))
-        return None
-    return load_hf(engine)
+class TransformersArm:
+    def __init__(self, path: Path, dtype, device, batch: int):
+        self.model, self.batch = load_hf(path, dtype, device), batch
+
+    def single(self, prompt, n) -> float:
+        return run_hf_single(self.model, prompt, n)
+
+    def mixed(self, work) -> dict:
+        return run_hf_mixed(self.model, work, self.batch, pad_id=0)
+
+    def close(self) -> None:
+        self.model = None
+
+
+@dataclass
+class ArmResult:
+    single: list[float]
+    mixed: dict
+    peak_rss_mib: float
+    facts: dict = field(default_factory=dict)
+
+
+def run_arm(name: str, args, load, plan) -> ArmResult:
+    """Load an arm, time `args.repeats` single streams after a warm-up and the mixed workload (`plan(arm)`
+    gives the workload and the single stream's prompt), and free the arm before returning, its peak resident
+    memory (loading included) sampled throughout. A line says so as each arm finishes."""
+    with PeakRss() as peak:
+        arm = load()
+        try:
+            work, prompt = plan(arm)
+            arm.single(prompt, 8)  # warm-up
+            single = [arm.single(prompt, args.single_tokens) for _ in range(args.repeats)]
+            mixed = arm.mixed(work)
+            facts = getattr(arm, "facts", dict)()
+        finally:
+            arm.close()
+            del arm
+            gc.collect()
+    trimmed_resident_mib()  # glibc hands the freed arm back to the system before the next one loads
+    print(f"{name}: mixed {mixed['tok_s']:.1f} tok/s, single stream {statistics.median(single):.1f} tok/s, "
+          f"peak RSS {peak.mib:,.0f} MiB", flush=True)
+    return ArmResult(single, mixed, peak.mib, facts)
 
 
 EAGER = "nanoserve --no-fused-cpu-kernels"
@@ -177,109 +239,115 @@ def invariance_arm(flags: dict) -> str:
     return "nanoserve --no-batch-invariant" if flags["batch_invariant"] else "nanoserve --batch-invariant"
 
 
-def build_arms(args, flags: dict) -> dict:
-    """nanoserve as configured, then the engines it is measured against in this process: under tensor
+def other_arms(args, flags: dict, main: dict) -> dict[str, dict]:
+    """The engines nanoserve (whose facts are `main`) is measured against, by name, as flags: under tensor
     parallelism the same model on one rank (and over gloo when the ranks exchange through shared memory);
     otherwise the same engine with batch invariance switched (what determinism costs), with the step-time budget
     off (what smooth streams cost), on eager torch ops where it runs the fused CPU kernels (what they buy) and, on
     the 4-bit path, its dense float32 self."""
-    from nanoserve import LLM
-
-    arms = {"nanoserve": LLM(**flags)}
-    engine = arms["nanoserve"].engine
+    arms = {}
     if flags["tensor_parallel_size"] > 1:  # the same engine on one rank with every thread, beside the group
-        if engine.runner.parallel.group.shared is not None:  # exchanging through shared memory: and over gloo
-            arms[BACKEND_REDUCE] = LLM(**{**flags, "tp_all_reduce": "backend"})
-        arms[ONE_RANK] = LLM(**{**flags, "tensor_parallel_size": 1, "distributed_init": None})
-    else:
-        if not args.skip_invariance_arm:  # the same engine with batch invariance switched: what determinism costs
-            arms[invariance_arm(flags)] = LLM(**{**flags, "batch_invariant": not flags["batch_invariant"]})
-        if not args.skip_budget_arm and flags.get("max_step_ms") != 0:  # the token budget alone beside decodes
-            arms[BUDGET_OFF] = LLM(**{**flags, "max_step_ms": 0})
-        if not args.skip_eager_arm and engine.stats().features.get("fused", {}).get("active"):
-            arms[EAGER] = LLM(**{**flags, "fused_cpu_kernels": False})  # the same engine on eager torch ops
-        if "linear" in engine.stats().sections:  # the 4-bit path: its dense float32 self beside it
-            arms["nanoserve dense"] = LLM(**{**flags, "quantization": "none"})
+        if main["shared_exchange"]:  # exchanging through shared memory: and over gloo
+            arms[BACKEND_REDUCE] = {**flags, "tp_all_reduce": "backend"}
+        arms[ONE_RANK] = {**flags, "tensor_parallel_size": 1, "distributed_init": None}
+        return arms
+    if not args.skip_invariance_arm:
+        arms[invariance_arm(flags)] = {**flags, "batch_invariant": not flags["batch_invariant"]}
+    if not args.skip_budget_arm and flags.get("max_step_ms") != 0:  # the token budget alone beside decodes
+        arms[BUDGET_OFF] = {**flags, "max_step_ms": 0}
+    if not args.skip_eager_arm and main["fused"]:
+        arms[EAGER] = {**flags, "fused_cpu_kernels": False}
+    if main["linear"]:  # the 4-bit path: its dense float32 self beside it
+        arms["nanoserve dense"] = {**flags, "quantization": "none"}
     return arms
 
 
-def bandwidth_bounds(arms: dict, parallel: bool) -> tuple[float, dict[str, float]]:
-    """The device's read bandwidth (GB/s) and, per arm, the tokens a second it allows a single stream."""
-    engine = arms["nanoserve"].engine
-    bandwidth = memory_bandwidth_gbs(mib=4096 if engine.runner.device.type == "cuda" else 512, device=engine.runner.device)
-    bounds = {arm: bandwidth * 1e9 / decode_weight_bytes(llm.engine.runner.model) for arm, llm in arms.items()}
+def run_all_arms(args, flags: dict) -> dict[str, ArmResult]:
+    """nanoserve first (its vocabulary makes the workload), then each other arm in turn: one model in memory
+    at a time."""
+    made = []
+
+    def make_workload(arm: NanoserveArm):
+        made.append(workload(args.num_requests, args.prompt_len, args.output_len, arm.engine.model_config.vocab_size))
+        return made[0], made[0][0][0][:64]
+
+    results = {"nanoserve": run_arm("nanoserve", args, lambda: NanoserveArm(flags), make_workload)}
+    work, main = made[0], results["nanoserve"].facts
+    same = lambda arm: (work, work[0][0][:64])  # noqa: E731
+    for name, arm_flags in other_arms(args, flags, main).items():
+        results[name] = run_arm(name, args, lambda f=arm_flags: NanoserveArm(f), same)
+    dense = results.get("nanoserve dense", results["nanoserve"]).facts
+    if transformers_runs(args):
+        results["transformers"] = run_arm(
+            "transformers", args, lambda: TransformersArm(main["path"], dense["dtype"], main["device"], args.hf_batch), same)
+    if llama_cpp_runs(main["path"], args.skip_llama_cpp):
+        longest = max(len(p) + n for p, n in work)
+        results[LLAMA_CPP] = run_arm(LLAMA_CPP, args, lambda: LlamaCppArm(main["path"], torch.get_num_threads(),
+                                                               n_ctx=max(longest, args.single_tokens + 64) + 16),
+                                     same)
+    return results
+
+
+def transformers_runs(args) -> bool:
+    """transformers' arm runs unless skipped; without transformers it is left out, saying so."""
+    if args.skip_hf:
+        return False
+    if not available("transformers"):
+        print(left_out("transformers", "transformers"))
+        return False
+    return True
+
+
+def bandwidth_bounds(bandwidth: float, results: dict[str, ArmResult], parallel: bool) -> dict[str, float]:
+    """Per arm, the tokens a second the device's read bandwidth (GB/s) allows a single stream."""
+    bounds = {arm: bandwidth * 1e9 / r.facts["weight_bytes"] for arm, r in results.items()
+              if "weight_bytes" in r.facts}
     if parallel:  # the ranks share this machine's memory: the whole model is read per token all the same
         for arm in ("nanoserve", BACKEND_REDUCE):
             if arm in bounds:
                 bounds[arm] = bounds[ONE_RANK]
-    return bandwidth, bounds
+    return bounds
 
 
-def run_single_rounds(args, arms: dict, hf, llama_cpp, prompt: list[int]) -> dict[str, list[float]]:
-    """Single-stream tok/s of every arm, `args.repeats` times, the arms interleaved in each round so a noisy
-    neighbour hits them alike; arms left out keep an empty list."""
-    for llm in arms.values():
-        run_nanoserve_single(llm, prompt, 8)  # warm-up
-    single = {arm: [] for arm in (*arms, "transformers", LLAMA_CPP)}
-    for _ in range(args.repeats):
-        for arm, llm in arms.items():
-            single[arm].append(run_nanoserve_single(llm, prompt, args.single_tokens))
-        if hf is not None:
-            single["transformers"].append(run_hf_single(hf, prompt, args.single_tokens))
-        if llama_cpp is not None:
-            single[LLAMA_CPP].append(llama_cpp.single(prompt, args.single_tokens))
-    return single
-
-
-def run_mixed_workload(args, arms: dict, hf, llama_cpp, work) -> tuple[dict[str, dict], float]:
-    """The mixed workload through every arm, and the peak RSS (MiB) once the nanoserve arms alone have run."""
-    mixed = {arm: run_nanoserve_mixed(llm, work) for arm, llm in arms.items()}
-    rss_after_nanoserve = peak_rss_mib()
-    if hf is not None:
-        mixed["transformers"] = run_hf_mixed(hf, work, args.hf_batch, pad_id=0)
-    if llama_cpp is not None:
-        mixed[LLAMA_CPP] = llama_cpp.mixed(work)
-    gc.collect()
-    return mixed, rss_after_nanoserve
-
-
-def table_rows(single: dict[str, list[float]], mixed: dict[str, dict], bounds: dict[str, float]) -> list[dict]:
-    """One row per arm that ran the mixed workload, its single-stream median set against its bandwidth bound."""
+def table_rows(results: dict[str, ArmResult], bounds: dict[str, float]) -> list[dict]:
+    """One row per arm, its single-stream median set against its bandwidth bound, and its peak memory."""
     rows = []
-    for arm in mixed:
-        s = statistics.median(single[arm]) if single[arm] else None
+    for arm, r in results.items():
+        s = statistics.median(r.single) if r.single else None
         bound = bounds.get(arm, bounds.get("nanoserve dense", bounds["nanoserve"]))  # transformers: dense
         if arm == LLAMA_CPP:  # the same file's blocks as nanoserve's packed arm reads
             bound = bounds["nanoserve"]
         rows.append({
             "arm": arm,
-            "mixed_tok_s": mixed[arm]["tok_s"],
-            "mixed_seconds": mixed[arm]["seconds"],
-            "output_tokens": mixed[arm]["output_tokens"],
-            "rows_at_once": mixed[arm]["peak_running"],
+            "mixed_tok_s": r.mixed["tok_s"],
+            "mixed_seconds": r.mixed["seconds"],
+            "output_tokens": r.mixed["output_tokens"],
+            "rows_at_once": r.mixed["peak_running"],
             "single_tok_s": s,
             "single_share_of_bound": s / bound if s else None,
+            "peak_rss_mib": r.peak_rss_mib,
         })
     return rows
 
 
-def print_throughput_table(args, engine, linear: dict | None, rows: list[dict]) -> None:
+def print_throughput_table(args, main: dict, rows: list[dict]) -> None:
+    linear = main["linear"]
     print_table(
-        f"throughput: {engine.runner.loaded.name}, {engine.runner.dtype}, linears {linear['format'] if linear else 'dense'}, "
+        f"throughput: {main['model']}, {main['dtype']}, linears {linear['format'] if linear else 'dense'}, "
         f"{torch.get_num_threads()} threads, {args.num_requests} requests, prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}",
         rows, list(rows[0]),
     )
 
 
-def arm_ratios(flags: dict, rows: list[dict], mixed: dict[str, dict]) -> dict[str, float]:
+def arm_ratios(flags: dict, rows: list[dict]) -> dict[str, float]:
     """nanoserve's mixed and single-stream tok/s over each other arm's, for the arms that ran."""
     ratios = {}
     by_arm = {r["arm"]: r for r in rows}
     for other in (invariance_arm(flags), BUDGET_OFF, EAGER, "nanoserve dense", BACKEND_REDUCE, ONE_RANK, "transformers",
                   LLAMA_CPP):
         if other in by_arm:
-            ratios[f"mixed_vs_{_slug(other)}"] = mixed["nanoserve"]["tok_s"] / mixed[other]["tok_s"]
+            ratios[f"mixed_vs_{_slug(other)}"] = by_arm["nanoserve"]["mixed_tok_s"] / by_arm[other]["mixed_tok_s"]
             ratios[f"single_vs_{_slug(other)}"] = by_arm["nanoserve"]["single_tok_s"] / \
                 by_arm[other]["single_tok_s"]
     return ratios
@@ -298,48 +366,47 @@ def print_findings(bandwidth: float, bounds: dict[str, float], linear: dict | No
         print(f"{k}: {v:.2f}x")
 
 
-def print_parallel(section: dict | None, engine, arms: dict) -> None:
+def print_parallel(main: dict, results: dict[str, ArmResult]) -> None:
     """Under tensor parallelism: the ranks, what their collectives cost a step, and the weights each holds."""
+    section = main["parallel"]
     if section:
-        steps = engine.stats().scheduler.steps
         print(f"tensor parallel: {section['world_size']} ranks over {section['backend']}, "
               f"{section['threads_per_rank']} threads each (one rank: {torch.get_num_threads()}); "
-              f"{section['collectives']:,} collectives in {steps:,} steps, {section['collective_ms_per_step']:.2f} ms "
-              "of each step in collectives on rank 0 ("
+              f"{section['collectives']:,} collectives in {main['steps']:,} steps, "
+              f"{section['collective_ms_per_step']:.2f} ms of each step in collectives on rank 0 ("
               + ", ".join(f"{kind} {ms:.2f}" for kind, ms in section["ms_per_step_by_kind"].items())
               + "); weights per rank "
               + ", ".join(f"{r['weights_bytes'] / 2**20:.0f} MiB" for r in section["ranks"])
-              + f" (one rank: {memory_of(arms[ONE_RANK].engine.runner.model, arms[ONE_RANK].engine.runner.cache)['weights_bytes'] / 2**20:.0f} MiB)")
+              + f" (one rank: {results[ONE_RANK].facts['weights_bytes'] / 2**20:.0f} MiB)")
 
 
 def main(args) -> int:
     flags = engine_flags(args)
-    arms = build_arms(args, flags)
-    engine = arms["nanoserve"].engine
     parallel = flags["tensor_parallel_size"] > 1
-    work = workload(args.num_requests, args.prompt_len, args.output_len, engine.model_config.vocab_size)
-    single_prompt = work[0][0][:64]
-    bandwidth, bounds = bandwidth_bounds(arms, parallel)
-
-    hf = transformers_for(args, arms.get("nanoserve dense", arms["nanoserve"]).engine)
-    llama_cpp = llama_cpp_for(args, engine, work)
-    single = run_single_rounds(args, arms, hf, llama_cpp, single_prompt)
-    mixed, rss_after_nanoserve = run_mixed_workload(args, arms, hf, llama_cpp, work)
-
-    rows = table_rows(single, mixed, bounds)
-    linear = engine.stats().sections.get("linear")
-    print_throughput_table(args, engine, linear, rows)
-    ratios = arm_ratios(flags, rows, mixed)
-    print_findings(bandwidth, bounds, linear, ratios)
-    section = engine.stats().sections.get("parallel")
-    print_parallel(section, engine, arms)
-    print(f"peak RSS after nanoserve arms {rss_after_nanoserve:.0f} MiB; after all arms {peak_rss_mib():.0f} MiB; "
-          f"KV pool {engine.runner.cache.nbytes / 2**20:.0f} MiB")
+    bandwidth = memory_bandwidth_gbs(mib=512, device="cpu")  # before any arm: its buffer is not theirs
+    results = run_all_arms(args, flags)
+    first = results["nanoserve"].facts
+    if first["device"].type == "cuda":  # the device's own bandwidth bounds a GPU's arms
+        bandwidth = memory_bandwidth_gbs(mib=4096, device=first["device"])
+    bounds = bandwidth_bounds(bandwidth, results, parallel)
+    rows = table_rows(results, bounds)
+    print_throughput_table(args, first, rows)
+    ratios = arm_ratios(flags, rows)
+    print_findings(bandwidth, bounds, first["linear"], ratios)
+    print_parallel(first, results)
+    peak = peak_rss_mib()
+    engine_rss = results["nanoserve"].peak_rss_mib
+    print(f"peak RSS of the run {peak:.0f} MiB, {peak / engine_rss:.2f}x the nanoserve arm's {engine_rss:.0f} MiB "
+          f"(the arms run one at a time); KV pool {first['kv_pool_bytes'] / 2**20:.0f} MiB")
+    llama_cpp = results.get(LLAMA_CPP)
     path = write_results(args.out, "throughput", {
-        "flags": flags, "bandwidth_gbs": bandwidth, "bound_tok_s": bounds, "single_runs": single, "mixed": mixed,
-        "ratios": ratios, "linear": linear, "parallel": section, "peak_rss_mib": peak_rss_mib(),
-        "llama_cpp_python": llama_cpp.version if llama_cpp is not None else None,
-        "rss_after_nanoserve_mib": rss_after_nanoserve,
+        "flags": flags, "bandwidth_gbs": bandwidth, "bound_tok_s": bounds,
+        "single_runs": {arm: r.single for arm, r in results.items()},
+        "mixed": {arm: r.mixed for arm, r in results.items()},
+        "ratios": ratios, "linear": first["linear"], "parallel": first["parallel"], "peak_rss_mib": peak,
+        "peak_rss_mib_by_arm": {arm: r.peak_rss_mib for arm, r in results.items()},
+        "peak_rss_over_engine": peak / engine_rss,
+        "llama_cpp_python": llama_cpp.facts["version"] if llama_cpp is not None else None,
     }, rows, args)
     print(f"wrote {path}")
     return 0

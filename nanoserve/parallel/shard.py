@@ -43,7 +43,21 @@ def check_divisible(cfg: ModelConfig, world: int) -> None:
                                                    ("intermediate size", cfg.intermediate_size)) if value % world]
     sizes = ", ".join(map(str, workable_sizes(cfg)))
     raise ConfigError(f"tensor_parallel_size {world} does not divide this model's {' and '.join(parts)}; "
-                      f"sizes that work: {sizes}")
+                      f"use a size that works ({sizes}), or, to measure {world} ranks, a random-weight checkpoint "
+                      f"whose shapes divide: {random_checkpoint_command(world)}")
+
+
+def random_checkpoint_command(world: int) -> str:
+    """How to write (scripts/random-checkpoint.py) and load a random-weight checkpoint that `world` ranks can
+    split, for a model that cannot: the default model's size with 8 heads over 4 kv heads when that divides, as
+    the README's benchmark uses, else 2 heads per kv head over `world` kv heads (the intermediate size rounded up
+    to a multiple)."""
+    kv = 4 if 4 % world == 0 else world
+    shape = {"--heads": 2 * kv, "--kv-heads": kv, "--intermediate": -(-1536 // world) * world}
+    flags = "".join(f" {flag} {value}" for flag, value in shape.items()
+                    if value != {"--heads": 8, "--kv-heads": 4, "--intermediate": 1536}[flag])
+    out = f"/tmp/llama-{2 * kv}h"
+    return f"write one with python scripts/random-checkpoint.py --out {out}{flags} and pass --model {out}"
 
 
 @dataclass(frozen=True)

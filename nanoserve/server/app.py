@@ -32,7 +32,7 @@ from nanoserve.server import (
     routes_tokens,
 )
 from nanoserve.server.anthropic_errors import AnthropicErrors
-from nanoserve.server.context import APIError, RouteContext, server_version
+from nanoserve.server.context import APIError, RouteContext, not_json_message, server_version
 from nanoserve.server.context import error_response as _error
 from nanoserve.server.disconnect import ClientGone
 from nanoserve.server.guard import MAX_BODY_BYTES, Guard
@@ -70,6 +70,8 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     return app
 
 
+# FastAPI's 400 for a JSON body json.loads could not decode (not UTF-8), without the reason
+_BODY_UNREADABLE = "There was an error parsing the body"
 # pydantic's type errors -> what the field takes, in JSON's words
 _TAKES = {"bool_type": "true or false (a JSON boolean)", "bool_parsing": "true or false (a JSON boolean)",
           "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
@@ -80,11 +82,11 @@ _TAKES = {"bool_type": "true or false (a JSON boolean)", "bool_parsing": "true o
 def _invalid_request(exc: RequestValidationError) -> JSONResponse:
     """pydantic's first complaint as a 400 that names the field and what it takes (FastAPI's own is a 422)."""
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":  # its loc is ("body", char offset): a position, not a field
+        return _error(400, not_json_message(exc.body, first["loc"][-1], first.get("ctx", {}).get("error")))
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    if first.get("type") == "json_invalid":
-        message = "request body is not valid JSON"
-    elif first.get("type") in _TAKES:
+    if first.get("type") in _TAKES:
         came = first.get("input")
         shown = json.dumps(came)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
@@ -125,6 +127,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         kinds = {404: "not_found_error", 405: "invalid_request_error"}
         message = {404: f"no route {request.url.path}; see /docs for the routes this server has",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        if exc.status_code == 400 and exc.detail == _BODY_UNREADABLE:
+            message = "request body is not valid JSON: it is not UTF-8 text; send the body as UTF-8 JSON"
         return JSONResponse(error_body(message, kinds.get(exc.status_code, "invalid_request_error"), None,
                                        exc.status_code), status_code=exc.status_code, headers=exc.headers)
 

@@ -58,6 +58,17 @@ async def compiled(engine, params) -> None:
         await off_loop(engine.grammars.compile, params.structured_outputs)
 
 
+def not_json_message(doc: str | bytes | None, pos: int, what: str | None) -> str:
+    """What json.loads said and where, in its own words ("Expecting ',' delimiter at line 1, column 62 (char
+    61)"): the line and column find the mistake in a body that was pretty-printed or built by hand."""
+    where = ""
+    if isinstance(doc, (str, bytes)) and isinstance(pos, int):
+        text = doc.decode("utf-8", "replace") if isinstance(doc, bytes) else doc
+        line, column = text.count("\n", 0, pos) + 1, pos - text.rfind("\n", 0, pos)
+        where = f" at line {line}, column {column} (char {pos})"
+    return f"request body is not valid JSON: {what or 'JSON decode error'}{where}"
+
+
 def server_version() -> str:
     """The installed package's version (the source tree's when it is not installed): the app's and /version's."""
     try:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from nanoserve.errors import ConfigError
 from nanoserve.server.access import WITHHELD
-from nanoserve.server.context import APIError, RouteContext, server_version
+from nanoserve.server.context import APIError, RouteContext, not_json_message, server_version
 from nanoserve.server.openapi import ERRORS, NOT_KEPT, ok
 from nanoserve.server.schemas import Version
 
@@ -95,7 +95,10 @@ async def _json_object(request: Request) -> dict:
     """The body as a JSON object, or a 400 saying what to send."""
     try:
         body = json.loads(await request.body() or b"null")
-    except ValueError:
+    except json.JSONDecodeError as e:
+        raise APIError(400, not_json_message(e.doc, e.pos, e.msg) + '; send a JSON object of flags to change, '
+                            'e.g. {"max_num_seqs": 8}') from None
+    except ValueError:  # not UTF-8
         body = None
     if not isinstance(body, dict) or not body:
         raise APIError(400, 'send a JSON object of flags to change, e.g. {"max_num_seqs": 8}')
