@@ -138,6 +138,7 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ISA "avx512-vnni"
+#define VEC512 1
 #define ROW_TILE 4
 /* Up to ROW_TILE rows against 16 outputs at once: a group's weights are unpacked once for all of them; each row's
  * arithmetic is the other paths' row_dot, operation for operation. */
@@ -177,53 +178,70 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA "avx2"
-static inline __m256i dot4(__m256i u8, int32_t x4) {
-    /* u8 (0..15) x s8 pairs summed to s16 (at most 2 x 15 x 128: no saturation), then pairs to s32 */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, _mm256_set1_epi32(x4)), _mm256_set1_epi16(1));
-}
-static inline __m256i dot4_unsigned(int32_t x4, __m256i s8) {
-    /* u8 activations (0..255) x s8 codes (0..15): pairs at most 2 x 255 x 15, no saturation either */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(x4), s8), _mm256_set1_epi16(1));
-}
-static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
-                    float out[OUTS]) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+#define VEC256 1
+#define ROW_TILE 4
+/* Up to ROW_TILE rows against 16 outputs at once, as rows_dot above: a group's nibbles are unpacked once for all of
+ * them (nib[2 j + h]: input quad j's codes, 0..15, for outputs 8 h .. 8 h + 7). Per row the 8-bit products go through
+ * maddubs into 16-bit sums, which hold them exactly: the hi plane's 8 quads at most 8 x 2 x 15 x 128 = 30720, the lo
+ * plane's 4 quads at most 4 x 2 x 255 x 15 = 30600 (two runs of 4). c is the same integer as every path's; the float
+ * part is rows_dot's, operation for operation. */
+static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                     const int32_t *xs, float *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE][2];
+    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        int32_t hi4[8], lo4[8];
-        memcpy(hi4, x + b * 2 * GROUP, 32);
-        memcpy(lo4, x + b * 2 * GROUP + GROUP, 32);
-        __m256i h0 = _mm256_setzero_si256(), h1 = h0, l0 = h0, l1 = h0;
-        for (int v = 0; v < 4; v++) {
+        __m256i nib[16];
+        for (int v = 0; v < 4; v++) { /* vector v: inputs 8 v + c (quad 2 v) low, 8 v + 4 + c (quad 2 v + 1) high */
             __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + v * 64));
             __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32));
-            __m256i n[4] = {_mm256_and_si256(w0, low), _mm256_and_si256(w1, low),
-                            _mm256_and_si256(_mm256_srli_epi16(w0, 4), low),
-                            _mm256_and_si256(_mm256_srli_epi16(w1, 4), low)};
-            for (int half = 0; half < 2; half++) { /* half 0: inputs 8v + c, half 1: 8v + 4 + c */
-                int j = 2 * v + half;
-                h0 = _mm256_add_epi32(h0, dot4(n[2 * half], hi4[j]));
-                h1 = _mm256_add_epi32(h1, dot4(n[2 * half + 1], hi4[j]));
-                l0 = _mm256_add_epi32(l0, dot4_unsigned(lo4[j], n[2 * half]));
-                l1 = _mm256_add_epi32(l1, dot4_unsigned(lo4[j], n[2 * half + 1]));
-            }
+            nib[4 * v] = _mm256_and_si256(w0, low);
+            nib[4 * v + 1] = _mm256_and_si256(w1, low);
+            nib[4 * v + 2] = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+            nib[4 * v + 3] = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
         }
-        float d = xd[b];
-        int32_t sx = xs[b];
-        __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
-        __m256i eight = _mm256_set1_epi32(8 * sx);
-        __m256i c0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(h0, 8), l0), eight);
-        __m256i c1 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(h1, 8), l1), eight);
         __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
         __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
         __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
         __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
-        acc0 = _mm256_add_ps(acc0, _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0)), _mm256_mul_ps(z0, dz)));
-        acc1 = _mm256_add_ps(acc1, _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1)), _mm256_mul_ps(z1, dz)));
+        for (int i = 0; i < n; i++) {
+            int32_t hi4[8], lo4[8];
+            memcpy(hi4, x + i * 2 * in + b * 2 * GROUP, 32);
+            memcpy(lo4, x + i * 2 * in + b * 2 * GROUP + GROUP, 32);
+            __m256i h0 = _mm256_setzero_si256(), h1 = h0, la0 = h0, la1 = h0, lb0 = h0, lb1 = h0;
+            for (int j = 0; j < 4; j++) { /* codes unsigned times hi signed; lo unsigned times codes */
+                __m256i hv = _mm256_set1_epi32(hi4[j]), lv = _mm256_set1_epi32(lo4[j]);
+                h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(nib[2 * j], hv));
+                h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(nib[2 * j + 1], hv));
+                la0 = _mm256_add_epi16(la0, _mm256_maddubs_epi16(lv, nib[2 * j]));
+                la1 = _mm256_add_epi16(la1, _mm256_maddubs_epi16(lv, nib[2 * j + 1]));
+            }
+            for (int j = 4; j < 8; j++) {
+                __m256i hv = _mm256_set1_epi32(hi4[j]), lv = _mm256_set1_epi32(lo4[j]);
+                h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(nib[2 * j], hv));
+                h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(nib[2 * j + 1], hv));
+                lb0 = _mm256_add_epi16(lb0, _mm256_maddubs_epi16(lv, nib[2 * j]));
+                lb1 = _mm256_add_epi16(lb1, _mm256_maddubs_epi16(lv, nib[2 * j + 1]));
+            }
+            float d = xd[i * groups + b];
+            int32_t sx = xs[i * groups + b];
+            __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
+            __m256i eight = _mm256_set1_epi32(8 * sx);
+            __m256i l0 = _mm256_add_epi32(_mm256_madd_epi16(la0, ones), _mm256_madd_epi16(lb0, ones));
+            __m256i l1 = _mm256_add_epi32(_mm256_madd_epi16(la1, ones), _mm256_madd_epi16(lb1, ones));
+            __m256i c0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h0, ones), 8), l0), eight);
+            __m256i c1 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h1, ones), 8), l1), eight);
+            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0)),
+                                                                 _mm256_mul_ps(z0, dz)));
+            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1)),
+                                                                 _mm256_mul_ps(z1, dz)));
+        }
     }
-    _mm256_storeu_ps(out, acc0);
-    _mm256_storeu_ps(out + 8, acc1);
+    for (int i = 0; i < n; i++) {
+        _mm256_storeu_ps(out + i * OUTS, acc[i][0]);
+        _mm256_storeu_ps(out + i * OUTS + 8, acc[i][1]);
+    }
 }
 #else
 #define ISA "portable"
@@ -259,7 +277,7 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
  * instruction each), then rows_dot's float operations row by row: the same bits, so whether a call takes the
  * tiles (from AMX_FROM rows; its last tile padded with zero rows) changes nothing. Used where the compiler and the kernel allow it (Linux asks a process to request the
  * tile state) and ns_set_tiles has not turned it off. */
-#if defined(ROW_TILE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(VEC512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -430,7 +448,7 @@ void ns_q8_pack(const int8_t *codes, const float *scales, int64_t out, int64_t i
         }
 }
 
-#ifdef ROW_TILE
+#ifdef VEC512
 /* Up to ROW_TILE rows against 16 outputs' 8-bit weights: the weights loaded once for all of them */
 static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
                       const int32_t *xh, float *out) {
@@ -461,8 +479,58 @@ static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, cons
     }
     for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
 }
+#elif defined(VEC256)
+/* Up to ROW_TILE rows against 16 outputs' 8-bit weights on AVX2, whose byte products (maddubs) would saturate on
+ * these codes: 16-bit products instead (madd), which are exact. A group's codes are widened once for all the rows,
+ * each output's 4 bytes of a quad split into its even inputs (4 j, 4 j + 2) and its odd ones (4 j + 1, 4 j + 3) as
+ * 16-bit pairs, so an output stays in one 32-bit lane: wide[4 j + 2 h + o], o = 0 even, 1 odd, outputs 8 h .. 8 h + 7.
+ * A row's codes v = 256 hi + lo (|v| <= 32767) are paired alike; each madd lane is at most 2 x 128 x 32767 and the
+ * 16 summed into c stay below 2^28: the exact integer c, then row_dot8's float operations. */
+static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                      const int32_t *xh, float *out) {
+    (void)xh; /* the codes are taken signed: no correction by the hi plane's sums */
+    const __m256i low_byte = _mm256_set1_epi16(0x00ff), high_byte = _mm256_set1_epi16((short)0xff00);
+    __m256 acc[ROW_TILE][2];
+    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * Q8_GROUP_BYTES;
+        __m256i wide[32];
+        for (int j = 0; j < 8; j++)
+            for (int h = 0; h < 2; h++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(p + j * 64 + h * 32));
+                wide[4 * j + 2 * h] = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8); /* bytes 0, 2: signed */
+                wide[4 * j + 2 * h + 1] = _mm256_srai_epi16(w, 8);                  /* bytes 1, 3 */
+            }
+        __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 512)));
+        __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 528)));
+        for (int i = 0; i < n; i++) {
+            const int8_t *row = x + i * 2 * in + b * 2 * GROUP;
+            __m256i hi = _mm256_loadu_si256((const __m256i *)row);
+            __m256i lo = _mm256_loadu_si256((const __m256i *)(row + GROUP));
+            /* per quad j (a 32-bit lane): (v[4j], v[4j+2]) and (v[4j+1], v[4j+3]) as 16-bit pairs */
+            int32_t even[8], odd[8];
+            _mm256_storeu_si256((__m256i *)even, _mm256_or_si256(_mm256_slli_epi16(hi, 8), _mm256_and_si256(lo, low_byte)));
+            _mm256_storeu_si256((__m256i *)odd, _mm256_or_si256(_mm256_and_si256(hi, high_byte), _mm256_srli_epi16(lo, 8)));
+            __m256i c0 = _mm256_setzero_si256(), c1 = c0;
+            for (int j = 0; j < 8; j++) {
+                __m256i ev = _mm256_set1_epi32(even[j]), ov = _mm256_set1_epi32(odd[j]);
+                c0 = _mm256_add_epi32(c0, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j], ev),
+                                                           _mm256_madd_epi16(wide[4 * j + 1], ov)));
+                c1 = _mm256_add_epi32(c1, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j + 2], ev),
+                                                           _mm256_madd_epi16(wide[4 * j + 3], ov)));
+            }
+            __m256 dv = _mm256_set1_ps(xd[i * groups + b]);
+            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_mul_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0))));
+            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_mul_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1))));
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        _mm256_storeu_ps(out + i * OUTS, acc[i][0]);
+        _mm256_storeu_ps(out + i * OUTS + 8, acc[i][1]);
+    }
+}
 #else
-/* One row against 16 outputs' 8-bit weights, in plain C (AVX2's byte products would saturate on these codes) */
+/* One row against 16 outputs' 8-bit weights, in plain C */
 static void row_dot8(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, float out[OUTS]) {
     float acc[OUTS] = {0};
     for (int64_t b = 0; b < groups; b++) {
