@@ -224,7 +224,8 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     groups = x.view(rows, k // 32, 32)
     top = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
+    # a tensor divided: torch's `scalar / tensor` is reciprocal(tensor) * scalar, two roundings where C has one
+    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
     codes = torch.round(groups * inv)  # float32 product, then half to even: the kernel's rounding
     return codes.double(), (top / 32767.0).double().squeeze(-1)
 
@@ -387,7 +388,8 @@ def variant_builds(tmp_path_factory) -> dict:
     for name in SOURCES:
         (folder / name).write_bytes(resources.files("nanoserve.kernels").joinpath(name).read_bytes())
     builds = {}
-    for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}.items():
+    # -mno-avx512f / -mno-avx: whatever -march the compiler ($CC) adds itself, a later -march included
+    for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"], "portable": ["-mno-avx"]}.items():
         library = folder / f"{name}.so"
         subprocess.run([find_compiler(), "-O2", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", *flags,
                         *(str(folder / n) for n in SOURCES), "-o", str(library), "-lm"], check=True)
