@@ -181,21 +181,16 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
 #define VEC256 1
 #define ROW_TILE 4
 /* The AVX2 paths' own activation layout, made once a call from quantize_rows' planes (no other path runs in this
- * build), so that a row's bytes are broadcast straight from memory: for the 4-bit kernel the hi plane as hi + 128 (its
- * top bit flipped: maddubs' unsigned side), for the 8-bit one each group's 32 codes v = 256 hi + lo as 16-bit pairs, a
- * 32-bit lane per input quad j: (v[4 j], v[4 j + 2]) in the group's first 32 bytes, (v[4 j + 1], v[4 j + 3]) in its
- * last 32 (where the planes were). */
+ * build): each group's 32 codes v = 256 hi + lo (|v| <= 32767) as 16-bit pairs, a 32-bit lane per input quad j,
+ * (v[4 j], v[4 j + 2]) in the group's first 32 bytes and (v[4 j + 1], v[4 j + 3]) in its last 32 (where the planes
+ * were), for madd's 16-bit products, which are exact where maddubs' byte products would saturate on 8-bit codes. */
 #define VECTOR_LAYOUT 1
-static void vector_layout(int eight_bit, int8_t *xq, int64_t rows, int64_t in) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+static void vector_layout(int8_t *xq, int64_t rows, int64_t in) {
     const __m256i low_byte = _mm256_set1_epi16(0x00ff), high_byte = _mm256_set1_epi16((short)0xff00);
     for (int64_t k = 0; k < rows * (in / GROUP); k++) {
         __m256i *g = (__m256i *)(xq + k * 2 * GROUP);
         __m256i hi = _mm256_loadu_si256(g), lo = _mm256_loadu_si256(g + 1);
-        if (!eight_bit) {
-            _mm256_storeu_si256(g, _mm256_xor_si256(hi, flip));
-            continue;
-        } /* 16-bit words: (hi[2m] << 8) | lo[2m] = v[2m] and (hi[2m+1] << 8) | lo[2m+1] = v[2m+1], two's complement */
+        /* 16-bit words: (hi[2m] << 8) | lo[2m] = v[2m] and (hi[2m+1] << 8) | lo[2m+1] = v[2m+1], two's complement */
         _mm256_storeu_si256(g, _mm256_or_si256(_mm256_slli_epi16(hi, 8), _mm256_and_si256(lo, low_byte)));
         _mm256_storeu_si256(g + 1, _mm256_or_si256(_mm256_and_si256(hi, high_byte), _mm256_srli_epi16(lo, 8)));
     }
@@ -207,56 +202,114 @@ static inline __m256i broadcast4(const int8_t *bytes) {
     return _mm256_set1_epi32(four);
 }
 
-/* Up to ROW_TILE rows against 16 outputs at once, as rows_dot above: a group's codes are unpacked once for all of
- * them, as signed bytes q - 8 (q8[2 j + h]: input quad j's, outputs 8 h .. 8 h + 7), so every byte product takes them
- * as maddubs' signed side. The unsigned side: lo as it is, and hi + 128 (hi's bytes with the top bit flipped), which
- * adds 128 Q to the hi plane's sum, Q = sum (q - 8) over the group (per output, also computed once). A row's 8 quads
- * of products then sum exactly in 16 bits, each pair within [-2 x 255 x 8, 2 x 255 x 7] and the 8 within
- * [-32640, 28560]: c = 256 (sum (q - 8)(hi + 128)) - 2^15 Q + sum (q - 8) lo, the same integer as every path's, and
- * the float part is rows_dot's, operation for operation. */
-static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
-                     const int32_t *xs, float *out) {
-    const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
-    const __m256i byte_ones = _mm256_set1_epi8(1);
-    __m256 acc[ROW_TILE][2];
-    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < groups; b++) {
-        const uint8_t *p = wg + b * GROUP_BYTES;
-        __m256i q8[16];
-        for (int v = 0; v < 4; v++) { /* vector v: inputs 8 v + c (quad 2 v) low, 8 v + 4 + c (quad 2 v + 1) high */
-            __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + v * 64));
-            __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32));
-            q8[4 * v] = _mm256_sub_epi8(_mm256_and_si256(w0, low), eight);
-            q8[4 * v + 1] = _mm256_sub_epi8(_mm256_and_si256(w1, low), eight);
-            q8[4 * v + 2] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(w0, 4), low), eight);
-            q8[4 * v + 3] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(w1, 4), low), eight);
-        }
-        __m256i t0 = q8[0], t1 = q8[1]; /* per byte, over the 8 quads: within [-64, 56] */
-        for (int j = 1; j < 8; j++) t0 = _mm256_add_epi8(t0, q8[2 * j]), t1 = _mm256_add_epi8(t1, q8[2 * j + 1]);
-        __m256i corr0 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(byte_ones, t0), ones), 15);
-        __m256i corr1 = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(byte_ones, t1), ones), 15);
-        __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
-        __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
-        __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
-        __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
-        for (int i = 0; i < n; i++) {
-            const int8_t *row = x + i * 2 * in + b * 2 * GROUP; /* hi + 128, then lo (vector_layout) */
-            __m256i h0 = _mm256_setzero_si256(), h1 = h0, l0 = h0, l1 = h0;
-            for (int j = 0; j < 8; j++) { /* adds_epi16 never saturates here (the bounds above): the add, but one the
-                                           * compiler keeps in order (its tree of plain adds spilled the products) */
-                __m256i hv = broadcast4(row + 4 * j), lv = broadcast4(row + GROUP + 4 * j);
-                h0 = _mm256_adds_epi16(h0, _mm256_maddubs_epi16(hv, q8[2 * j]));
-                h1 = _mm256_adds_epi16(h1, _mm256_maddubs_epi16(hv, q8[2 * j + 1]));
-                l0 = _mm256_adds_epi16(l0, _mm256_maddubs_epi16(lv, q8[2 * j]));
-                l1 = _mm256_adds_epi16(l1, _mm256_maddubs_epi16(lv, q8[2 * j + 1]));
+/* A call of fewer rows than this takes the 4-bit kernel on quantize_rows' byte planes (rows_dot_planes), not on the
+ * 16-bit pairs: for one row, widening a group's codes costs more than it saves (the same bits either way). */
+#define PAIRS_FROM 2
+
+/* Rows one at a time against 16 outputs, on the byte planes as they are: the codes (0..15) unsigned against hi,
+ * lo unsigned against the codes, in maddubs' 16-bit sums, which hold them exactly: hi's 8 quads at most
+ * 8 x 2 x 15 x 128 = 30720, lo's in two runs of 4 quads at most 4 x 2 x 255 x 15 = 30600 each (adds_epi16, which
+ * cannot saturate on these, keeps the compiler from a tree of adds that spilled every product). c = 256 sum q hi +
+ * sum q lo - 8 sum v, and rows_dot's float part. */
+static void rows_dot_planes(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                            const int32_t *xs, float *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < n; i++) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        for (int64_t b = 0; b < groups; b++) {
+            const uint8_t *p = wg + b * GROUP_BYTES;
+            const int8_t *row = x + i * 2 * in + b * 2 * GROUP;
+            __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2][2] = {{h[0], h[0]}, {h[0], h[0]}};
+            for (int v = 0; v < 4; v++) { /* vector v: quad 2 v in the low nibbles, 2 v + 1 in the high */
+                __m256i w[2] = {_mm256_loadu_si256((const __m256i *)(p + v * 64)),
+                                _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32))};
+                for (int half = 0; half < 2; half++) {
+                    int j = 2 * v + half;
+                    __m256i hv = broadcast4(row + 4 * j), lv = broadcast4(row + GROUP + 4 * j);
+                    for (int o = 0; o < 2; o++) {
+                        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(w[o], 4) : w[o], low);
+                        h[o] = _mm256_adds_epi16(h[o], _mm256_maddubs_epi16(q, hv));
+                        l[v >> 1][o] = _mm256_adds_epi16(l[v >> 1][o], _mm256_maddubs_epi16(lv, q));
+                    }
+                }
             }
             float d = xd[i * groups + b];
             int32_t sx = xs[i * groups + b];
             __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
-            __m256i c0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h0, ones), 8),
-                                                           _mm256_madd_epi16(l0, ones)), corr0);
-            __m256i c1 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h1, ones), 8),
-                                                           _mm256_madd_epi16(l1, ones)), corr1);
+            __m256i eight = _mm256_set1_epi32(8 * sx), c[2];
+            for (int o = 0; o < 2; o++)
+                c[o] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h[o], ones), 8),
+                                                         _mm256_add_epi32(_mm256_madd_epi16(l[0][o], ones),
+                                                                          _mm256_madd_epi16(l[1][o], ones))),
+                                        eight);
+            __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
+            __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
+            __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
+            __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
+            acc0 = _mm256_add_ps(acc0, _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[0])),
+                                                       _mm256_mul_ps(z0, dz)));
+            acc1 = _mm256_add_ps(acc1, _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[1])),
+                                                       _mm256_mul_ps(z1, dz)));
+        }
+        _mm256_storeu_ps(out + i * OUTS, acc0);
+        _mm256_storeu_ps(out + i * OUTS + 8, acc1);
+    }
+}
+
+/* Up to ROW_TILE rows against one group of 16 outputs given its 16-bit codes, wide[4 j + 2 h + o]: input quad j's
+ * even (o = 0: inputs 4 j, 4 j + 2) or odd (o = 1) pair for outputs 8 h .. 8 h + 7, a 32-bit lane each. c[i][h]:
+ * the rows' 8 quads of madd products summed (16 per lane: the exact integer while |code| 32767 x 2 x 16 x |w| stays
+ * below 2^31, 15 or 128 here). Kept in this order: the compiler's tree of the same adds held every product at once
+ * and spilled them. */
+static inline void wide_sums(const __m256i wide[32], const int8_t *x, int64_t in, int64_t b, int n,
+                             __m256i c[ROW_TILE][2]) {
+    for (int i = 0; i < n; i++) {
+        const int8_t *row = x + i * 2 * in + b * 2 * GROUP; /* the even pairs, then the odd (vector_layout) */
+        __m256i c0 = _mm256_setzero_si256(), c1 = c0;
+        for (int j = 0; j < 8; j++) {
+            __m256i ev = broadcast4(row + 4 * j), ov = broadcast4(row + GROUP + 4 * j);
+            c0 = _mm256_add_epi32(c0, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j], ev),
+                                                       _mm256_madd_epi16(wide[4 * j + 1], ov)));
+            c1 = _mm256_add_epi32(c1, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j + 2], ev),
+                                                       _mm256_madd_epi16(wide[4 * j + 3], ov)));
+            __asm__("" : "+x"(c0), "+x"(c1));
+        }
+        c[i][0] = c0, c[i][1] = c1;
+    }
+}
+
+/* Up to ROW_TILE rows against 16 outputs at once, as rows_dot above: a group's codes are widened once for all of them
+ * (q, 0..15, as 16-bit pairs; vector v of the packing holds quad 2 v in its bytes' low nibbles, quad 2 v + 1 in their
+ * high ones), then c = sum q v - 8 sum v, the same integer as every path's, and rows_dot's float part, operation for
+ * operation. */
+static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                     const int32_t *xs, float *out) {
+    const __m256i nibble = _mm256_set1_epi16(0x000f);
+    __m256 acc[ROW_TILE][2];
+    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * GROUP_BYTES;
+        __m256i wide[32];
+        for (int v = 0; v < 4; v++)
+            for (int h = 0; h < 2; h++) { /* a 16-bit word: byte 2m + 1's nibbles above byte 2m's */
+                __m256i w = _mm256_loadu_si256((const __m256i *)(p + v * 64 + h * 32));
+                wide[8 * v + 2 * h] = _mm256_and_si256(w, nibble);                          /* quad 2v, even */
+                wide[8 * v + 2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 8), nibble); /* quad 2v, odd */
+                wide[8 * v + 4 + 2 * h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                wide[8 * v + 4 + 2 * h + 1] = _mm256_srli_epi16(w, 12);
+            }
+        __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
+        __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
+        __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
+        __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
+        __m256i c[ROW_TILE][2];
+        wide_sums(wide, x, in, b, n, c);
+        for (int i = 0; i < n; i++) {
+            float d = xd[i * groups + b];
+            int32_t sx = xs[i * groups + b];
+            __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
+            __m256i eight = _mm256_set1_epi32(8 * sx);
+            __m256i c0 = _mm256_sub_epi32(c[i][0], eight), c1 = _mm256_sub_epi32(c[i][1], eight);
             acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0)),
                                                                  _mm256_mul_ps(z0, dz)));
             acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1)),
@@ -505,12 +558,10 @@ static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, cons
     for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
 }
 #elif defined(VEC256)
-/* Up to ROW_TILE rows against 16 outputs' 8-bit weights on AVX2, whose byte products (maddubs) would saturate on
- * these codes: 16-bit products instead (madd), which are exact. A group's codes are widened once for all the rows,
- * each output's 4 bytes of a quad split into its even inputs (4 j, 4 j + 2) and its odd ones (4 j + 1, 4 j + 3) as
- * 16-bit pairs, so an output stays in one 32-bit lane: wide[4 j + 2 h + o], o = 0 even, 1 odd, outputs 8 h .. 8 h + 7.
- * A row's codes v = 256 hi + lo (|v| <= 32767) come paired alike (vector_layout); each madd lane is at most 2 x 128 x 32767 and the
- * 16 summed into c stay below 2^28: the exact integer c, then row_dot8's float operations. */
+/* Up to ROW_TILE rows against 16 outputs' 8-bit weights on AVX2, as the 4-bit kernel's rows_dot: a group's codes
+ * widened to 16 bits once for all the rows (each output's 4 bytes of a quad split into its even and its odd inputs),
+ * the exact c = sum q v from madd (each lane at most 2 x 128 x 32767, the 16 of an output below 2^28; AVX2's byte
+ * products would saturate on these codes), then row_dot8's float operations. */
 static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
                       const int32_t *xh, float *out) {
     (void)xh; /* the codes are taken signed: no correction by the hi plane's sums */
@@ -527,21 +578,12 @@ static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, cons
             }
         __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 512)));
         __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 528)));
+        __m256i c[ROW_TILE][2];
+        wide_sums(wide, x, in, b, n, c);
         for (int i = 0; i < n; i++) {
-            const int8_t *row = x + i * 2 * in + b * 2 * GROUP; /* the even pairs, then the odd (vector_layout) */
-            __m256i c0 = _mm256_setzero_si256(), c1 = c0;
-            for (int j = 0; j < 8; j++) {
-                __m256i ev = broadcast4(row + 4 * j), ov = broadcast4(row + GROUP + 4 * j);
-                c0 = _mm256_add_epi32(c0, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j], ev),
-                                                           _mm256_madd_epi16(wide[4 * j + 1], ov)));
-                c1 = _mm256_add_epi32(c1, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j + 2], ev),
-                                                           _mm256_madd_epi16(wide[4 * j + 3], ov)));
-                __asm__("" : "+x"(c0), "+x"(c1)); /* the sums in this order: the compiler's tree of these adds (the
-                                                   * same integers) held every product at once and spilled them */
-            }
             __m256 dv = _mm256_set1_ps(xd[i * groups + b]);
-            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_mul_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0))));
-            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_mul_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1))));
+            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_mul_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[i][0]))));
+            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_mul_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[i][1]))));
         }
     }
     for (int i = 0; i < n; i++) {
@@ -650,6 +692,9 @@ static void tile_groups(const Kernel *k, const uint8_t *w, int64_t in, int64_t o
 }
 #else
 static const Kernel Q4 = {GROUP_BYTES, rows_dot, NULL}, Q8 = {Q8_GROUP_BYTES, rows_dot8, NULL};
+#ifdef VECTOR_LAYOUT
+static const Kernel Q4_PLANES = {GROUP_BYTES, rows_dot_planes, NULL};
+#endif
 #endif
 
 /* y[r, 16 g .. 16 g + 16) for rows [0, rows) and output groups [g0, g1) */
@@ -870,10 +915,14 @@ static int matmul(int eight_bit, const uint8_t *w, const float *x, int64_t rows,
     }
     memset(xq + rows * 2 * in, 0, (size_t)((held - rows) * 2 * in)); /* zero rows: they reach no output */
     quantize_rows(x, rows, in, xq, xd, xs, eight_bit ? xh : NULL);
+    const Kernel *kernel = eight_bit ? &Q8 : &Q4;
 #ifdef VECTOR_LAYOUT
-    vector_layout(eight_bit, xq, rows, in);
+    if (!eight_bit && rows < PAIRS_FROM)
+        kernel = &Q4_PLANES;
+    else
+        vector_layout(xq, rows, in);
 #endif
-    Matmul task = {eight_bit ? &Q8 : &Q4, w, xq, xd, bias, eight_bit ? xh : xs, in, out, rows, y, accumulate, tiles};
+    Matmul task = {kernel, w, xq, xd, bias, eight_bit ? xh : xs, in, out, rows, y, accumulate, tiles};
     int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD, out_groups = out / OUTS;
     if (chunks > out_groups) chunks = out_groups > 0 ? out_groups : 1;
     run_pooled((Job){matmul_chunk, &task, chunks, threads}, threads);
