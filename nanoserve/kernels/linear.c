@@ -179,7 +179,7 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA "avx2"
 #define VEC256 1
-#define ROW_TILE 4
+#define ROW_TILE 8
 /* The AVX2 paths' own activation layout, made once a call from quantize_rows' planes (no other path runs in this
  * build): each group's 32 codes v = 256 hi + lo (|v| <= 32767) as 16-bit pairs, a 32-bit lane per input quad j,
  * (v[4 j], v[4 j + 2]) in the group's first 32 bytes and (v[4 j + 1], v[4 j + 3]) in its last 32 (where the planes
