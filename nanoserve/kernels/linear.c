@@ -3,8 +3,9 @@
  * Weights: 4-bit codes q with a scale s and a zero z per group of 32 inputs (w = (q - 8) s + z, Int4Blocks),
  * packed by ns_q4_pack for 16 outputs at a time. Activations: each row's group of 32 quantized to 16-bit codes v
  * with one scale (d = max |x| / 32767, round to nearest even: 15 bits, finer than bfloat16's 8) and the codes'
- * sum. A group's product is an exact integer, sum (q - 8) v, which the machine's widest 8-bit dot product
- * (AVX-512 VNNI, AVX2, or plain C) computes alike, v taken as two int8 planes; the float part,
+ * sum. A group's product is an exact integer, sum (q - 8) v, which every path computes alike: AVX-512 VNNI's and the
+ * tiles' 8-bit dot products on v taken as two int8 planes, AVX2's 16-bit products (madd) on v whole (its one-row
+ * calls on the planes), plain C; the float part,
  * y += s (d c) + z (d sum v) with one fused multiply-add, runs group by group in order. So an output's bits depend
  * on its row alone: not on the other rows of the call, the thread that computed it, or the instruction set.
  *
@@ -206,7 +207,7 @@ static inline __m256i broadcast4(const int8_t *bytes) {
  * 16-bit pairs: for one row, widening a group's codes costs more than it saves (the same bits either way). */
 #define PAIRS_FROM 2
 
-/* Rows one at a time against 16 outputs, on the byte planes as they are: the codes (0..15) unsigned against hi,
+/* One-row calls' 4-bit kernel (PAIRS_FROM), rows one at a time, on the byte planes as they are: the codes (0..15) unsigned against hi,
  * lo unsigned against the codes, in maddubs' 16-bit sums, which hold them exactly: hi's 8 quads at most
  * 8 x 2 x 15 x 128 = 30720, lo's in two runs of 4 quads at most 4 x 2 x 255 x 15 = 30600 each (adds_epi16, which
  * cannot saturate on these, keeps the compiler from a tree of adds that spilled every product). c = 256 sum q hi +
@@ -258,9 +259,9 @@ static void rows_dot_planes(const uint8_t *wg, int64_t groups, int64_t in, int n
 
 /* Up to ROW_TILE rows against one group of 16 outputs given its 16-bit codes, wide[4 j + 2 h + o]: input quad j's
  * even (o = 0: inputs 4 j, 4 j + 2) or odd (o = 1) pair for outputs 8 h .. 8 h + 7, a 32-bit lane each. c[i][h]:
- * the rows' 8 quads of madd products summed (16 per lane: the exact integer while |code| 32767 x 2 x 16 x |w| stays
- * below 2^31, 15 or 128 here). Kept in this order: the compiler's tree of the same adds held every product at once
- * and spilled them. */
+ * row i's 32 products per output, summed in 32 bits: exact, as |v| <= 32767 and |w| <= 128 keep them below 2^27.
+ * Kept in this order (the empty asm): the compiler's tree of the same adds held every product at once and spilled
+ * them. */
 static inline void wide_sums(const __m256i wide[32], const int8_t *x, int64_t in, int64_t b, int n,
                              __m256i c[ROW_TILE][2]) {
     for (int i = 0; i < n; i++) {
@@ -504,8 +505,9 @@ static inline void store_outputs(const float *acc, int n, int64_t out, int64_t g
  * GGUF Q8_0 as it is: 8-bit codes q with one f16 scale s per group of 32 inputs (w = q s), packed for 16 outputs at
  * a time: 8 vectors of 64 bytes, vector j holding output l's inputs 4 j .. 4 j + 3 at bytes 4 l .., then the 16
  * scales. A group's product c = sum q v = 256 sum q hi + sum q lo is an exact integer (|c| < 2^28; rounded to
- * float32 once, the same everywhere), then acc_l += s_l (d c) in group order. The vector path takes q + 128
- * (unsigned) against hi and corrects by 128 sum hi; the tiles take q signed against both planes. */
+ * float32 once, the same everywhere), then acc_l += s_l (d c) in group order. AVX-512's path takes q + 128
+ * (unsigned) against hi and corrects by 128 sum hi; AVX2's takes q and v whole as 16 bits; the tiles take q signed
+ * against both planes. */
 
 #define Q8_GROUP_BYTES (OUTS * GROUP + OUTS * 2) /* 544 */
 
