@@ -224,7 +224,8 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     groups = x.view(rows, k // 32, 32)
     top = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
+    # a tensor divided: torch's `scalar / tensor` is reciprocal(tensor) * scalar, two roundings where C has one
+    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
     codes = torch.round(groups * inv)  # float32 product, then half to even: the kernel's rounding
     return codes.double(), (top / 32767.0).double().squeeze(-1)
 
@@ -387,7 +388,8 @@ def variant_builds(tmp_path_factory) -> dict:
     for name in SOURCES:
         (folder / name).write_bytes(resources.files("nanoserve.kernels").joinpath(name).read_bytes())
     builds = {}
-    for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c"], "portable": []}.items():
+    # -mno-avx512f / -mno-avx: whatever -march the compiler ($CC) adds itself, a later -march included
+    for name, flags in {"avx2": ["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"], "portable": ["-mno-avx"]}.items():
         library = folder / f"{name}.so"
         subprocess.run([find_compiler(), "-O2", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", *flags,
                         *(str(folder / n) for n in SOURCES), "-o", str(library), "-lm"], check=True)
@@ -395,12 +397,26 @@ def variant_builds(tmp_path_factory) -> dict:
     return builds
 
 
-def _product(kernels, bits: int, x: torch.Tensor) -> torch.Tensor:
+def _product(kernels, bits: int, x: torch.Tensor, out: int = 64, seed: int | None = None) -> torch.Tensor:
+    k = x.shape[1]
     if bits == 4:
-        blocks = _q4_weight(64, 192)
-        return kernels.q4_matmul(kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros), x, 64)
-    blocks = _q8_weight(64, 192)
-    return kernels.q8_matmul(kernels.q8_pack(blocks.codes, blocks.scales), x, 64)
+        blocks = _q4_weight(out, k, *([] if seed is None else [seed]))
+        return kernels.q4_matmul(kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros), x, out)
+    blocks = _q8_weight(out, k, *([] if seed is None else [seed]))
+    return kernels.q8_matmul(kernels.q8_pack(blocks.codes, blocks.scales), x, out)
+
+
+def _hard_rows(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Activations that reach the kernels' extremes: codes of +-32767 (a group's largest), -32768's neighbour
+    -32767 whose hi byte is -128, an all-zero group, a group of one value, and rows scaled far apart."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    if rows > 1:
+        x[1, :32] = 0  # an all-zero group: scale 0
+    if k >= 64:
+        x[0, 32:64] = -1.0  # every code -32767: hi planes of -128
+    x[-1, -32:] = torch.where(torch.arange(32) % 2 == 0, 1.0, -1.0)  # +-32767 alternating
+    return x
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -412,6 +428,31 @@ def test_the_linear_kernels_give_the_same_bits_built_for_avx2_and_for_plain_c(ke
     for name, variant in variant_builds.items():
         assert variant.q4_isa == name
         assert torch.equal(_product(variant, bits, x), native), name
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out, k", [(64, 192), (16, 32), (48, 96), (112, 576), (32, 1536)])
+def test_every_build_gives_every_row_the_same_bits_in_any_call(kernels, variant_builds, bits, out, k):
+    """The AVX2 build's multi-row paths (ROW_TILE rows sharing a group's unpacked weights) and the native and plain-C
+    builds' against each other, bit for bit: calls of 1, 2, 3, 5, 8 and 37 rows (whole tiles, partial ones, the
+    tile unit where the native build has it), odd shapes (one output group, one input group), rows at the codes'
+    extremes, and on 1 and 3 threads. Each row must also be the row computed alone."""
+    x = _hard_rows(37, k, seed=out + k + bits)
+    builds = {"native": kernels, **variant_builds}
+    alone = {name: torch.cat([_product(lib, bits, x[r: r + 1].contiguous(), out, seed=k) for r in range(37)])
+             for name, lib in builds.items()}
+    for name in variant_builds:
+        assert torch.equal(alone[name], alone["native"]), name
+    for rows in (1, 2, 3, 5, 8, 37):
+        for name, lib in builds.items():
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                try:
+                    y = _product(lib, bits, x[:rows].contiguous(), out, seed=k)
+                finally:
+                    torch.set_num_threads(2)
+                assert torch.equal(y, alone["native"][:rows]), (name, rows, threads)
+    assert alone["native"].isfinite().all()
 
 
 @pytest.mark.parametrize("heads, kv, dim", [(6, 2, 64), (8, 1, 80), (5, 5, 40)])

@@ -198,9 +198,9 @@ class FusedKernels:
 
     @property
     def q8_vectorized(self) -> bool:
-        """Whether the 8-bit kernel has a vector path here (AVX-512 VNNI); elsewhere it runs in plain C and two
-        4-bit planes on the 4-bit kernel are faster (AVX2's byte products would saturate on 8-bit codes)."""
-        return self.q4_isa == "avx512-vnni"
+        """Whether the 8-bit kernel has a vector path here (AVX-512 VNNI, or AVX2's exact 16-bit products); in a
+        plain-C build it runs one scalar product at a time and two 4-bit planes on the 4-bit kernel are faster."""
+        return self.q4_isa in ("avx512-vnni", "avx2")
 
     def q8_pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Int8Blocks' codes [out, in] (int8) and scales [out, in / 32] -> the 8-bit kernel's packed weight

@@ -3,8 +3,9 @@
  * Weights: 4-bit codes q with a scale s and a zero z per group of 32 inputs (w = (q - 8) s + z, Int4Blocks),
  * packed by ns_q4_pack for 16 outputs at a time. Activations: each row's group of 32 quantized to 16-bit codes v
  * with one scale (d = max |x| / 32767, round to nearest even: 15 bits, finer than bfloat16's 8) and the codes'
- * sum. A group's product is an exact integer, sum (q - 8) v, which the machine's widest 8-bit dot product
- * (AVX-512 VNNI, AVX2, or plain C) computes alike, v taken as two int8 planes; the float part,
+ * sum. A group's product is an exact integer, sum (q - 8) v, which every path computes alike: AVX-512 VNNI's and the
+ * tiles' 8-bit dot products on v taken as two int8 planes, AVX2's 16-bit products (madd) on v whole (its one-row
+ * calls on the planes), plain C; the float part,
  * y += s (d c) + z (d sum v) with one fused multiply-add, runs group by group in order. So an output's bits depend
  * on its row alone: not on the other rows of the call, the thread that computed it, or the instruction set.
  *
@@ -138,6 +139,7 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ISA "avx512-vnni"
+#define VEC512 1
 #define ROW_TILE 4
 /* Up to ROW_TILE rows against 16 outputs at once: a group's weights are unpacked once for all of them; each row's
  * arithmetic is the other paths' row_dot, operation for operation. */
@@ -177,53 +179,148 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA "avx2"
-static inline __m256i dot4(__m256i u8, int32_t x4) {
-    /* u8 (0..15) x s8 pairs summed to s16 (at most 2 x 15 x 128: no saturation), then pairs to s32 */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, _mm256_set1_epi32(x4)), _mm256_set1_epi16(1));
+#define VEC256 1
+#define ROW_TILE 8
+/* The AVX2 paths' own activation layout, made once a call from quantize_rows' planes (no other path runs in this
+ * build): each group's 32 codes v = 256 hi + lo (|v| <= 32767) as 16-bit pairs, a 32-bit lane per input quad j,
+ * (v[4 j], v[4 j + 2]) in the group's first 32 bytes and (v[4 j + 1], v[4 j + 3]) in its last 32 (where the planes
+ * were), for madd's 16-bit products, which are exact where maddubs' byte products would saturate on 8-bit codes. */
+#define VECTOR_LAYOUT 1
+static void vector_layout(int8_t *xq, int64_t rows, int64_t in) {
+    const __m256i low_byte = _mm256_set1_epi16(0x00ff), high_byte = _mm256_set1_epi16((short)0xff00);
+    for (int64_t k = 0; k < rows * (in / GROUP); k++) {
+        __m256i *g = (__m256i *)(xq + k * 2 * GROUP);
+        __m256i hi = _mm256_loadu_si256(g), lo = _mm256_loadu_si256(g + 1);
+        /* 16-bit words: (hi[2m] << 8) | lo[2m] = v[2m] and (hi[2m+1] << 8) | lo[2m+1] = v[2m+1], two's complement */
+        _mm256_storeu_si256(g, _mm256_or_si256(_mm256_slli_epi16(hi, 8), _mm256_and_si256(lo, low_byte)));
+        _mm256_storeu_si256(g + 1, _mm256_or_si256(_mm256_and_si256(hi, high_byte), _mm256_srli_epi16(lo, 8)));
+    }
 }
-static inline __m256i dot4_unsigned(int32_t x4, __m256i s8) {
-    /* u8 activations (0..255) x s8 codes (0..15): pairs at most 2 x 255 x 15, no saturation either */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(x4), s8), _mm256_set1_epi16(1));
+
+static inline __m256i broadcast4(const int8_t *bytes) {
+    int32_t four;
+    memcpy(&four, bytes, 4);
+    return _mm256_set1_epi32(four);
 }
-static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
-                    float out[OUTS]) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+
+/* A call of fewer rows than this takes the 4-bit kernel on quantize_rows' byte planes (rows_dot_planes), not on the
+ * 16-bit pairs: for one row, widening a group's codes costs more than it saves (the same bits either way). */
+#define PAIRS_FROM 2
+
+/* One-row calls' 4-bit kernel (PAIRS_FROM), rows one at a time, on the byte planes as they are: the codes (0..15) unsigned against hi,
+ * lo unsigned against the codes, in maddubs' 16-bit sums, which hold them exactly: hi's 8 quads at most
+ * 8 x 2 x 15 x 128 = 30720, lo's in two runs of 4 quads at most 4 x 2 x 255 x 15 = 30600 each (adds_epi16, which
+ * cannot saturate on these, keeps the compiler from a tree of adds that spilled every product). c = 256 sum q hi +
+ * sum q lo - 8 sum v, and rows_dot's float part. */
+static void rows_dot_planes(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                            const int32_t *xs, float *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < n; i++) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        for (int64_t b = 0; b < groups; b++) {
+            const uint8_t *p = wg + b * GROUP_BYTES;
+            const int8_t *row = x + i * 2 * in + b * 2 * GROUP;
+            __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2][2] = {{h[0], h[0]}, {h[0], h[0]}};
+            for (int v = 0; v < 4; v++) { /* vector v: quad 2 v in the low nibbles, 2 v + 1 in the high */
+                __m256i w[2] = {_mm256_loadu_si256((const __m256i *)(p + v * 64)),
+                                _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32))};
+                for (int half = 0; half < 2; half++) {
+                    int j = 2 * v + half;
+                    __m256i hv = broadcast4(row + 4 * j), lv = broadcast4(row + GROUP + 4 * j);
+                    for (int o = 0; o < 2; o++) {
+                        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(w[o], 4) : w[o], low);
+                        h[o] = _mm256_adds_epi16(h[o], _mm256_maddubs_epi16(q, hv));
+                        l[v >> 1][o] = _mm256_adds_epi16(l[v >> 1][o], _mm256_maddubs_epi16(lv, q));
+                    }
+                }
+            }
+            float d = xd[i * groups + b];
+            int32_t sx = xs[i * groups + b];
+            __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
+            __m256i eight = _mm256_set1_epi32(8 * sx), c[2];
+            for (int o = 0; o < 2; o++)
+                c[o] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h[o], ones), 8),
+                                                         _mm256_add_epi32(_mm256_madd_epi16(l[0][o], ones),
+                                                                          _mm256_madd_epi16(l[1][o], ones))),
+                                        eight);
+            __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
+            __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
+            __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
+            __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
+            acc0 = _mm256_add_ps(acc0, _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[0])),
+                                                       _mm256_mul_ps(z0, dz)));
+            acc1 = _mm256_add_ps(acc1, _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[1])),
+                                                       _mm256_mul_ps(z1, dz)));
+        }
+        _mm256_storeu_ps(out + i * OUTS, acc0);
+        _mm256_storeu_ps(out + i * OUTS + 8, acc1);
+    }
+}
+
+/* Up to ROW_TILE rows against one group of 16 outputs given its 16-bit codes, wide[4 j + 2 h + o]: input quad j's
+ * even (o = 0: inputs 4 j, 4 j + 2) or odd (o = 1) pair for outputs 8 h .. 8 h + 7, a 32-bit lane each. c[i][h]:
+ * row i's 32 products per output, summed in 32 bits: exact, as |v| <= 32767 and |w| <= 128 keep them below 2^27.
+ * Kept in this order (the empty asm): the compiler's tree of the same adds held every product at once and spilled
+ * them. */
+static inline void wide_sums(const __m256i wide[32], const int8_t *x, int64_t in, int64_t b, int n,
+                             __m256i c[ROW_TILE][2]) {
+    for (int i = 0; i < n; i++) {
+        const int8_t *row = x + i * 2 * in + b * 2 * GROUP; /* the even pairs, then the odd (vector_layout) */
+        __m256i c0 = _mm256_setzero_si256(), c1 = c0;
+        for (int j = 0; j < 8; j++) {
+            __m256i ev = broadcast4(row + 4 * j), ov = broadcast4(row + GROUP + 4 * j);
+            c0 = _mm256_add_epi32(c0, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j], ev),
+                                                       _mm256_madd_epi16(wide[4 * j + 1], ov)));
+            c1 = _mm256_add_epi32(c1, _mm256_add_epi32(_mm256_madd_epi16(wide[4 * j + 2], ev),
+                                                       _mm256_madd_epi16(wide[4 * j + 3], ov)));
+            __asm__("" : "+x"(c0), "+x"(c1));
+        }
+        c[i][0] = c0, c[i][1] = c1;
+    }
+}
+
+/* Up to ROW_TILE rows against 16 outputs at once, as rows_dot above: a group's codes are widened once for all of them
+ * (q, 0..15, as 16-bit pairs; vector v of the packing holds quad 2 v in its bytes' low nibbles, quad 2 v + 1 in their
+ * high ones), then c = sum q v - 8 sum v, the same integer as every path's, and rows_dot's float part, operation for
+ * operation. */
+static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                     const int32_t *xs, float *out) {
+    const __m256i nibble = _mm256_set1_epi16(0x000f);
+    __m256 acc[ROW_TILE][2];
+    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
-        int32_t hi4[8], lo4[8];
-        memcpy(hi4, x + b * 2 * GROUP, 32);
-        memcpy(lo4, x + b * 2 * GROUP + GROUP, 32);
-        __m256i h0 = _mm256_setzero_si256(), h1 = h0, l0 = h0, l1 = h0;
-        for (int v = 0; v < 4; v++) {
-            __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + v * 64));
-            __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + v * 64 + 32));
-            __m256i n[4] = {_mm256_and_si256(w0, low), _mm256_and_si256(w1, low),
-                            _mm256_and_si256(_mm256_srli_epi16(w0, 4), low),
-                            _mm256_and_si256(_mm256_srli_epi16(w1, 4), low)};
-            for (int half = 0; half < 2; half++) { /* half 0: inputs 8v + c, half 1: 8v + 4 + c */
-                int j = 2 * v + half;
-                h0 = _mm256_add_epi32(h0, dot4(n[2 * half], hi4[j]));
-                h1 = _mm256_add_epi32(h1, dot4(n[2 * half + 1], hi4[j]));
-                l0 = _mm256_add_epi32(l0, dot4_unsigned(lo4[j], n[2 * half]));
-                l1 = _mm256_add_epi32(l1, dot4_unsigned(lo4[j], n[2 * half + 1]));
+        __m256i wide[32];
+        for (int v = 0; v < 4; v++)
+            for (int h = 0; h < 2; h++) { /* a 16-bit word: byte 2m + 1's nibbles above byte 2m's */
+                __m256i w = _mm256_loadu_si256((const __m256i *)(p + v * 64 + h * 32));
+                wide[8 * v + 2 * h] = _mm256_and_si256(w, nibble);                          /* quad 2v, even */
+                wide[8 * v + 2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 8), nibble); /* quad 2v, odd */
+                wide[8 * v + 4 + 2 * h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                wide[8 * v + 4 + 2 * h + 1] = _mm256_srli_epi16(w, 12);
             }
-        }
-        float d = xd[b];
-        int32_t sx = xs[b];
-        __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
-        __m256i eight = _mm256_set1_epi32(8 * sx);
-        __m256i c0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(h0, 8), l0), eight);
-        __m256i c1 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(h1, 8), l1), eight);
         __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256)));
         __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 272)));
         __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288)));
         __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 304)));
-        acc0 = _mm256_add_ps(acc0, _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0)), _mm256_mul_ps(z0, dz)));
-        acc1 = _mm256_add_ps(acc1, _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1)), _mm256_mul_ps(z1, dz)));
+        __m256i c[ROW_TILE][2];
+        wide_sums(wide, x, in, b, n, c);
+        for (int i = 0; i < n; i++) {
+            float d = xd[i * groups + b];
+            int32_t sx = xs[i * groups + b];
+            __m256 dv = _mm256_set1_ps(d), dz = _mm256_set1_ps(d * (float)sx);
+            __m256i eight = _mm256_set1_epi32(8 * sx);
+            __m256i c0 = _mm256_sub_epi32(c[i][0], eight), c1 = _mm256_sub_epi32(c[i][1], eight);
+            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_fmadd_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c0)),
+                                                                 _mm256_mul_ps(z0, dz)));
+            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_fmadd_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c1)),
+                                                                 _mm256_mul_ps(z1, dz)));
+        }
     }
-    _mm256_storeu_ps(out, acc0);
-    _mm256_storeu_ps(out + 8, acc1);
+    for (int i = 0; i < n; i++) {
+        _mm256_storeu_ps(out + i * OUTS, acc[i][0]);
+        _mm256_storeu_ps(out + i * OUTS + 8, acc[i][1]);
+    }
 }
 #else
 #define ISA "portable"
@@ -259,7 +356,7 @@ static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const fl
  * instruction each), then rows_dot's float operations row by row: the same bits, so whether a call takes the
  * tiles (from AMX_FROM rows; its last tile padded with zero rows) changes nothing. Used where the compiler and the kernel allow it (Linux asks a process to request the
  * tile state) and ns_set_tiles has not turned it off. */
-#if defined(ROW_TILE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(VEC512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -408,8 +505,9 @@ static inline void store_outputs(const float *acc, int n, int64_t out, int64_t g
  * GGUF Q8_0 as it is: 8-bit codes q with one f16 scale s per group of 32 inputs (w = q s), packed for 16 outputs at
  * a time: 8 vectors of 64 bytes, vector j holding output l's inputs 4 j .. 4 j + 3 at bytes 4 l .., then the 16
  * scales. A group's product c = sum q v = 256 sum q hi + sum q lo is an exact integer (|c| < 2^28; rounded to
- * float32 once, the same everywhere), then acc_l += s_l (d c) in group order. The vector path takes q + 128
- * (unsigned) against hi and corrects by 128 sum hi; the tiles take q signed against both planes. */
+ * float32 once, the same everywhere), then acc_l += s_l (d c) in group order. AVX-512's path takes q + 128
+ * (unsigned) against hi and corrects by 128 sum hi; AVX2's takes q and v whole as 16 bits; the tiles take q signed
+ * against both planes. */
 
 #define Q8_GROUP_BYTES (OUTS * GROUP + OUTS * 2) /* 544 */
 
@@ -430,7 +528,7 @@ void ns_q8_pack(const int8_t *codes, const float *scales, int64_t out, int64_t i
         }
 }
 
-#ifdef ROW_TILE
+#ifdef VEC512
 /* Up to ROW_TILE rows against 16 outputs' 8-bit weights: the weights loaded once for all of them */
 static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
                       const int32_t *xh, float *out) {
@@ -461,8 +559,42 @@ static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, cons
     }
     for (int i = 0; i < n; i++) _mm512_storeu_ps(out + i * OUTS, acc[i]);
 }
+#elif defined(VEC256)
+/* Up to ROW_TILE rows against 16 outputs' 8-bit weights on AVX2, as the 4-bit kernel's rows_dot: a group's codes
+ * widened to 16 bits once for all the rows (each output's 4 bytes of a quad split into its even and its odd inputs),
+ * the exact c = sum q v from madd (each lane at most 2 x 128 x 32767, the 16 of an output below 2^28; AVX2's byte
+ * products would saturate on these codes), then row_dot8's float operations. */
+static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
+                      const int32_t *xh, float *out) {
+    (void)xh; /* the codes are taken signed: no correction by the hi plane's sums */
+    __m256 acc[ROW_TILE][2];
+    for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * Q8_GROUP_BYTES;
+        __m256i wide[32];
+        for (int j = 0; j < 8; j++)
+            for (int h = 0; h < 2; h++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(p + j * 64 + h * 32));
+                wide[4 * j + 2 * h] = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8); /* bytes 0, 2: signed */
+                wide[4 * j + 2 * h + 1] = _mm256_srai_epi16(w, 8);                  /* bytes 1, 3 */
+            }
+        __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 512)));
+        __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 528)));
+        __m256i c[ROW_TILE][2];
+        wide_sums(wide, x, in, b, n, c);
+        for (int i = 0; i < n; i++) {
+            __m256 dv = _mm256_set1_ps(xd[i * groups + b]);
+            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_mul_ps(sc0, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[i][0]))));
+            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_mul_ps(sc1, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(c[i][1]))));
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        _mm256_storeu_ps(out + i * OUTS, acc[i][0]);
+        _mm256_storeu_ps(out + i * OUTS + 8, acc[i][1]);
+    }
+}
 #else
-/* One row against 16 outputs' 8-bit weights, in plain C (AVX2's byte products would saturate on these codes) */
+/* One row against 16 outputs' 8-bit weights, in plain C */
 static void row_dot8(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, float out[OUTS]) {
     float acc[OUTS] = {0};
     for (int64_t b = 0; b < groups; b++) {
@@ -562,6 +694,9 @@ static void tile_groups(const Kernel *k, const uint8_t *w, int64_t in, int64_t o
 }
 #else
 static const Kernel Q4 = {GROUP_BYTES, rows_dot, NULL}, Q8 = {Q8_GROUP_BYTES, rows_dot8, NULL};
+#ifdef VECTOR_LAYOUT
+static const Kernel Q4_PLANES = {GROUP_BYTES, rows_dot_planes, NULL};
+#endif
 #endif
 
 /* y[r, 16 g .. 16 g + 16) for rows [0, rows) and output groups [g0, g1) */
@@ -782,7 +917,14 @@ static int matmul(int eight_bit, const uint8_t *w, const float *x, int64_t rows,
     }
     memset(xq + rows * 2 * in, 0, (size_t)((held - rows) * 2 * in)); /* zero rows: they reach no output */
     quantize_rows(x, rows, in, xq, xd, xs, eight_bit ? xh : NULL);
-    Matmul task = {eight_bit ? &Q8 : &Q4, w, xq, xd, bias, eight_bit ? xh : xs, in, out, rows, y, accumulate, tiles};
+    const Kernel *kernel = eight_bit ? &Q8 : &Q4;
+#ifdef VECTOR_LAYOUT
+    if (!eight_bit && rows < PAIRS_FROM)
+        kernel = &Q4_PLANES;
+    else
+        vector_layout(xq, rows, in);
+#endif
+    Matmul task = {kernel, w, xq, xd, bias, eight_bit ? xh : xs, in, out, rows, y, accumulate, tiles};
     int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD, out_groups = out / OUTS;
     if (chunks > out_groups) chunks = out_groups > 0 ? out_groups : 1;
     run_pooled((Job){matmul_chunk, &task, chunks, threads}, threads);
