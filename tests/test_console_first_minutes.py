@@ -98,7 +98,7 @@ async def test_a_model_that_does_not_load_says_why_on_screen(tmp_path):
     app = NanoserveConsole(EngineConfig(model=str(tmp_path / "missing")), refresh_s=0.05)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, lambda: app.load_error is not None, 30, "the failed load")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: "did not load" in text(app, "#status"), 10, "the reason on screen")
         status = app.screen.query_one("#status")
         assert "did not load" in text(app, "#status") and "missing" in text(app, "#status")
         assert status.has_class("failed") and status.region.height >= 2  # the whole reason, not one cut line

@@ -70,6 +70,18 @@ def test_screen_snapshot(snap_compare, model_dir, mode, keys, size):
     assert snap_compare(console(model_dir), terminal_size=size, run_before=arrive(mode, *keys))
 
 
+def columns_fit_their_cells(table) -> bool:
+    """Each column of a DataTable is as wide as its widest cell: the rows have been measured, not only added (a
+    busy machine can take the picture in between, with the header still at its labels' widths)."""
+    from rich.text import Text
+
+    def width(value) -> int:
+        return (value if isinstance(value, Text) else Text(str(value))).cell_len
+
+    return all(column.content_width >= max((width(v) for v in table.get_column(key)), default=0)
+               for key, column in table.columns.items())
+
+
 @SIZES
 def test_attached_busy_snapshot(snap_compare, size):
     """Attached to two servers whose snapshots hold still: 8 running and 26 finished requests (running listed
@@ -84,7 +96,9 @@ def test_attached_busy_snapshot(snap_compare, size):
 
     async def run_before(pilot) -> None:
         await wait_until(pilot, lambda: app.phase == "serving", 10, "the first server")
-        await wait_until(pilot, lambda: app.screen.query_one(RowsTable).row_count == 34, 5, "every row")
+        table = app.screen.query_one(RowsTable)
+        await wait_until(pilot, lambda: table.row_count == 34, 5, "every row")
+        await wait_until(pilot, lambda: columns_fit_their_cells(table), 5, "the columns sized to their rows")
         await pilot.pause(0.3)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
