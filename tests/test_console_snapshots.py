@@ -102,3 +102,49 @@ def test_attached_busy_snapshot(snap_compare, size):
         await pilot.pause(0.3)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def finished_timeline() -> list[dict]:
+    """One finished request's timeline as GET /requests/{id} gives it, with fixed times: queued, two prefill
+    chunks (the first partly cached), a preemption and the decode runs around it."""
+    spans = [
+        {"kind": "queued", "start_s": 0.0, "end_s": 0.012},
+        {"kind": "prefill", "start_s": 0.012, "end_s": 0.081, "tokens": 32, "cached": 16},
+        {"kind": "prefill", "start_s": 0.081, "end_s": 0.140, "tokens": 21, "cached": 0},
+        {"kind": "decode", "start_s": 0.140, "end_s": 0.620, "steps": 12, "tokens": 12, "mean_rows": 3.5,
+         "most_rows": 6, "drafted": 0, "kept": 0},
+        {"kind": "preempted", "start_s": 0.620, "end_s": 0.620},
+        {"kind": "decode", "start_s": 0.700, "end_s": 1.180, "steps": 12, "tokens": 12, "mean_rows": 2.0,
+         "most_rows": 3, "drafted": 0, "kept": 0},
+    ]
+    return [{"name": "chatcmpl-7f46a039", "status": "finished", "finish_reason": "length", "queued_s": 0.012,
+             "ttft_s": 0.140, "tpot_s": 0.045, "total_s": 1.180, "tokens_per_s": 22.1, "prompt_tokens": 53,
+             "cached_tokens": 16, "output_tokens": 24, "preemptions": 1, "drafted": 0, "kept": 0,
+             "grammar_mask_s": None, "spans": spans, "blocks": [],
+             "params": {"temperature": 0.7, "top_p": 0.95, "top_k": None, "max_tokens": 24, "seed": 7, "n": 1,
+                        "structured": False},
+             "prompt": "What is the capital of France? Answer in one sentence, then name its river.",
+             "answer": "The capital of France is Paris, which lies on the Seine."}]
+
+
+@SIZES
+def test_request_screen_snapshot(snap_compare, size):
+    """Enter on a Requests row: the request's timeline (time axis, spans, figures, sampling), prompt and answer."""
+    from console.panels.rows import RowsTable
+    from console.screens.request import RequestScreen
+    from tests.test_console_panels import busy_snapshot, still_server
+
+    server = still_server(busy_snapshot())
+    server.host.timeline = lambda request_id: finished_timeline()
+    app = NanoserveConsole(EngineConfig(), refresh_s=0.1, servers=[server])
+
+    async def run_before(pilot) -> None:
+        await wait_until(pilot, lambda: app.phase == "serving", 10, "the server")
+        await wait_until(pilot, lambda: app.screen.query_one(RowsTable).row_count == 34, 5, "every row")
+        app.screen.query_one(RowsTable).focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, RequestScreen) and app.screen.sequences, 5,
+                         "the request's timeline")
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)

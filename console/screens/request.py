@@ -58,12 +58,12 @@ def figures_text(seq: dict) -> str:
     grammar = f" · grammar masking {_seconds(seq['grammar_mask_s'])}" if seq.get("grammar_mask_s") is not None \
         else ""
     second = (f"{seq['prompt_tokens']} prompt tokens ({seq['cached_tokens']} cached) · {seq['output_tokens']} "
-              f"generated · {seq['preemptions']} preemptions{drafts}{grammar}")
+              f"generated · {seq['preemptions']} preemption{'' if seq['preemptions'] == 1 else 's'}{drafts}{grammar}")
     return f"{first}\n{second}"
 
 
-def sequence_text(seq: dict) -> str:
-    """Everything of one sequence but its prompt and answer."""
+def sequence_text(seq: dict, axis_width: int = AXIS_WIDTH) -> str:
+    """Everything of one sequence but its prompt and answer; the time axis `axis_width` characters wide."""
     ended = f", {seq['finish_reason']}" if seq.get("finish_reason") else ""
     params = ", ".join(f"{k} {v}" for k, v in seq["params"].items() if v is not None)
     blocks = seq.get("blocks") or []
@@ -71,7 +71,7 @@ def sequence_text(seq: dict) -> str:
         f"{seq['name']}: {seq['status']}{ended}",
         figures_text(seq),
         "",
-        time_axis(seq["spans"], seq["total_s"]),
+        time_axis(seq["spans"], seq["total_s"], axis_width),
         "· queued  ▓ prefill  █ decode  ! preempted",
         *(span_line(s) for s in seq["spans"]),
         "",
@@ -121,9 +121,20 @@ class RequestScreen(Screen):
             found, failure = self.sequences or [], f"could not read its timeline: {type(e).__name__}: {e}"
         self.app.call_from_thread(self.show, found, failure)
 
+    def axis_width(self) -> int:
+        """The time axis as wide as the screen's text, up to AXIS_WIDTH: a wider one would wrap onto a second line
+        and read as two timelines."""
+        room = self.query_one("#request-body").scrollable_content_region.width - 1
+        return AXIS_WIDTH if room <= 0 else max(20, min(AXIS_WIDTH, room))
+
+    def on_resize(self) -> None:
+        if self.sequences:
+            self.show(self.sequences, self.failure)
+
     def show(self, sequences: list[dict], failure: str | None) -> None:
         self.sequences, self.failure = sequences, failure
-        text = "\n\n".join(sequence_text(s) for s in sequences)
+        width = self.axis_width()
+        text = "\n\n".join(sequence_text(s, width) for s in sequences)
         self.query_one("#request-timeline", Static).update(f"{failure}\n\n{text}" if failure else text)
         if sequences:
             first = sequences[0]
