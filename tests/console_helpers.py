@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 BUSY_FLOOR_S = 30.0  # the least any wait allows
+LOAD_S = 240.0  # an engine's first start on a fresh machine compiles the C kernels and times the head's forms
 
 
 async def wait_until(pilot, predicate, timeout: float = 15.0, what: str = "condition") -> None:
@@ -36,7 +37,7 @@ def notes(app) -> str:
     return " | ".join(n.message for n in app._notifications)
 
 
-async def started(app, pilot, timeout: float = 60.0) -> None:
+async def started(app, pilot, timeout: float = LOAD_S) -> None:
     """Wait until the console's engine and server are up and serving."""
     await wait_until(pilot, lambda: app.server is not None or app.load_error is not None, timeout, "the server")
     assert app.load_error is None, app.load_error

@@ -18,7 +18,7 @@ from textual.widgets import Input  # noqa: E402
 from console.app import SCREENS, NanoserveConsole  # noqa: E402
 from console.screens.help import HelpScreen  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from tests.console_helpers import wait_until  # noqa: E402
+from tests.console_helpers import LOAD_S, wait_until  # noqa: E402
 
 PORT = 18765  # fixed so the URL on the status line is the same every run; below Linux's ephemeral range
 SIZE = (150, 44)
@@ -45,7 +45,7 @@ def arrive(mode: str, *keys: str):
 
     async def run_before(pilot) -> None:
         app = pilot.app
-        await wait_until(pilot, lambda: app.phase == "serving", 60, "the engine")
+        await wait_until(pilot, lambda: app.phase == "serving", LOAD_S, "the engine")
         await pilot.press("escape", SCREENS[mode][1], *keys)
         screen_class = HelpScreen if "question_mark" in keys else SCREENS[mode][0]
         await wait_until(pilot, lambda: isinstance(app.screen, screen_class), 5, f"the {mode} screen")
