@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("textual")
@@ -68,6 +70,14 @@ async def test_stop_key_cancels_frees_blocks_and_gives_the_prompt_back(tiny_conf
     app = NanoserveConsole(tiny_config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
         await started(app, pilot)
+        engine = app.server.host.engine
+        step = engine.runner.execute
+
+        def paced(sched):  # 400 tokens of the tiny model take a second; the keys below must meet them streaming
+            time.sleep(0.02)
+            return step(sched)
+
+        engine.runner.execute = paced
         chat = await open_chat(app, pilot, max_tokens="400")
         prompt = "Tell me a very long story"
         await send(pilot, chat, prompt)
