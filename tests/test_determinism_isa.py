@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.bench.common import cpu_model_and_flags
 from nanoserve.kernels.build import find_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,19 +25,10 @@ AVX2_ONLY = {"NANOSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_EN
              "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 paths are x86-64's")
 @pytest.mark.skipif(find_compiler() is None, reason="no C compiler to build the AVX2 kernels with")
-@pytest.mark.skipif(not {"avx512f", "avx2"} <= _cpu_flags(),
+@pytest.mark.skipif(not {"avx512f", "avx2"} <= set(cpu_model_and_flags()[1]),
                     reason="this machine's own kernels are the AVX2 (or narrower) ones: the suite's run covers them")
 def test_the_determinism_properties_hold_on_the_avx2_paths(tmp_path):
     env = {**os.environ, **AVX2_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
