@@ -64,6 +64,8 @@ class Exchange:
     raw: bytearray = field(default_factory=bytearray)
     status: int | None = None
     response: bytes = b""
+    started: float = field(default_factory=time.monotonic)
+    seconds: float | None = None  # from the request's arrival to its answer's last byte
 
     @property
     def request(self):
@@ -78,9 +80,10 @@ class Exchange:
         except ValueError:
             return None
 
-    def describe(self) -> str:
-        return (f"{self.method} {self.path} {bytes(self.raw[:1500]).decode(errors='replace')}\n"
-                f"  -> {self.status} {self.response[:1500].decode(errors='replace')}")
+    def describe(self, cap: int = 1500) -> str:
+        took = "" if self.seconds is None else f" ({self.seconds:.1f}s)"
+        return (f"{self.method} {self.path} {bytes(self.raw[:cap]).decode(errors='replace')}\n"
+                f"  -> {self.status}{took} {self.response[:cap].decode(errors='replace')}")
 
 
 @dataclass
@@ -102,6 +105,13 @@ class Recorder:
         if not bad:
             return "the server refused no request"
         return f"{len(bad)} exchange(s) refused; first ones:\n" + "\n".join(e.describe() for e in bad[:3])
+
+    def slowest(self, mark: int = 0, count: int = 5) -> str:
+        """The exchanges since `mark` that took longest, for a test that ran past its time."""
+        timed = sorted((e for e in self.exchanges[mark:] if e.seconds is not None), key=lambda e: -e.seconds)
+        total = sum(e.seconds for e in timed)
+        return (f"{len(timed)} exchanges answered in {total:.0f}s of server time; slowest:\n"
+                + "\n".join(e.describe(300) for e in timed[:count]))
 
 
 class RecordingMiddleware:
@@ -125,8 +135,11 @@ class RecordingMiddleware:
         async def send_recorded(message):
             if message["type"] == "http.response.start":
                 exchange.status = message["status"]
-            elif message["type"] == "http.response.body" and len(exchange.response) < RESPONSE_CAP:
-                exchange.response += message.get("body", b"")[:RESPONSE_CAP - len(exchange.response)]
+            elif message["type"] == "http.response.body":
+                if len(exchange.response) < RESPONSE_CAP:
+                    exchange.response += message.get("body", b"")[:RESPONSE_CAP - len(exchange.response)]
+                if not message.get("more_body", False):
+                    exchange.seconds = time.monotonic() - exchange.started
             await send(message)
 
         await self.app(scope, receive_recorded, send_recorded)
@@ -201,7 +214,8 @@ def run_client(argv: list, home: Path, timeout: float, cwd: Path | None = None, 
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"{argv[0]} ran past {timeout}s\n{output[-3000:]}\n"
-                    f"{live.recorder.failures(mark) if live else ''}", pytrace=False)
+                    f"{live.recorder.failures(mark) if live else ''}\n"
+                    f"{live.recorder.slowest(mark) if live else ''}", pytrace=False)
     ran = Ran(proc.returncode, output, time.monotonic() - start)
     print(f"{Path(str(argv[0])).name} took {ran.seconds:.1f}s", file=sys.stderr)
     if check and proc.returncode != 0:

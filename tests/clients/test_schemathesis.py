@@ -10,23 +10,45 @@ describe the success bodies: an empty schema would make every body conform.
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
+import pytest
 
-from .support import HERE, MODEL, client_tool, run_client
+from nanoserve import EngineConfig
+from nanoserve.server.serve import Server
+
+from .support import HERE, MODEL, LiveServer, Recorder, RecordingMiddleware, client_tool, run_client
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
           "response_schema_conformance")
 MAX_EXAMPLES = 15
+SHORT_CONTEXT = 64
 
 
-def test_schemathesis_finds_no_server_error_or_schema_violation(client_env, live, tmp_path):
+@pytest.fixture(scope="module")
+def short_live(tiny_dir):
+    """A server whose contexts end at SHORT_CONTEXT tokens: a generated request that leaves `max_tokens` unset
+    generates to the end of its context, and at 512 those took 3 s each, most of the run's time on a loaded
+    machine. Every route and every check are the same."""
+    server = Server(EngineConfig(model=str(tiny_dir), max_model_len=SHORT_CONTEXT, kv_cache_gib=0.02), port=0,
+                    served_model_name=MODEL)
+    recorder = Recorder()
+    server.app.add_middleware(RecordingMiddleware, recorder=recorder)
+    server.start()
+    yield LiveServer(server, recorder, tiny_dir)
+    server.stop()
+
+
+def test_schemathesis_finds_no_server_error_or_schema_violation(client_env, short_live, tmp_path):
+    live = short_live
     schemathesis = client_tool(client_env, "schemathesis")
     mark = live.recorder.mark()
     run = run_client([schemathesis, "run", f"{live.url}/openapi.json", "--checks", CHECKS,
                       "--max-examples", MAX_EXAMPLES, "--seed", "1", "--workers", "1", "--generation-database",
                       "none", "--request-timeout", "60", "--no-color", "--continue-on-failure"],
                      tmp_path, timeout=400, check=False, live=live, mark=mark)
+    print(live.recorder.slowest(mark, count=15), file=sys.stderr)  # where its time went, shown when it fails
     assert run.returncode == 0, run.output[-6000:]
     seen = live.recorder.since(mark)
     assert not [e for e in seen if e.status is None or e.status >= 500], live.recorder.failures(mark)
