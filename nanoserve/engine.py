@@ -227,15 +227,38 @@ class Engine:
         order, so a stop on one of them ends the request there, as it would one token a step)."""
         first, *later = result.layers()
         self.scheduler.update_from_output(sched, first)
-        for req in self.output_processor.process(first):  # ended by a stop string
-            self.scheduler.finish(req, "stop")
+        self._process(first)
         for layer in later:
             layer = layer.without_finished()
             self.scheduler.append(layer)
-            for req in self.output_processor.process(layer):
-                self.scheduler.finish(req, "stop")
+            self._process(layer)
         if self.drafter is not None:
             self.drafter.observe(sched, result.accepted)
+
+    def _process(self, layer) -> None:
+        """A layer's appended tokens into text; a request whose own grammar failed on its token ends first, alone
+        (the other rows' tokens and bytes are what they would be without it)."""
+        faulted = self._end_faulted()
+        if faulted:
+            layer = layer.without_requests(faulted)
+        for req in self.output_processor.process(layer):  # ended by a stop string
+            self.scheduler.finish(req, "stop")
+
+    def _end_faulted(self) -> set[str]:
+        """End each request (all n sequences) whose grammar failed this step, finish reason "error" with why."""
+        faulted, self.scheduler.faulted = self.scheduler.faulted, []
+        ended: set[str] = set()
+        for req in faulted:
+            if req.request_id in ended:
+                continue
+            ended.add(req.request_id)
+            error = (f"its structured output's grammar failed at generated token {len(req.output_ids) + 1} "
+                     f"({req.matcher.failure}); simplify the grammar (e.g. fewer alternatives in one rule) or "
+                     f"send the request without it")
+            log.warning("request %s ended alone: %s", req.request_id, error)
+            for seq in self.output_processor.fault(req.request_id, error):
+                self.scheduler.finish(seq, "error")
+        return ended
 
     def _fail(self, sched, error: Exception) -> StepFailed:
         """Retire every request of the failed step (all n sequences of each) with finish reason "error"."""

@@ -17,5 +17,10 @@ class ConfigError(NanoserveError):
     """An engine flag or combination of flags that cannot work."""
 
 
+class RequestFault(NanoserveError):
+    """A request's own input failed while it ran (its grammar, past what compiling could check): that request
+    alone ended, and the step's other requests went on."""
+
+
 class GateError(NanoserveError):
     """A precondition of the decode fast path does not hold (a stale plan, a moved buffer, a shape too many)."""

@@ -83,6 +83,14 @@ class OutputProcessor:
         """Whether outputs are owed (an abort's final one) though nothing runs."""
         return bool(self._emitted)
 
+    def fault(self, request_id: str, error: str) -> list[Request]:
+        """The request's own input failed (its grammar): its live sequences, whose final outputs the next
+        outputs() reports with `error` (the caller has the scheduler retire them with finish reason "error")."""
+        live = self.abort(request_id)
+        for req in live:
+            req.error = error
+        return live
+
     # ---- a step ---------------------------------------------------------------------------------------
     def process(self, result) -> list[Request]:
         """Take a step's tokens (the scheduler has appended them): text, logprobs, latency. Returns the sequences
@@ -165,7 +173,7 @@ class OutputProcessor:
                                  req.spec_draft_tokens, req.spec_accepted_tokens)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_tuple, [completion], done, delta, delta_ids, metrics,
-            prompt_logprobs, first.num_cached_tokens,
+            prompt_logprobs, first.num_cached_tokens, req.error,
         )
 
     # ---- observation ----------------------------------------------------------------------------------

@@ -178,6 +178,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, compare=False)
     prompt_logprobs: LogprobSequence | None = None  # None first, then one dict per prompt token
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None: caching off)
+    error: str | None = None  # finish_reason "error": what in the request failed it (its grammar), for its caller
 
     @property
     def usage(self) -> dict:

@@ -36,6 +36,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why it ended with finish_reason "error", when its own input was the cause
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0

@@ -105,6 +105,7 @@ class Scheduler:
         self.peak_running = 0
         self.num_preemptions = 0
         self.prompt_tokens = self.generation_tokens = 0
+        self.faulted: list[Request] = []  # sequences whose own grammar failed on a token: the engine ends them
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -217,8 +218,9 @@ class Scheduler:
             self._append(req, token)
 
     def _append(self, req: Request, token: int) -> None:
-        if req.matcher is not None:
-            req.matcher.consume(token)
+        if req.matcher is not None and not req.matcher.consume(token):
+            self.faulted.append(req)  # the token is not kept: nothing after the failure is said to be the answer
+            return
         req.output_ids.append(token)
         self.generation_tokens += 1
         stopped, req.stop_reason = stop_token(req, token)

@@ -139,6 +139,29 @@ def test_failures_that_repeat_make_health_unhealthy_with_the_reason(server):
     assert h.json()["failed_steps_total"] == 3
 
 
+def test_the_open_health_probe_says_unhealthy_without_the_failures_text(tiny_checkpoint):
+    """A failure's text may quote the request that met it: behind a key, a caller without it reads the status
+    and the count, never the text."""
+    s = Server(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01), port=0,
+               api_key="k3y", served_model_name="tiny").start()
+    try:
+        poison = Poison(s.host.engine.runner.model)
+        poison.token = httpx.post(s.url + "/tokenize", json={"prompt": "Hello"},
+                                  headers={"Authorization": "Bearer k3y"}).json()["tokens"][-1]
+        for _ in range(3):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+                           headers={"Authorization": "Bearer k3y"})
+            assert r.status_code == 500
+        open_probe = httpx.get(s.url + "/health")
+        assert open_probe.status_code == 503 and open_probe.json()["status"] == "unhealthy"
+        assert "3 engine steps failed" in open_probe.json()["reason"]
+        assert "injected fault" not in open_probe.text
+        keyed = httpx.get(s.url + "/health", headers={"Authorization": "Bearer k3y"})
+        assert "injected fault" in keyed.json()["reason"]
+    finally:
+        s.stop()
+
+
 def test_a_sink_that_raises_loses_only_its_own_request(tiny_checkpoint):
     from nanoserve.server.host import EngineHost
 

@@ -404,7 +404,9 @@ class DataParallelHost:
             return Health(status, self._no_replica())
         sick = [link for link in ready if link.health is not None and not link.health.ok]
         if len(sick) == len(ready):
-            return Health("unhealthy", "; ".join(f"replica {link.rank}: {link.health.reason}" for link in sick))
+            return Health("unhealthy", "; ".join(f"replica {link.rank}: {link.health.reason}" for link in sick),
+                          "; ".join(f"replica {link.rank}: {link.health.detail}" for link in sick
+                                    if link.health.detail) or None)
         down = [link for link in self.links if link not in ready or link in sick]
         if down:
             return Health("ok", f"{len(ready) - len(sick)} of {self.size} replicas serving; " + ", ".join(

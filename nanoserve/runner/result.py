@@ -38,6 +38,12 @@ class StepResult:
                            self.prompt_logprobs if depth == 0 else [], self.accepted if depth == 0 else {})
                 for depth, rows in enumerate(layers)]
 
+    def without_requests(self, request_ids: set[str]) -> StepResult:
+        """This layer less every row (and prompt logprob) of the requests named."""
+        rows = [row for row in self.rows() if row[0].request_id not in request_ids]
+        return StepResult([r for r, _, _ in rows], [t for _, t, _ in rows], [lp for _, _, lp in rows],
+                          [p for p in self.prompt_logprobs if p[0].request_id not in request_ids], self.accepted)
+
     def without_finished(self) -> StepResult:
         """This layer less the rows of requests that ended on an earlier layer's token."""
         rows = [row for row in self.rows() if not row[0].finished]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 
+from nanoserve.errors import NanoserveError
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.host import EngineHost
@@ -132,7 +133,8 @@ def sse(events: AsyncIterator[dict]) -> StreamingResponse:
             async for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         except Exception as e:  # headers are gone: say so in the stream itself, then end it properly
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+            kind, code = ("invalid_request_error", 400) if isinstance(e, NanoserveError) else ("server_error", 500)
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': kind, 'code': code}})}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -19,6 +19,7 @@ WINDOW_S = 60.0
 class Health:
     status: str  # "ok" | "unhealthy" | "stopped" | "failed"
     reason: str | None = None
+    detail: str | None = None  # the latest failure's own text: it may quote a caller's request, so keyed only
 
     @property
     def ok(self) -> bool:
@@ -48,6 +49,6 @@ class FailureLog:
     def health(self) -> Health:
         n = self.recent()
         if n >= self.repeats:
-            return Health("unhealthy", f"{n} engine steps failed in the last {self.window_s:.0f} s; "
-                                       f"the latest: {self.last}")
+            return Health("unhealthy", f"{n} engine steps failed in the last {self.window_s:.0f} s",
+                          f"the latest: {self.last}")
         return Health("ok")

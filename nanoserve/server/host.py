@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from nanoserve.engine import Engine, StepFailed
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import NanoserveError, RequestFault
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.collector import OutputCollector, relay
@@ -352,6 +352,11 @@ class EngineHost:
                     self._fail_all(live)
                     continue
                 for out in outs:
+                    if out.error is not None:  # its own input failed it: the error is its last word
+                        if out.finished:
+                            self._deliver(out.request_id, RequestFault(out.error))
+                            self._retire(out.request_id)
+                        continue
                     self._deliver(out.request_id, out)
                     if out.finished:
                         self._retire(out.request_id)

@@ -29,6 +29,8 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
         state = host.health()
         body = {"status": state.status, "reason": state.reason}
         if request.state.authorized:
+            if state.detail:
+                body["reason"] = f"{state.reason}; {state.detail}"
             body |= {"failed_steps_total": host.failures.total, **host.stats().as_dict()}
         else:
             body["snapshot"] = WITHHELD

@@ -44,27 +44,56 @@ class GrammarStats:
                 "mask_ms_per_row": round(1000 * self.mask_seconds / self.masked_rows, 4) if self.masked_rows else 0.0}
 
 
+class _MatcherState:
+    """What a sequence's matcher and its drafted copies share: mask seconds, and the grammar's failure."""
+
+    __slots__ = ("seconds", "failure")
+
+    def __init__(self):
+        self.seconds, self.failure = 0.0, None
+
+
 class Matcher:
-    """One sequence's position in its grammar: which tokens may come next, advanced token by token."""
+    """One sequence's position in its grammar: which tokens may come next, advanced token by token.
 
-    __slots__ = ("inner", "_spent")
+    A grammar can compile and still fail while generating (llguidance's per-step limits: a rule with more
+    alternatives than a parser row may hold). That failure belongs to this sequence alone: it is recorded here
+    (`failure`), never raised into the step, so the engine ends this request and the step's other rows go on."""
 
-    def __init__(self, inner, spent: list[float] | None = None):
+    __slots__ = ("inner", "_state")
+
+    def __init__(self, inner, state: _MatcherState | None = None):
         self.inner = inner
-        self._spent = spent if spent is not None else [0.0]  # mask seconds, shared with its drafted copies
+        self._state = state if state is not None else _MatcherState()
 
     @property
     def mask_seconds(self) -> float:
         """Time spent masking logits by this grammar (this sequence's share of each step's mask)."""
-        return self._spent[0]
+        return self._state.seconds
 
     def spent(self, seconds: float) -> None:
-        self._spent[0] += seconds
+        self._state.seconds += seconds
 
-    def consume(self, token: int) -> None:
-        if not self.inner.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed: "
-                               f"{self.inner.get_error()}")
+    @property
+    def failure(self) -> str | None:
+        """Why this sequence's grammar failed while generating (None while it holds)."""
+        return self._state.failure
+
+    def check(self) -> bool:
+        """Whether the grammar still holds; records its failure when it does not (after a mask is filled: an
+        erring grammar's mask allows end-of-sequence alone, which must not pass for a finished answer)."""
+        if self._state.failure is None and self.inner.is_error():
+            self._state.failure = _failure_text(self.inner.get_error())
+        return self._state.failure is None
+
+    def consume(self, token: int) -> bool:
+        """Advance by `token`; False (with `failure` set) when the grammar failed instead of taking it."""
+        if not self.check():
+            return False
+        if self.inner.consume_token(token):
+            return True
+        self._state.failure = _failure_text(self.inner.get_error()) or f"it refused token {token}"
+        return False
 
     @property
     def finished(self) -> bool:
@@ -73,14 +102,25 @@ class Matcher:
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar would take from here (its state unchanged)."""
-        return self.inner.validate_tokens(list(tokens)) if tokens else 0
+        return self.inner.validate_tokens(list(tokens)) if tokens and self.failure is None else 0
 
     def after(self, tokens) -> Matcher:
-        """A copy of this matcher advanced along `tokens` (which it must take): a drafted position's state."""
-        copy = Matcher(self.inner.deep_copy(), self._spent)
+        """A copy of this matcher advanced along `tokens`: a drafted position's state. Should the grammar fail
+        on one, the copy stops there and the failure is this sequence's (the state is shared)."""
+        copy = Matcher(self.inner.deep_copy(), self._state)
         for token in tokens:
-            copy.consume(token)
+            if not copy.consume(token):
+                break
         return copy
+
+
+FAILURE_CHARS = 300  # of llguidance's message (which goes on to dump its parser state)
+
+
+def _failure_text(error: str) -> str:
+    """llguidance's reason, first line only and bounded: it names the limit the grammar ran into."""
+    first = (error or "").strip().splitlines()[0] if (error or "").strip() else ""
+    return first[:FAILURE_CHARS]
 
 
 class CompiledGrammar:

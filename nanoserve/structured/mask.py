@@ -52,6 +52,21 @@ class GrammarMasker:
             matcher.spent(spent / len(matchers))
 
     def _fill(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
+        """Each row's mask. A row whose grammar fails is recorded on its matcher (the engine ends that request)
+        and allows every token, so the batch samples as it would without it."""
+        try:
+            self._compute(matchers, bitmask)
+        except Exception:
+            if all(m.check() for m in matchers):
+                raise  # no grammar owns it: the step's fault
+            for i, matcher in enumerate(matchers):  # the others' masks again, one at a time
+                if matcher.failure is None:
+                    self._compute([matcher], bitmask[i:i + 1])
+        for i, matcher in enumerate(matchers):
+            if not matcher.check():
+                bitmask[i] = -1
+
+    def _compute(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
         import llguidance
 
         if len(matchers) == 1:
