@@ -264,8 +264,10 @@ class Engine:
         """Retire every request of the failed step (all n sequences of each) with finish reason "error"."""
         failed = sched.request_ids
         self.scheduler.fail(self.output_processor.fail(failed))
+        text = str(error)
         log.error("step %d failed (%s: %s); ended %d request(s): %s", self.runner.steps, type(error).__name__,
-                  error, len(failed), ", ".join(sorted(failed)))
+                  text if len(text) <= 2000 else f"{text[:2000]}... ({len(text)} characters)", len(failed),
+                  ", ".join(sorted(failed)))
         return StepFailed(error, sorted(failed))
 
     def _record_step(self, sched, seconds: float) -> None:

@@ -11,6 +11,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+ECHO_CHARS = 400  # of an exception's text said back: it may quote a request (a grammar, a prompt) at any length
+
+
+def bounded(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text`, or its first `limit` characters and how many more there were."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 REPEATS = 3  # failed steps within WINDOW_S that make the engine unhealthy
 WINDOW_S = 60.0
 
@@ -38,7 +46,7 @@ class FailureLog:
     def record(self, error: BaseException) -> None:
         self._times.append(self._clock())
         self.total += 1
-        self.last = f"{type(error).__name__}: {error}"
+        self.last = f"{type(error).__name__}: {bounded(str(error))}"
 
     def recent(self) -> int:
         cutoff = self._clock() - self.window_s

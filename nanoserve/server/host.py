@@ -27,7 +27,7 @@ from nanoserve.errors import NanoserveError, RequestFault
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.collector import OutputCollector, relay
-from nanoserve.server.health import FailureLog, Health
+from nanoserve.server.health import FailureLog, Health, bounded
 from nanoserve.server.refusals import Refusals
 from nanoserve.stats import EngineStats
 from nanoserve.tracing import TraceOrigin, current_origin
@@ -409,7 +409,8 @@ class EngineHost:
     def _step_failed(self, error: BaseException, request_ids: list[str]) -> None:
         self.failures.record(error)
         failure = EngineFailure(f"the engine failed while running this request ({type(error).__name__}: "
-                                f"{error}); other requests carry on; retry it, and report it if it repeats")
+                                f"{bounded(str(error))}); other requests carry on; retry it, and report it if it "
+                                f"repeats")
         for rid in request_ids:
             self._deliver(rid, failure)
             self._retire(rid)
