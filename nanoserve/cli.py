@@ -146,7 +146,7 @@ def cmd_serve(args) -> int:
 
 # each is nanoserve/bench/<name>.py with add_parser(sub) and main(args), run as `nanoserve bench <name>`
 BENCHMARKS = ("throughput", "serve", "linear", "ab", "inputs", "graphs", "wire", "reads", "soak", "prefix", "prefill",
-              "grammar", "budget", "spec")
+              "grammar", "budget", "spec", "hostile")
 
 
 def cmd_bench(args) -> int:

@@ -1,7 +1,28 @@
-"""Request bodies a careless or hostile client sends: each must be refused with a 4xx and an OpenAI error body,
-hold nothing, and leave the server serving. Used by the soak; the fuzz tests generate many more."""
+"""`nanoserve bench hostile`: every attack of nanoserve/bench/attacks.py against a live server, in turn, beside
+normal traffic, and a table of what held.
+
+Also the request bodies a careless or hostile client sends (`hostile_bodies`): each must be refused with a 4xx
+and an OpenAI error body, hold nothing, and leave the server serving. The soak mixes both into its traffic; the
+fuzz tests generate many more bodies.
+
+The server runs in this process with an API key and --trust-request-chat-template (so the template attacks
+apply), and with --data-parallel-size N its replicas are attacked at their listener too. Beside the attacks two
+clients send plain requests the whole time: none of theirs may fail. At the end no KV block may be held.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter
+
+import httpx
+
+from nanoserve.bench.attacks import ATTACKS, Target, run_one
+from nanoserve.bench.common import print_table, write_results
+from nanoserve.bench.memory import resident_mib
+from nanoserve.flags import add_data_parallel_flags, add_engine_flags, engine_flags
 
 LIMIT_BYTES = 4 * 2**20  # the server's default body limit
 
@@ -43,3 +64,90 @@ async def chunked_oversize():
     for _ in range(LIMIT_BYTES // len(piece) + 2):
         yield piece
     yield b'"}'
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("hostile", help="every hostile caller's attack against a live server; a table of what held")
+    p.add_argument("--only", nargs="*", default=None, metavar="WORD",
+                   help="run only the attacks whose name contains one of these words")
+    p.add_argument("--out", default="bench-results")
+    add_data_parallel_flags(p)
+    add_engine_flags(p)
+
+
+async def _plain_traffic(url: str, headers: dict, stop: asyncio.Event, tally: dict) -> None:
+    """A caller who did nothing wrong: short greedy completions, one after another."""
+    async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+        while not stop.is_set():
+            try:
+                r = await http.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                                                   "temperature": 0})
+                tally["ok" if r.status_code == 200 else f"HTTP {r.status_code}"] += 1
+            except httpx.HTTPError as e:
+                tally[type(e).__name__] += 1
+
+
+async def _attack_all(target: Target, chosen: list) -> tuple[list[dict], dict]:
+    stop, tally = asyncio.Event(), Counter(ok=0)
+    plain = [asyncio.create_task(_plain_traffic(target.url, target.headers, stop, tally)) for _ in range(2)]
+    rows = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        for name, exercises, attack in chosen:
+            outcome = await run_one(attack, target, http)
+            verdict = {True: "held", False: "BROKE", None: "skipped"}[outcome.held]
+            rows.append({"attack": name, "exercises": exercises, "verdict": verdict,
+                         "seconds": round(outcome.seconds, 2), "said": outcome.said})
+            print(f"  {verdict:7} {name}: {outcome.said}", flush=True)
+    stop.set()
+    await asyncio.gather(*plain)
+    return rows, dict(tally)
+
+
+def _settled_blocks(server, headers: dict, seconds: float = 30.0) -> int:
+    """KV blocks still held once nothing runs (0 when every attack let go of what it took)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        kv = httpx.get(server.url + "/health", headers=headers, timeout=30).json()["kv"]
+        held = kv["blocks_total"] - kv["blocks_free"]
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
+
+
+def main(args) -> int:
+    from nanoserve.config import EngineConfig
+    from nanoserve.server.serve import DataParallel, Server
+
+    config = EngineConfig.from_flags(**engine_flags(args))
+    key = secrets.token_urlsafe(16)
+    data_parallel = DataParallel(args.data_parallel_size, args.data_parallel_backend, args.ray_address,
+                                 args.data_parallel_routing) if args.data_parallel_size > 1 else None
+    chosen = [a for a in ATTACKS if not args.only or any(w.lower() in a[0].lower() for w in args.only)]
+    server = Server(config, port=0, api_key=key, trust_request_chat_template=True, served_model_name=None,
+                    data_parallel=data_parallel).start()
+    try:
+        target = Target(server.url, key, server, trusts_templates=True)
+        rss_start = resident_mib()
+        rows, plain = asyncio.run(_attack_all(target, chosen))
+        blocks = _settled_blocks(server, target.headers)
+        health = httpx.get(server.url + "/health", headers=target.headers, timeout=30)
+        rss_end = resident_mib()
+    finally:
+        server.stop()
+    print_table(f"bench hostile: {len(rows)} attacks, data-parallel size {args.data_parallel_size}", rows,
+                ["attack", "verdict", "seconds", "exercises"])
+    failed_plain = sum(n for k, n in plain.items() if k != "ok")
+    summary = [
+        {"measure": "attacks held / broke / skipped",
+         "value": " / ".join(str(sum(r["verdict"] == v for r in rows)) for v in ("held", "BROKE", "skipped"))},
+        {"measure": "plain requests beside them: answered / failed (must be 0)",
+         "value": f"{plain.get('ok', 0)} / {failed_plain}"},
+        {"measure": "KV blocks held at the end (must be 0)", "value": blocks},
+        {"measure": "/health at the end", "value": f"{health.status_code} {health.json().get('status')}"},
+        {"measure": "resident memory start / end (MiB)", "value": f"{rss_start:,.0f} / {rss_end:,.0f}"},
+    ]
+    print_table("account", summary, ["measure", "value"])
+    path = write_results(args.out, "hostile", {"attacks": rows, "plain": plain, "summary": summary}, rows, args)
+    print(f"\nwrote {path}")
+    broken = [r for r in rows if r["verdict"] == "BROKE"]
+    return 1 if broken or failed_plain or blocks or health.status_code != 200 else 0
