@@ -12,9 +12,17 @@ from __future__ import annotations
 import secrets
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from nanoserve.server.protocol import INT64, TEXT_ONLY, ChatCompletionRequest, Number, TokenIds
+from nanoserve.server.protocol import (
+    INT64,
+    MAX_ID_CHARS,
+    MAX_USER_CHARS,
+    TEXT_ONLY,
+    ChatCompletionRequest,
+    Number,
+    TokenIds,
+)
 
 # name -> (values that ask for nothing, why any other value is refused and what to do instead)
 RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
@@ -32,6 +40,7 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "prompt_cache_retention": ((None, "in_memory"), "cached prefixes live in memory while the server runs; send "
                                                     "'in_memory' or none"),
 }
+METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 64, 512  # OpenAI's bounds for metadata
 RESPONSES_UNSUPPORTED_TOOLS = "built-in tools (web search, file search, computer use, code interpreter, ...)"
 
 
@@ -93,8 +102,8 @@ class ResponsesRequest(BaseModel):
     store: StrictBool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    user: str | None = None
-    safety_identifier: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    safety_identifier: str | None = Field(default=None, max_length=64)  # OpenAI's documented bound
     prompt_cache_key: str | None = None  # a routing hint: every prefix here shares one cache anyway
     reasoning: Reasoning | None = None
     # vLLM's sampling extensions
@@ -108,9 +117,9 @@ class ResponsesRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool | None = None
-    request_id: str | None = Field(default=None, min_length=1, max_length=200)
-    cache_salt: str | None = Field(default=None, min_length=1)
-    session_id: str | None = Field(default=None, min_length=1, max_length=200)
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_USER_CHARS)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     chat_template_kwargs: dict[str, Any] | None = None
     background: Any = None
     conversation: Any = None
@@ -127,6 +136,18 @@ class ResponsesRequest(BaseModel):
                                            "presence_penalty", "frequency_penalty", "min_tokens", "stop",
                                            "stop_token_ids", "ignore_eos", "cache_salt", "session_id",
                                            "parallel_tool_calls", "chat_template_kwargs")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_in_bounds(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds (keys of 64 characters, values of 512): metadata is kept with a stored response."""
+        for key, value in (metadata or {}).items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(f"a key is {len(key):,} characters; keys take at most {METADATA_KEY_CHARS}")
+            if len(value) > METADATA_VALUE_CHARS:
+                raise ValueError(f"the value of {key!r} is {len(value):,} characters; values take at most "
+                                 f"{METADATA_VALUE_CHARS}")
+        return metadata
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
