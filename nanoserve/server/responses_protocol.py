@@ -253,11 +253,32 @@ def input_messages(given: list[dict]) -> list[dict]:
     return messages
 
 
+# each item type's keys the prompt or the item listing reads: only these are kept (and stored)
+KEPT_KEYS = {"message": ("id", "type", "role", "content", "status"),
+             "function_call": ("id", "type", "call_id", "name", "arguments", "status"),
+             "function_call_output": ("id", "type", "call_id", "output", "status")}
+PART_KEYS = ("type", "text", "refusal")
+
+
 def _as_item(item: dict) -> dict:
-    if item.get("type", "message") != "message" or not isinstance(item.get("content"), str):
+    """An input item as it is rendered and stored: its type's KEPT_KEYS only (the rest of what a client sends
+    along, such as annotations echoed back, is read by nothing), a message's string content as one text part.
+    Another type is left as it came, for input_messages to refuse."""
+    kind = item.get("type", "message")
+    keys = KEPT_KEYS.get(kind)
+    if keys is None:
         return item
-    kind = "output_text" if item.get("role") == "assistant" else "input_text"
-    return {**item, "type": "message", "content": [{"type": kind, "text": item["content"]}]}
+    kept = {key: item[key] for key in keys if key in item} | {"type": kind}
+    if kept.get("status") not in (None, "in_progress", "completed", "incomplete"):
+        del kept["status"]
+    text = "output" if kind == "function_call_output" else "content"
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        kept["content"] = [{"type": part, "text": item["content"]}]
+    elif isinstance(kept.get(text), list):
+        kept[text] = [{key: p[key] for key in PART_KEYS if key in p} if isinstance(p, dict) else p
+                      for p in kept[text]]
+    return kept
 
 
 def _role(item: dict, where: str) -> str:
