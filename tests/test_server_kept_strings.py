@@ -68,3 +68,15 @@ def test_health_stays_small_after_requests_with_the_largest_users(tiny_server):
     largest = max(len(httpx.Request("GET", "/", json=row).content) for row in rows)
     assert largest < 2 * (MAX_USER_CHARS + 3 * MAX_ID_CHARS), largest
     assert len(health.content) < 100_000 + FINISHED_ROWS * largest, len(health.content)
+
+
+def test_unknown_field_names_are_logged_clipped_and_remembered_within_a_bound(tiny_server, monkeypatch):
+    from nanoserve.server import context
+
+    monkeypatch.setattr(context, "_warned", set())  # the process's own, as other tests left it, comes back after
+    for batch in range(3):
+        extra = {f"{batch}-{i}-".ljust(1000, "x"): 1 for i in range(60)} | {MEGABYTE + str(batch): 1}
+        r = httpx.post(tiny_server.url + "/v1/chat/completions", json={**CHAT, **extra}, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+    assert len(context._warned) <= context.WARNED_MAX
+    assert max(len(name) for name in context._warned) <= context.NAME_KEPT
