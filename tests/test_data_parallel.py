@@ -75,6 +75,20 @@ def test_a_shared_prefix_goes_where_it_is_cached(dp_server):
     assert sum(r["routed_prefix_blocks_matched"] for r in _replicas(dp_server)) > matched_before
 
 
+def test_finished_rows_reach_health_from_the_replicas(dp_server):
+    """A replica sends its finished rows only when they change; /health still lists each with its user."""
+    users = {f"rows-{n}" for n in range(4)}
+    for n, user in enumerate(sorted(users)):
+        _complete(dp_server, PROMPTS[n], user=user, cache_salt=user)
+
+    def listed():
+        rows = httpx.get(dp_server.url + "/health", timeout=10).json()["finished_rows"]
+        return {row["user"]: row["replica"] for row in rows if row["user"] in users}
+
+    assert wait_until(lambda: set(listed()) == users, timeout=30)
+    assert set(listed().values()) <= {0, 1}
+
+
 def test_metrics_carry_a_series_per_replica(dp_server):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -235,9 +235,7 @@ class DataParallelHost:
             self._deliver(message.request_id, live, message.error)
 
     def _on_status(self, link: ReplicaLink, status: m.Status) -> None:
-        link.stats, link.health, link.failed_steps_total = status.stats, status.health, status.failed_steps_total
-        link.view.running = status.stats.scheduler.running
-        link.view.kv_usage = status.stats.kv.usage
+        link.take_status(status)
 
     def _on_kv_events(self, link: ReplicaLink, message: m.KVEvents) -> None:
         link.view.apply(message.events)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 from nanoserve.dp import messages as m
@@ -31,7 +31,8 @@ class ReplicaLink:
     restarts: int = 0
     tries: int = 0  # restarts in a row without STEADY_S of service
     ready_since: float | None = None
-    stats: EngineStats | None = None
+    stats: EngineStats | None = None  # the latest Status's, with the finished rows last sent
+    finished_rows: tuple = ()
     health: Health | None = None
     failed_steps_total: int = 0
     served: int = 0  # requests that ended with their final output
@@ -47,6 +48,16 @@ class ReplicaLink:
                 conn.send(message)
             except (OSError, EOFError, ValueError) as e:
                 raise HostStopped(f"replica {self.rank} went away ({e}); retry") from None
+
+    def take_status(self, status: m.Status) -> None:
+        """The replica's latest snapshot, with its finished rows as last sent (a Status carries them only when
+        they changed)."""
+        if status.finished_rows is not None:
+            self.finished_rows = status.finished_rows
+        self.stats = replace(status.stats, finished_rows=self.finished_rows)
+        self.health, self.failed_steps_total = status.health, status.failed_steps_total
+        self.view.running = status.stats.scheduler.running
+        self.view.kv_usage = status.stats.kv.usage
 
     def describe(self) -> dict:
         """Its line in /health's data_parallel.replicas."""

@@ -100,9 +100,14 @@ class Failed:
 
 @dataclass
 class Status:
-    stats: Any  # EngineStats
+    """The replica's snapshot. Its latest finished rows (each with its request's user and session) change only
+    when a request finishes, so they travel apart, and only then: `stats` carries none, and `finished_rows` is
+    None while they are the ones sent last."""
+
+    stats: Any  # EngineStats, its finished_rows empty
     health: Any  # server.health.Health
     failed_steps_total: int
+    finished_rows: tuple | None = None  # the latest finished RowStats, newest first; None: unchanged
 
 
 @dataclass

@@ -5,7 +5,8 @@ the replica connects back to the front end's listener, says Hello, loads, says R
 Stop or until the connection drops (the front end went away), when it stops its engine and returns.
 
 Three threads talk to the connection: this one reads; the engine thread sends each output (and the step's KV
-events) as the sink hears it; a status thread sends the snapshot every STATUS_EVERY_S. Sends share one lock.
+events) as the sink hears it; a status thread sends the snapshot every STATUS_EVERY_S (its finished rows only when they changed). Sends
+share one lock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from multiprocessing.connection import Client, Connection
 from nanoserve.dp import messages as m
 
 log = logging.getLogger("nanoserve.dp.replica")
+_UNSENT = object()
 
 
 def spawned(address, authkey: bytes, rank: int, config, threads: int, max_waiting: int | None) -> None:
@@ -43,6 +45,7 @@ class Replica:
         self._sending = threading.Lock()
         self._gone = threading.Event()  # the front end is unreachable, or asked us to stop
         self.host = None
+        self._newest_sent = _UNSENT  # the newest finished row the last Status carried
 
     def send(self, message) -> None:
         with self._sending:
@@ -156,8 +159,15 @@ class Replica:
             self._send_quietly(self._status())
 
     def _status(self) -> m.Status:
+        """The snapshot, with the finished rows only when one was added since the last (rows are built once, at
+        a request's finish, and only ever added newest first: the newest one's identity tells)."""
         host = self.host
-        return m.Status(host.stats(), host.health(), host.failures.total)
+        stats = host.stats()
+        newest = stats.finished_rows[0] if stats.finished_rows else None
+        changed = self._newest_sent is _UNSENT or newest is not self._newest_sent
+        self._newest_sent = newest
+        return m.Status(dataclasses.replace(stats, finished_rows=()), host.health(), host.failures.total,
+                        stats.finished_rows if changed else None)
 
     def _send_quietly(self, message) -> None:
         """Send from a thread that can do nothing about a front end that went away (the reader notices)."""

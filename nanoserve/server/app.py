@@ -84,14 +84,21 @@ def _invalid_request(exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":  # its loc is ("body", char offset): a position, not a field
         return _error(400, not_json_message(exc.body, first["loc"][-1], first.get("ctx", {}).get("error")))
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    where = ".".join(_clipped(str(p)) for p in first.get("loc", ()) if p != "body")  # a dict key may be huge
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "string_too_long" and isinstance(first.get("input"), str):
+        limit = first.get("ctx", {}).get("max_length")
+        message = f"is {len(first['input']):,} characters; at most {limit} are taken: send a shorter one"
     if first.get("type") in _TAKES:
         came = first.get("input")
         shown = json.dumps(came)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         message = f"must be {_TAKES[first['type']]}, not {'the string ' if isinstance(came, str) else ''}{shown}"
     return _error(400, f"{where + ': ' if where else ''}{message}", param=where or None)
+
+
+def _clipped(text: str, keep: int = 60) -> str:
+    return text if len(text) <= keep else text[:keep - 3] + "..."
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -26,7 +26,17 @@ from nanoserve.server.protocol import error_body
 
 PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
 log = logging.getLogger("nanoserve.server")
-_warned: set[str] = set()  # unknown field names already named in the log
+_warned: set[str] = set()  # unknown field names already named in the log (clipped), at most WARNED_MAX
+WARNED_MAX, NAME_KEPT = 100, 64  # a caller may send new names, and long ones, with every request
+
+
+def _warn_unknown(names: list[str]) -> None:
+    """Name unknown fields in the log once each: clipped, and only until WARNED_MAX names are remembered."""
+    unknown = list(dict.fromkeys(n if len(n) <= NAME_KEPT else n[:NAME_KEPT - 3] + "..." for n in names))
+    unknown = [n for n in unknown if n not in _warned][:WARNED_MAX - len(_warned)]
+    if unknown:
+        _warned.update(unknown)
+        log.warning("ignoring request fields that are neither OpenAI's nor vLLM's: %s", ", ".join(unknown))
 
 
 class APIError(Exception):
@@ -108,10 +118,7 @@ class RouteContext:
         refused = body.refusal()
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0])
-        unknown = [f for f in body.unknown_fields() if f not in _warned]
-        if unknown:
-            _warned.update(unknown)
-            log.warning("ignoring request fields that are neither OpenAI's nor vLLM's: %s", ", ".join(unknown))
+        _warn_unknown(body.unknown_fields())
 
     @staticmethod
     def request_id(body, prefix: str) -> str:

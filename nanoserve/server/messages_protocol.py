@@ -15,7 +15,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from nanoserve.server.protocol import INT64, ChatCompletionRequest, Number, TokenIds
+from nanoserve.server.protocol import (
+    INT64,
+    MAX_ID_CHARS,
+    MAX_USER_CHARS,
+    ChatCompletionRequest,
+    Number,
+    TokenIds,
+)
 
 # name -> (values that ask for nothing, why any other value is refused and what to do instead)
 MESSAGES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
@@ -81,7 +88,7 @@ class OutputConfig(BaseModel):
 
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    user_id: str | None = None
+    user_id: str | None = Field(default=None, max_length=MAX_USER_CHARS)  # Anthropic's documented bound
 
 
 class _MessagesBody(BaseModel):
@@ -175,9 +182,9 @@ class MessagesRequest(_MessagesBody):
     min_tokens: StrictInt | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool | None = None
-    request_id: str | None = Field(default=None, min_length=1, max_length=200)
-    cache_salt: str | None = Field(default=None, min_length=1)
-    session_id: str | None = Field(default=None, min_length=1, max_length=200)
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_USER_CHARS)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     container: Any = None
     mcp_servers: Any = None
     context_management: Any = None

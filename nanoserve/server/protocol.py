@@ -38,6 +38,11 @@ Number = Annotated[float, BeforeValidator(_number)]
 TokenIds = list[StrictInt]
 INT64 = (-(2**63), 2**63 - 1)  # the seed's range, as vLLM (and torch's generator) takes it
 TEXT_ONLY = "this model takes text only"
+# The free strings a request leaves behind it (its row in /health, its timeline, the data-parallel status, a
+# stored response): `user` and `cache_salt` up to Anthropic's documented 256 for metadata.user_id (OpenAI documents
+# none for `user`, 64 for safety_identifier); request_id and session_id up to 200 (a uuid with room to spare).
+MAX_USER_CHARS = 256
+MAX_ID_CHARS = 200
 
 # name -> (values that ask for nothing, why any other value is refused and what to do instead)
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
@@ -158,9 +163,9 @@ class _Request(BaseModel):
     best_of: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    session_id: str | None = Field(default=None, min_length=1, max_length=200)  # vLLM's: kept with the request
-    request_id: str | None = Field(default=None, min_length=1, max_length=200)
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)  # vLLM's: kept with it
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     add_special_tokens: StrictBool | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # -1: as many as fit (vLLM's)
     truncation_side: Literal["left", "right"] | None = None  # left (default) keeps the last tokens
@@ -173,7 +178,8 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: share cached blocks only within a salt
+    # vLLM's: the request shares cached blocks only with requests of the same salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_USER_CHARS)
     # UNSUPPORTED fields, declared so the schema names them and their refusal is documented
     suffix: Any = None
     use_beam_search: Any = None

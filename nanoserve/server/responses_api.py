@@ -31,10 +31,12 @@ def text_part(text: str) -> dict:
 
 
 class ResponsesResponder:
-    """`done(response, output items)` is called once the response is complete (the store keeps it)."""
+    """`done(response, output items)` is called once the response is complete: the store keeps it, or says it
+    did not (False: not asked to, or over the store's bound for one response), and the response says `store`
+    false."""
 
     def __init__(self, body: ResponsesRequest, turn: PreparedTurn, model: str, metrics,
-                 done: Callable[[dict, list[dict]], None]):
+                 done: Callable[[dict, list[dict]], bool]):
         self.body, self.turn, self.model, self.metrics, self.done = body, turn, model, metrics, done
         self.id = item_id("resp")
         self.created = int(time.time())
@@ -60,7 +62,7 @@ class ResponsesResponder:
     def _finished(self, output: list[dict], end: TurnEnd) -> dict:
         status = "incomplete" if end.finish_reason == "length" else "completed"
         response = self.response(status, output, end)
-        self.done(response, output)
+        response["store"] = self.done(response, output)
         return response
 
     async def whole(self) -> dict:

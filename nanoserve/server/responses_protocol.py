@@ -12,9 +12,17 @@ from __future__ import annotations
 import secrets
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from nanoserve.server.protocol import INT64, TEXT_ONLY, ChatCompletionRequest, Number, TokenIds
+from nanoserve.server.protocol import (
+    INT64,
+    MAX_ID_CHARS,
+    MAX_USER_CHARS,
+    TEXT_ONLY,
+    ChatCompletionRequest,
+    Number,
+    TokenIds,
+)
 
 # name -> (values that ask for nothing, why any other value is refused and what to do instead)
 RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
@@ -32,6 +40,7 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "prompt_cache_retention": ((None, "in_memory"), "cached prefixes live in memory while the server runs; send "
                                                     "'in_memory' or none"),
 }
+METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 64, 512  # OpenAI's bounds for metadata
 RESPONSES_UNSUPPORTED_TOOLS = "built-in tools (web search, file search, computer use, code interpreter, ...)"
 
 
@@ -93,8 +102,8 @@ class ResponsesRequest(BaseModel):
     store: StrictBool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    user: str | None = None
-    safety_identifier: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    safety_identifier: str | None = Field(default=None, max_length=64)  # OpenAI's documented bound
     prompt_cache_key: str | None = None  # a routing hint: every prefix here shares one cache anyway
     reasoning: Reasoning | None = None
     # vLLM's sampling extensions
@@ -108,9 +117,9 @@ class ResponsesRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool | None = None
-    request_id: str | None = Field(default=None, min_length=1, max_length=200)
-    cache_salt: str | None = Field(default=None, min_length=1)
-    session_id: str | None = Field(default=None, min_length=1, max_length=200)
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_USER_CHARS)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     chat_template_kwargs: dict[str, Any] | None = None
     background: Any = None
     conversation: Any = None
@@ -127,6 +136,18 @@ class ResponsesRequest(BaseModel):
                                            "presence_penalty", "frequency_penalty", "min_tokens", "stop",
                                            "stop_token_ids", "ignore_eos", "cache_salt", "session_id",
                                            "parallel_tool_calls", "chat_template_kwargs")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_in_bounds(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds (keys of 64 characters, values of 512): metadata is kept with a stored response."""
+        for key, value in (metadata or {}).items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(f"a key is {len(key):,} characters; keys take at most {METADATA_KEY_CHARS}")
+            if len(value) > METADATA_VALUE_CHARS:
+                raise ValueError(f"the value of {key!r} is {len(value):,} characters; values take at most "
+                                 f"{METADATA_VALUE_CHARS}")
+        return metadata
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -232,11 +253,32 @@ def input_messages(given: list[dict]) -> list[dict]:
     return messages
 
 
+# each item type's keys the prompt or the item listing reads: only these are kept (and stored)
+KEPT_KEYS = {"message": ("id", "type", "role", "content", "status"),
+             "function_call": ("id", "type", "call_id", "name", "arguments", "status"),
+             "function_call_output": ("id", "type", "call_id", "output", "status")}
+PART_KEYS = ("type", "text", "refusal")
+
+
 def _as_item(item: dict) -> dict:
-    if item.get("type", "message") != "message" or not isinstance(item.get("content"), str):
+    """An input item as it is rendered and stored: its type's KEPT_KEYS only (the rest of what a client sends
+    along, such as annotations echoed back, is read by nothing), a message's string content as one text part.
+    Another type is left as it came, for input_messages to refuse."""
+    kind = item.get("type", "message")
+    keys = KEPT_KEYS.get(kind)
+    if keys is None:
         return item
-    kind = "output_text" if item.get("role") == "assistant" else "input_text"
-    return {**item, "type": "message", "content": [{"type": kind, "text": item["content"]}]}
+    kept = {key: item[key] for key in keys if key in item} | {"type": kind}
+    if kept.get("status") not in (None, "in_progress", "completed", "incomplete"):
+        del kept["status"]
+    text = "output" if kind == "function_call_output" else "content"
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        kept["content"] = [{"type": part, "text": item["content"]}]
+    elif isinstance(kept.get(text), list):
+        kept[text] = [{key: p[key] for key in PART_KEYS if key in p} if isinstance(p, dict) else p
+                      for p in kept[text]]
+    return kept
 
 
 def _role(item: dict, where: str) -> str:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from nanoserve.server.context import APIError, RouteContext
 from nanoserve.server.disconnect import unless_disconnected
 from nanoserve.server.openapi import ERRORS
-from nanoserve.server.response_store import ResponseStore
+from nanoserve.server.response_store import ResponseStore, Stored, json_size
 from nanoserve.server.responses_api import ResponsesResponder
 from nanoserve.server.responses_protocol import ResponsesRequest
 from nanoserve.server.turn import prepare_turn
@@ -56,29 +56,36 @@ NOT_STORED = {404: {**ERRORS[404], "description": "No such response is stored (n
                                                   "the store's age or size)"}}
 
 
-def _stored(store: ResponseStore, response_id: str):
+def _stored(store: ResponseStore, response_id: str) -> Stored:
     kept = store.get(response_id)
     if kept is None:
-        raise APIError(404, f"no stored response {response_id!r}: responses are kept in memory for an hour, the "
-                            "latest 1,000, and only with store true", "not_found_error", "response_id")
+        raise APIError(404, f"no stored response {response_id!r}: responses are kept in memory for an hour, "
+                            f"within the store's bounds ({store.max_kept:,} responses, {store.max_bytes // 2**20} "
+                            "MiB), and only with store true", "not_found_error", "response_id")
     return kept
 
 
 async def create(ctx: RouteContext, store: ResponseStore, body: ResponsesRequest, request: Request):
     ctx.admit(body)
-    history = []
-    if body.previous_response_id is not None:
-        history = _stored(store, body.previous_response_id).conversation
+    prior = None if body.previous_response_id is None else _stored(store, body.previous_response_id)
+    history = prior.conversation if prior is not None else []
     try:
         chat = body.to_chat(history)
     except ValueError as e:
         raise APIError(400, str(e).removeprefix("Value error, ")) from None
+    items = body.input_items()
+    asked, asked_bytes = history + items, store.conversation_bytes(prior, items)
+    if body.store is not False and asked_bytes > store.max_entry_bytes:
+        raise APIError(400, f"store keeps a response with its conversation up to {store.max_entry_bytes:,} bytes "
+                            f"(as JSON), and this conversation is already {asked_bytes:,}: send store false to "
+                            "answer without keeping it, or start a shorter conversation", param="store")
     turn = await prepare_turn(ctx, chat, "resp")
-    asked = history + body.input_items()
+    owner = body.user or body.safety_identifier or ""
 
-    def done(response: dict, output: list[dict]) -> None:
-        if body.store is not False:
-            store.put(response, asked + output)
+    def done(response: dict, output: list[dict]) -> bool:
+        if body.store is False:
+            return False
+        return store.put(response, asked + output, owner, asked_bytes + json_size(output))
 
     responder = ResponsesResponder(body, turn, ctx.model_name, ctx.metrics, done)
     return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
