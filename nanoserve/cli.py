@@ -138,7 +138,7 @@ def cmd_serve(args) -> int:
                     api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                     trust_request_chat_template=args.trust_request_chat_template,
                     shutdown_timeout=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
-                    header_timeout=args.header_timeout, tool_call_parser=args.tool_call_parser,
+                    header_timeout=args.header_timeout, body_timeout=args.body_timeout, tool_call_parser=args.tool_call_parser,
                     prompt_tokens_details=args.enable_prompt_tokens_details, data_parallel=data_parallel)
     server.run()
     return 0
@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--header-timeout", type=float, default=15.0, metavar="S",
                        help="seconds a client has to send a request's headers before its connection is closed "
                             "(default 15)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                       help="seconds a client has to send a request's whole body once its headers are in; past "
+                            "them it is answered 408 and its connection closed (default 30)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (it is rendered on the server, so "
                             "by default such requests are refused)")

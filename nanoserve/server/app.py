@@ -35,7 +35,7 @@ from nanoserve.server.anthropic_errors import AnthropicErrors
 from nanoserve.server.context import APIError, RouteContext, not_json_message, server_version
 from nanoserve.server.context import error_response as _error
 from nanoserve.server.disconnect import ClientGone
-from nanoserve.server.guard import MAX_BODY_BYTES, Guard
+from nanoserve.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard
 from nanoserve.server.host import EngineFailure, EngineHost, HostStopped
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.openapi import install_openapi
@@ -50,15 +50,17 @@ ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, rout
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              prompt_tokens_details: bool = True) -> FastAPI:
+              prompt_tokens_details: bool = True, body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
     a template is code the server renders, so without it such a request is refused. `tool_call_parser` names
     the format tool_choice 'auto' reads calls in, when the chat template's own is not the one to use.
     `prompt_tokens_details` off leaves usage.prompt_tokens_details (cached tokens) out, as vLLM does without
     --enable-prompt-tokens-details. The waiting queue's limit is the host's (EngineHost(max_waiting=...)): it
-    is checked on the engine thread, where it cannot race."""
+    is checked on the engine thread, where it cannot race. A request's whole body must arrive within
+    `body_timeout` seconds (guard.py)."""
     app = FastAPI(title="nanoserve", version=server_version())
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name, routes=app.router.routes,
+                       body_timeout=body_timeout)
     app.add_middleware(AnthropicErrors)  # outside the guard: its 401 and 413 too
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
     ctx = RouteContext(host, model_name, Metrics(host.stats, model_name, host.engine_stats), trust_request_chat_template,

@@ -15,6 +15,10 @@ from nanoserve.server.context import APIError, RouteContext, not_json_message, s
 from nanoserve.server.openapi import ERRORS, NOT_KEPT, ok
 from nanoserve.server.schemas import Version
 
+# POST /knobs reads its body itself; declaring it documents it, and tells the guard the route takes one
+KNOBS_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"type": "object", "description": "live flags to change, e.g. {\"max_num_seqs\": 8}"}}}}}
+
 
 def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     """The routes probes, scrapers and operators call, over the host and the metrics."""
@@ -53,7 +57,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     async def knobs():
         return await host.knobs()
 
-    @routes.post("/knobs", responses={400: ERRORS[400], 401: ERRORS[401], 503: ERRORS[503]},
+    @routes.post("/knobs", responses={400: ERRORS[400], 401: ERRORS[401], 503: ERRORS[503]}, openapi_extra=KNOBS_BODY,
                  summary="Change live flags, e.g. {\"max_num_seqs\": 8}: checked as at start, in force from the "
                          "next step, logged as asked over HTTP. A flag that needs a restart is refused with the "
                          "live ones listed. Guarded by the API key")
