@@ -12,6 +12,7 @@ from nanoserve.server.body import (
     ClientLeft,
     declared_length,
     read_body,
+    replaying,
     sends_body,
     takes_body,
 )
@@ -64,7 +65,7 @@ class Guard:
         # the request's trace parent and API operation, for its span (read where the engine queues it)
         current_origin.set(TraceOrigin({name: headers[name.encode()].decode("latin-1") for name in TRACE_HEADERS
                                         if name.encode() in headers}, operation_of(scope["path"]), self.model_name))
-        await self.app(scope, _replaying(body, receive), send)
+        await self.app(scope, replaying(body, receive), send)
 
     def _key_matches(self, headers: dict) -> bool:
         """`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`; compared in constant time."""
@@ -79,16 +80,3 @@ def _closing(response, close: bool = True):
         response.headers["connection"] = "close"
     return response
 
-
-def _replaying(body: bytes, receive):
-    """A `receive` that hands the app the body already read, whole, then passes on to the client's."""
-    replayed = False
-
-    async def replay():
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # after the body: http.disconnect, which the routes watch for
-
-    return replay

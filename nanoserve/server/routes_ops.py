@@ -9,7 +9,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from nanoserve.errors import ConfigError
+from nanoserve.errors import ConfigError, shown
 from nanoserve.server.access import WITHHELD
 from nanoserve.server.context import APIError, RouteContext, not_json_message, server_version
 from nanoserve.server.openapi import ERRORS, NOT_KEPT, ok
@@ -86,7 +86,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     async def request_timeline(request_id: str):
         found = await host.request_timeline(request_id)
         if not found:
-            raise APIError(404, f"no request {request_id!r} is live or among the latest finished; "
+            raise APIError(404, f"no request {shown(request_id)} is live or among the latest finished; "
                                 "GET /requests lists the ones kept", "not_found_error")
         return {"request_id": request_id, "sequences": found}
 
