@@ -10,6 +10,7 @@ from nanoserve.config import EngineConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nanoserve.api_key import add_api_key_flags
     from nanoserve.flags import add_engine_flags
 
     parser = argparse.ArgumentParser(prog="nanoserve-console",
@@ -24,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attach", action="append", default=[], metavar="URL",
                         help="watch a nanoserve server that runs elsewhere (its /health) instead of starting "
                              "one; repeat for several (replicas), shown as tabs ([ and ] switch)")
-    parser.add_argument("--api-key", default=None,
-                        help="with --attach: the servers' --api-key, sent by the chat and load screens")
+    add_api_key_flags(parser, "with --attach: the servers' API key, sent for their stats and by the chat, load "
+                              "and flags screens")
     parser.add_argument("--keymap", action="append", default=[], metavar="ID=KEYS",
                         help="rebind a key by its binding id, e.g. --keymap quit=ctrl+q (repeatable; ids in ?)")
     return parser
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from console.app import NanoserveConsole
     from console.remote import AttachedServer
+    from nanoserve.api_key import resolve_api_key
+    from nanoserve.errors import ConfigError
     from nanoserve.flags import engine_flags
 
     parser = build_parser()
@@ -49,14 +52,18 @@ def main(argv: list[str] | None = None) -> int:
             named = ", ".join("--" + n.replace("_", "-") for n in given + (["port"] if args.port else []))
             parser.error(f"--attach watches servers that run elsewhere, with their own flags; {named} would "
                          "configure an engine here. Set them where the server runs, or drop --attach.")
-    elif args.api_key:
+    elif args.api_key or args.api_key_file:
         parser.error("--api-key is for --attach (the console's own server runs on loopback without a key)")
+    try:  # attached: the key as the server reads it (--api-key, --api-key-file, then the environment)
+        api_key = resolve_api_key(args.api_key, args.api_key_file)[0] if args.attach else None
+    except ConfigError as e:
+        parser.error(str(e))
     if args.once:
-        return print_attached(args.attach, args.refresh, args.api_key) if args.attach else \
+        return print_attached(args.attach, args.refresh, api_key) if args.attach else \
             print_once(EngineConfig.from_flags(**flags), args.port, args.refresh)
     if args.attach:
         app = NanoserveConsole(EngineConfig.from_flags(**flags), refresh_s=args.refresh,
-                               servers=[AttachedServer(url, args.refresh, args.api_key) for url in args.attach])
+                               servers=[AttachedServer(url, args.refresh, api_key) for url in args.attach])
     else:
         app = NanoserveConsole(EngineConfig.from_flags(**flags), port=args.port, refresh_s=args.refresh)
     app.set_keymap(keymap)

@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 
+from nanoserve.api_key import add_api_key_flags, resolve_api_key
 from nanoserve.errors import ConfigError, NanoserveError
 from nanoserve.flags import (
     add_data_parallel_flags,
@@ -132,13 +133,16 @@ def cmd_serve(args) -> int:
     flags = {**engine_flags(args), "model": serve_model(args)}
     from nanoserve.server.serve import DataParallel, Server
 
+    api_key, source = resolve_api_key(args.api_key, args.api_key_file)
+    if source is not None:
+        print(f"nanoserve: requiring the API key from {source}", flush=True)  # where from, never the key
     data_parallel = DataParallel(args.data_parallel_size, args.data_parallel_backend, args.ray_address,
                                  args.data_parallel_routing)
     server = Server(EngineConfig.from_flags(**flags), host=args.host, port=args.port,
-                    api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                    api_key=api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                     trust_request_chat_template=args.trust_request_chat_template,
                     shutdown_timeout=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
-                    header_timeout=args.header_timeout, tool_call_parser=args.tool_call_parser,
+                    header_timeout=args.header_timeout, body_timeout=args.body_timeout, tool_call_parser=args.tool_call_parser,
                     prompt_tokens_details=args.enable_prompt_tokens_details, data_parallel=data_parallel)
     server.run()
     return 0
@@ -173,9 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(same as --model; unset: the embedded default model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every route but /health's status word, "
-                            "/metrics, /version and the API docs (nanoserve/server/access.py)")
+    add_api_key_flags(serve, "require 'Authorization: Bearer KEY' on every route but /health's status word, "
+                             "/metrics, /version and the API docs (nanoserve/server/access.py)")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's)")
     serve.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it requests get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
@@ -186,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--header-timeout", type=float, default=15.0, metavar="S",
                        help="seconds a client has to send a request's headers before its connection is closed "
                             "(default 15)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                       help="seconds a client has to send a request's whole body once its headers are in; past "
+                            "them it is answered 408 and its connection closed (default 30)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (it is rendered on the server, so "
                             "by default such requests are refused)")

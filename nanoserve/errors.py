@@ -24,3 +24,13 @@ class RequestFault(NanoserveError):
 
 class GateError(NanoserveError):
     """A precondition of the decode fast path does not hold (a stale plan, a moved buffer, a shape too many)."""
+
+
+ECHO_CHARS = 200  # the most of a caller's input an error message repeats back
+
+
+def shown(value: object, limit: int = ECHO_CHARS) -> str:
+    """`value` as repr() writes it, cut to `limit` characters: enough to find the mistake, never the whole
+    (possibly megabytes of) input echoed into an error body and the log."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"

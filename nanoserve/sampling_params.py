@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from nanoserve.errors import RequestError
+from nanoserve.errors import RequestError, shown
 from nanoserve.structured.params import StructuredOutputsError, StructuredOutputsParams
 
 __all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
@@ -43,7 +43,7 @@ def _fail(name: str, message: str) -> NoReturn:
 
 
 def _type_name(value: object) -> str:
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {shown(value)}"
 
 
 def _as_int(name: str, value: object, example: str, allow_none: bool = False) -> int | None:
@@ -265,7 +265,7 @@ class SamplingParams:
             )
         if any(s == "" for s in stop):
             raise SamplingParamsError(
-                "stop", f"stop must not contain empty strings, got {list(stop)!r}; remove the empty string"
+                "stop", f"stop must not contain empty strings, got {shown(list(stop))}; remove the empty string"
             )
         return tuple(stop)
 
@@ -298,7 +298,7 @@ class SamplingParams:
         for key, value in bias.items():
             token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
             if _not_int(token) or token < 0:
-                raise SamplingParamsError("logit_bias", f"logit_bias key {key!r} is not a token id; use ids from "
+                raise SamplingParamsError("logit_bias", f"logit_bias key {shown(key)} is not a token id; use ids from "
                                                         "this model's tokenizer, e.g. {'1234': -100}")
             value = _as_float("logit_bias", value, f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:

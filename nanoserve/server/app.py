@@ -6,8 +6,8 @@ ignored with one warning in the log, as vLLM does (protocol.py lists which is wh
 included, is an OpenAI-shaped body, and a refused or disconnected request holds no blocks: requests are
 validated before they reach the engine, and a stream that ends early aborts its requests.
 
-This module is the wiring: the app, its middleware (guard.py: the API key and body limit; refusals.py), the
-error handlers and the OpenAPI document. The routes are one module per concern, each an `add_routes(router,
+This module is the wiring: the app, its middleware (guard.py: the API key and the body's budget and deadline;
+unicode_check.py: lone surrogates; refusals.py), the error handlers and the OpenAPI document. The routes are one module per concern, each an `add_routes(router,
 ctx)` over the shared RouteContext (context.py): routes_ops (/health, /metrics, /reset_prefix_cache,
 /version), routes_models, routes_tokens and routes_generate (completions and chat).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,12 +36,13 @@ from nanoserve.server.anthropic_errors import AnthropicErrors
 from nanoserve.server.context import APIError, RouteContext, not_json_message, server_version
 from nanoserve.server.context import error_response as _error
 from nanoserve.server.disconnect import ClientGone
-from nanoserve.server.guard import MAX_BODY_BYTES, Guard
+from nanoserve.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard
 from nanoserve.server.host import EngineFailure, EngineHost, HostStopped
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.openapi import install_openapi
 from nanoserve.server.protocol import error_body
 from nanoserve.server.refusals import CountRefusals
+from nanoserve.server.unicode_check import LoneSurrogates
 
 log = logging.getLogger("nanoserve.server")
 # Each adds its routes to the app's own router, in this order (the OpenAPI document's). Not include_router: in
@@ -50,15 +52,18 @@ ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, rout
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              prompt_tokens_details: bool = True) -> FastAPI:
+              prompt_tokens_details: bool = True, body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
     a template is code the server renders, so without it such a request is refused. `tool_call_parser` names
     the format tool_choice 'auto' reads calls in, when the chat template's own is not the one to use.
     `prompt_tokens_details` off leaves usage.prompt_tokens_details (cached tokens) out, as vLLM does without
     --enable-prompt-tokens-details. The waiting queue's limit is the host's (EngineHost(max_waiting=...)): it
-    is checked on the engine thread, where it cannot race."""
+    is checked on the engine thread, where it cannot race. A request's whole body must arrive within
+    `body_timeout` seconds (guard.py)."""
     app = FastAPI(title="nanoserve", version=server_version())
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name)
+    app.add_middleware(LoneSurrogates)  # innermost: it reads the body the guard hands on
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name, routes=app.router.routes,
+                       body_timeout=body_timeout)
     app.add_middleware(AnthropicErrors)  # outside the guard: its 401 and 413 too
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
     ctx = RouteContext(host, model_name, Metrics(host.stats, model_name, host.engine_stats), trust_request_chat_template,
@@ -141,5 +146,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(_, exc: Exception):
-        log.exception("request failed")
-        return _error(500, f"the server failed on this request: {exc}", "server_error")
+        # what failed is for the operator's log; the caller gets an id to quote, never the internals
+        error_id = uuid.uuid4().hex[:16]
+        log.exception("request failed (error id %s)", error_id)
+        return _error(500, f"the server failed on this request (error id {error_id}); the server's log has the "
+                           "details under that id", "server_error")

@@ -18,6 +18,7 @@ from importlib import metadata
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from nanoserve.errors import shown
 from nanoserve.server.disconnect import unless_disconnected
 from nanoserve.server.fanout import Fanout
 from nanoserve.server.host import EngineHost
@@ -109,7 +110,7 @@ class RouteContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+            raise APIError(404, f"model {shown(name)} is not served here; this server serves {self.model_name!r}",
                            "not_found_error", "model")
 
     def admit(self, body) -> None:

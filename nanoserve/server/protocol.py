@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from nanoserve.errors import shown
 from nanoserve.sampling import MAX_N, SamplingParams
 from nanoserve.structured.params import StructuredOutputsParams
 from nanoserve.tools.spec import ToolRequest, tool_request
@@ -288,7 +289,7 @@ class CompletionRequest(_Request):
         if prompt is None or isinstance(prompt, str):
             return data
         if not isinstance(prompt, list) or not prompt:
-            raise ValueError(f"prompt must be {PROMPT_SHAPES}; got {'an empty list' if prompt == [] else prompt!r}")
+            raise ValueError(f"prompt must be {PROMPT_SHAPES}; got {'an empty list' if prompt == [] else shown(prompt)}")
         kinds = {_prompt_item_kind(p) for p in prompt}
         if len(kinds) != 1 or None in kinds:
             raise ValueError(f"prompt must be {PROMPT_SHAPES}, not a mix or other values (booleans are not token "
@@ -474,6 +475,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+MESSAGE_CHARS = 1000  # an error message's length, past which it is cut (the messages themselves are a few lines)
+_INTERNALS = ("\n<backtrace>", "Traceback (most recent call last)", "\nstack backtrace:")
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
+    """The body; its message is cut before any traceback or backtrace a library wrote into it, and to
+    MESSAGE_CHARS, so no error body carries internals or repeats a whole input."""
+    for start in _INTERNALS:
+        message = message.split(start, 1)[0]
+    if len(message) > MESSAGE_CHARS:
+        message = f"{message[:MESSAGE_CHARS]}... (cut: the message ran to {len(message)} characters)"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

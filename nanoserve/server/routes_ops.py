@@ -9,11 +9,15 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from nanoserve.errors import ConfigError
+from nanoserve.errors import ConfigError, shown
 from nanoserve.server.access import WITHHELD
 from nanoserve.server.context import APIError, RouteContext, not_json_message, server_version
 from nanoserve.server.openapi import ERRORS, NOT_KEPT, ok
 from nanoserve.server.schemas import Version
+
+# POST /knobs reads its body itself; declaring it documents it, and tells the guard the route takes one
+KNOBS_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"type": "object", "description": "live flags to change, e.g. {\"max_num_seqs\": 8}"}}}}}
 
 
 def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
@@ -55,7 +59,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     async def knobs():
         return await host.knobs()
 
-    @routes.post("/knobs", responses={400: ERRORS[400], 401: ERRORS[401], 503: ERRORS[503]},
+    @routes.post("/knobs", responses={400: ERRORS[400], 401: ERRORS[401], 503: ERRORS[503]}, openapi_extra=KNOBS_BODY,
                  summary="Change live flags, e.g. {\"max_num_seqs\": 8}: checked as at start, in force from the "
                          "next step, logged as asked over HTTP. A flag that needs a restart is refused with the "
                          "live ones listed. Guarded by the API key")
@@ -84,7 +88,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     async def request_timeline(request_id: str):
         found = await host.request_timeline(request_id)
         if not found:
-            raise APIError(404, f"no request {request_id!r} is live or among the latest finished; "
+            raise APIError(404, f"no request {shown(request_id)} is live or among the latest finished; "
                                 "GET /requests lists the ones kept", "not_found_error")
         return {"request_id": request_id, "sequences": found}
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
+from nanoserve.errors import shown
 from nanoserve.server.context import APIError, RouteContext
 from nanoserve.server.disconnect import unless_disconnected
 from nanoserve.server.openapi import ERRORS
@@ -59,7 +60,7 @@ NOT_STORED = {404: {**ERRORS[404], "description": "No such response is stored (n
 def _stored(store: ResponseStore, response_id: str) -> Stored:
     kept = store.get(response_id)
     if kept is None:
-        raise APIError(404, f"no stored response {response_id!r}: responses are kept in memory for an hour, "
+        raise APIError(404, f"no stored response {shown(response_id)}: responses are kept in memory for an hour, "
                             f"within the store's bounds ({store.max_kept:,} responses, {store.max_bytes // 2**20} "
                             "MiB), and only with store true", "not_found_error", "response_id")
     return kept
@@ -140,7 +141,7 @@ def items_page(kept, order: str, limit: int, after: str | None) -> dict:
     if after is not None:
         ids = [item["id"] for item in data]
         if after not in ids:
-            raise APIError(400, f"after names {after!r}, which is not an input item of this response",
+            raise APIError(400, f"after names {shown(after)}, which is not an input item of this response",
                            param="after")
         data = data[ids.index(after) + 1:]
     page = data[:limit]

@@ -16,6 +16,7 @@ from nanoserve.engine import Engine
 from nanoserve.errors import ConfigError
 from nanoserve.server.access import is_loopback
 from nanoserve.server.app import build_app
+from nanoserve.server.guard import BODY_TIMEOUT_S
 from nanoserve.server.host import EngineHost
 from nanoserve.server.http import GracefulServer, header_timeout_protocol
 
@@ -30,12 +31,14 @@ class Server:
                  progress=None, trust_request_chat_template: bool = False, shutdown_timeout: float = 10.0,
                  tool_call_parser: str | None = None,
                  limit_concurrency: int | None = 1000, header_timeout: float = 15.0,
-                 prompt_tokens_details: bool = True, data_parallel: DataParallel | None = None):
+                 prompt_tokens_details: bool = True, data_parallel: DataParallel | None = None,
+                 body_timeout: float = BODY_TIMEOUT_S):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases.
 
         On a stop, requests in flight get `shutdown_timeout` seconds to finish before they are aborted.
-        `limit_concurrency` connections (uvicorn's limit: one more is answered 503) and `header_timeout`
-        seconds for a request's headers bound what clients that never finish can hold.
+        `limit_concurrency` connections (uvicorn's limit: one more is answered 503), `header_timeout` seconds
+        for a request's headers and `body_timeout` for its whole body bound what clients that never finish can
+        hold.
 
         The listening socket is bound first, before the model loads: a port already in use is refused at once
         with the fix, not after a load and a "serving" line (and uvicorn serves on this very socket, so nothing
@@ -53,7 +56,8 @@ class Server:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # what a client here sends
         self.app = build_app(self.host, self.model_name, api_key=api_key,
                              trust_request_chat_template=trust_request_chat_template,
-                             tool_call_parser=tool_call_parser, prompt_tokens_details=prompt_tokens_details)
+                             tool_call_parser=tool_call_parser, prompt_tokens_details=prompt_tokens_details,
+                             body_timeout=body_timeout)
         self.address = (host, self.socket.getsockname()[1])
         config = uvicorn.Config(self.app, host=host, port=self.address[1], log_level="warning",
                                 http=header_timeout_protocol(header_timeout), limit_concurrency=limit_concurrency,

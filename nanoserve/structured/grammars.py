@@ -14,6 +14,7 @@ event loop before a request reaches the engine, and the engine thread then finds
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from nanoserve.structured.params import StructuredOutputsError, StructuredOutputsParams
 from nanoserve.structured.schema import closed
 
+log = logging.getLogger("nanoserve.structured")
 CACHE_SIZE = 256  # distinct constraints kept compiled
 # Whitespace between JSON tokens, unless the request says otherwise: a line break with up to 32 spaces or tabs
 # of indent, or up to 32 of them inline. Enough for pretty-printed JSON; what it rules out are runs of blank
@@ -180,10 +182,10 @@ class Grammars:
         tokenizer = self.lltokenizer
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if failed:
-            raise StructuredOutputsError(f"structured output {spec.kind} is not usable: {messages[0]}")
+            raise StructuredOutputsError(f"structured output {spec.kind} is not usable: {_reason(messages[0])}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise StructuredOutputsError(f"structured output {spec.kind} is not usable: {matcher.get_error()}")
+            raise StructuredOutputsError(f"structured output {spec.kind} is not usable: {_reason(matcher.get_error())}")
         return matcher
 
 
@@ -206,4 +208,17 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
         return llguidance.grammar_from("grammar", spec.grammar)
     except (ValueError, RuntimeError, TypeError) as e:
-        raise StructuredOutputsError(f"structured output {spec.kind} is not usable: {e}") from None
+        raise StructuredOutputsError(f"structured output {spec.kind} is not usable: {_reason(str(e))}") from None
+
+
+REASON_CHARS = 300  # llguidance's reason, cut: it may quote the grammar or the schema it refused
+
+
+def _reason(text: str) -> str:
+    """llguidance's reason for refusing a constraint, fit for the caller: its first line, cut to REASON_CHARS. A
+    panic inside the compiler (with a backtrace) is logged and named as what it is, not repeated."""
+    if text.startswith("panic") or "<backtrace>" in text:
+        log.warning("the grammar compiler failed: %s", text)
+        return "the grammar compiler failed on it (it is too large or too complex); send a smaller constraint"
+    line = text.strip().split("\n", 1)[0]
+    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS] + "..."

@@ -19,6 +19,12 @@ from nanoserve.errors import RequestError
 __all__ = ["StructuredOutputsParams"]
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# What one constraint may weigh: each is compiled before the request is admitted, and past these a compile takes
+# seconds to minutes (100,000 choices: 69 s, then a failure inside the compiler), on a thread other requests share.
+MAX_CHOICES = 4096
+CHOICES_CHARS = 256 * 1024  # all the choices together
+TEXT_CHARS = {"regex": 10_000, "grammar": 100_000, "whitespace_pattern": 1_000}
+SCHEMA_CHARS = 100_000  # the JSON schema, as compact JSON text
 
 
 class StructuredOutputsError(RequestError):
@@ -54,6 +60,7 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (Mapping, bool)):
             raise StructuredOutputsError(f"structured_outputs.json must be a JSON schema (an object), got "
                                          f"{type(self.json).__name__}")
+        self._check_sizes()
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -69,6 +76,28 @@ class StructuredOutputsParams:
                 raise StructuredOutputsError(f"structured_outputs.{name} must be true or false")
         if self.disable_any_whitespace and self.whitespace_pattern is not None:
             raise StructuredOutputsError("disable_any_whitespace and whitespace_pattern disagree; send one")
+
+    def _check_sizes(self) -> None:
+        """Refuse a constraint past the limits above, naming the limit, before anything compiles it."""
+        for name, limit in TEXT_CHARS.items():
+            value = getattr(self, name)
+            if isinstance(value, str) and len(value) > limit:
+                raise StructuredOutputsError(f"structured_outputs.{name} is {len(value):,} characters; the limit is "
+                                             f"{limit:,}; send a shorter one")
+        if isinstance(self.choice, Sequence) and not isinstance(self.choice, str):
+            if len(self.choice) > MAX_CHOICES:
+                raise StructuredOutputsError(f"structured_outputs.choice (guided_choice) has {len(self.choice):,} "
+                                             f"entries; the limit is {MAX_CHOICES:,}; send fewer choices, or a "
+                                             "regex or grammar that covers them")
+            chars = sum(len(c) for c in self.choice if isinstance(c, str))
+            if chars > CHOICES_CHARS:
+                raise StructuredOutputsError(f"structured_outputs.choice (guided_choice) is {chars:,} characters in "
+                                             f"all; the limit is {CHOICES_CHARS:,}; send shorter or fewer choices")
+        if isinstance(self.json, Mapping):
+            chars = len(jsonlib.dumps(self.json, separators=(",", ":"), default=str))
+            if chars > SCHEMA_CHARS:
+                raise StructuredOutputsError(f"structured_outputs.json is a schema of {chars:,} characters (as "
+                                             f"compact JSON); the limit is {SCHEMA_CHARS:,}; send a smaller one")
 
     @property
     def kind(self) -> str:
