@@ -1,8 +1,9 @@
 """A failure that belongs to one request ends that request alone.
 
 A grammar can compile and still fail while generating: llguidance holds at most 2,000 items in a parser row, so a
-Lark rule of 20,000 alternatives, or a JSON schema's `anyOf` of 5,000, compiles and then fails on its first
-token. That failure is the request's own: it ends with finish reason "error" and a message naming the limit
+Lark rule of 5,000 alternatives (65,000 characters, inside the 100,000-character grammar limit) compiles and
+then fails on its first token. (A JSON schema's `anyOf` that would fail so, 5,000 objects, is past the schema
+size limit and refused before it is compiled.) That failure is the request's own: it ends with finish reason "error" and a message naming the limit
 (a 400 for a caller waiting on the whole answer, an error event in a stream), while every other request in the
 same steps goes on with the bytes it would have had alone, and /health stays "ok" (it says "unhealthy" for
 engine faults only, never with another caller's text)."""
@@ -23,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The river ran", "Seven small boats", "In the morning the"]
 
 
-def wide_lark(n: int = 20_000) -> str:
+def wide_lark(n: int = 5_000) -> str:
     """A rule of `n` distinct 8-letter words: it compiles, then fails on the first token it takes."""
     rng = random.Random(0)
     words = {"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8)) for _ in range(n)}
@@ -46,10 +47,14 @@ def alone(ckpt):
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("constraint", [{"grammar": wide_lark()}, {"json": wide_any_of()}], ids=["lark", "any-of"])
-def test_a_grammar_that_fails_while_generating_ends_its_request_alone(ckpt, alone, constraint):
+def test_a_schema_that_would_fail_while_generating_is_refused_before_it_compiles():
+    with pytest.raises(ValueError, match="the limit is 100,000"):
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs={"json": wide_any_of()})
+
+
+def test_a_grammar_that_fails_while_generating_ends_its_request_alone(ckpt, alone):
     llm = LLM(model=ckpt, max_model_len=128, kv_cache_gib=0.01)
-    failing = SamplingParams(temperature=0, max_tokens=12, structured_outputs=constraint)
+    failing = SamplingParams(temperature=0, max_tokens=12, structured_outputs={"grammar": wide_lark()})
     outs = llm.generate([*PROMPTS, "Say it"], [GREEDY] * len(PROMPTS) + [failing], use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs[:3]] == [list(t) for t in alone]
     assert all(o.outputs[0].finish_reason == "length" and o.error is None for o in outs[:3])

@@ -113,7 +113,7 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
         return True
 
 
-def wide_lark(n: int = 20_000) -> str:
+def wide_lark(n: int = 5_000) -> str:
     rng = random.Random(0)
     words = {"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8)) for _ in range(n)}
     return "start: " + " | ".join(f'"{w}"' for w in sorted(words))
