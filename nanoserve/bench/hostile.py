@@ -103,15 +103,27 @@ async def _attack_all(target: Target, chosen: list) -> tuple[list[dict], dict]:
     return rows, dict(tally)
 
 
-def _settled_blocks(server, headers: dict, seconds: float = 30.0) -> int:
-    """KV blocks still held once nothing runs (0 when every attack let go of what it took)."""
+def _settled_blocks(server, headers: dict, seconds: float = 30.0) -> int | None:
+    """KV blocks still held once nothing runs (0 when every attack let go of what it took); None when /health never
+    answered with the KV section (an attack broke it)."""
     deadline = time.monotonic() + seconds
+    held = None
     while True:
-        kv = httpx.get(server.url + "/health", headers=headers, timeout=30).json()["kv"]
-        held = kv["blocks_total"] - kv["blocks_free"]
-        if not held or time.monotonic() > deadline:
+        kv = _health(server, headers)[1].get("kv")
+        if kv:
+            held = kv["blocks_total"] - kv["blocks_free"]
+        if held == 0 or time.monotonic() > deadline:
             return held
         time.sleep(0.2)
+
+
+def _health(server, headers: dict) -> tuple[int, dict]:
+    """/health's status code and body ({} when it is not JSON)."""
+    try:
+        r = httpx.get(server.url + "/health", headers=headers, timeout=30)
+        return r.status_code, r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        return 0, {"status": type(e).__name__}
 
 
 def main(args) -> int:
@@ -130,7 +142,7 @@ def main(args) -> int:
         rss_start = resident_mib()
         rows, plain = asyncio.run(_attack_all(target, chosen))
         blocks = _settled_blocks(server, target.headers)
-        health = httpx.get(server.url + "/health", headers=target.headers, timeout=30)
+        health = _health(server, target.headers)
         rss_end = resident_mib()
     finally:
         server.stop()
@@ -143,11 +155,11 @@ def main(args) -> int:
         {"measure": "plain requests beside them: answered / failed (must be 0)",
          "value": f"{plain.get('ok', 0)} / {failed_plain}"},
         {"measure": "KV blocks held at the end (must be 0)", "value": blocks},
-        {"measure": "/health at the end", "value": f"{health.status_code} {health.json().get('status')}"},
+        {"measure": "/health at the end", "value": f"{health[0]} {health[1].get('status')}"},
         {"measure": "resident memory start / end (MiB)", "value": f"{rss_start:,.0f} / {rss_end:,.0f}"},
     ]
     print_table("account", summary, ["measure", "value"])
     path = write_results(args.out, "hostile", {"attacks": rows, "plain": plain, "summary": summary}, rows, args)
     print(f"\nwrote {path}")
     broken = [r for r in rows if r["verdict"] == "BROKE"]
-    return 1 if broken or failed_plain or blocks or health.status_code != 200 else 0
+    return 1 if broken or failed_plain or blocks != 0 or health[0] != 200 else 0

@@ -3,10 +3,13 @@ of every request.
 
 Clients send streamed and non-streamed completions and chats, greedy and sampled; some disconnect mid-stream,
 some abandon a non-streamed call before its answer, some send hostile bodies; one reads a long stream slowly;
-the engine is restarted with new flags half-way; one forward in 500 fails on purpose (--fault-every; 0 for none)
-to prove a failure ends only its own requests. /health is polled throughout. The table says what every client received,
-and what the server still holds at the end: blocks (must be 0), live requests (0), requests the host admitted
-but never answered (0), 5xx outside the injected faults (0).
+one hostile caller runs every attack of bench/attacks.py in turn, and each must hold. One engine is restarted
+with new flags half-way and one forward in 500 fails on purpose (--fault-every; 0 for none) to prove a failure
+ends only its own requests; under --data-parallel-size N a replica is killed every --kill-every seconds instead.
+The open /health is polled throughout, and the server's resident memory sampled. The table says what every
+client received, and what the server still holds at the end: blocks (must be 0), live requests (0), requests
+the host admitted but never answered (0), 5xx outside the injected faults and killed replicas (0), and memory
+within 10% of what it held after the first minute.
 """
 
 from __future__ import annotations
@@ -14,20 +17,26 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
 
+from nanoserve.bench.attacks import ATTACKS, run_one
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.hostile import chunked_oversize, hostile_bodies
-from nanoserve.bench.memory import resident_mib, trimmed_resident_mib
-from nanoserve.flags import add_engine_flags, engine_flags
+from nanoserve.bench.soak_server import SoakServer
+from nanoserve.flags import add_data_parallel_flags, add_engine_flags, engine_flags
 from nanoserve.stats import percentiles
 from nanoserve.workload import SAMPLED, pick_prompts
 
 FAULT_EVERY = 500  # a few faults a minute on the default model: each ends its step's requests, and no others
+KILL_EVERY_S = 240.0  # data parallel: a replica killed this often (a rejoin takes a few seconds to a minute)
+RSS_SETTLED_S = 60.0  # memory is held to its value this far in (the first minute warms caches and pools)
+RSS_GROWTH = 0.10  # the most resident memory may grow past that value by the end
+ATTACK_PAUSE_S = 2.0  # between two attacks of the hostile caller
 
 
 def add_parser(sub) -> None:
@@ -40,8 +49,13 @@ def add_parser(sub) -> None:
     p.add_argument("--fault-every", type=int, default=FAULT_EVERY,
                    help=f"fail one engine forward in N on purpose (default {FAULT_EVERY}; 0: none); their requests "
                         "must end with an error and no other request may")
+    p.add_argument("--kill-every", type=float, default=KILL_EVERY_S,
+                   help=f"with --data-parallel-size: SIGKILL a replica every S seconds, in turn (default "
+                        f"{KILL_EVERY_S:.0f}; 0: none); its requests must end with an error and it must rejoin")
+    p.add_argument("--no-attacks", action="store_true", help="leave out the hostile caller's attacks")
     p.add_argument("--traffic-seed", type=int, default=0, help="seeds the traffic mix (the engine has --seed)")
     p.add_argument("--out", default="bench-results")
+    add_data_parallel_flags(p)
     add_engine_flags(p)
 
 
@@ -53,6 +67,8 @@ class Tally:
     broken: list[str] = field(default_factory=list)
     health_latency: list[float] = field(default_factory=list)
     health_failures: int = 0
+    attacks: list[dict] = field(default_factory=list)
+    rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the run, MiB)
 
     def add(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
@@ -63,25 +79,13 @@ class Tally:
             self.broken.append(what)
 
 
-class FaultInjector:
-    """Wraps the engine's forward: every Nth call raises, as a kernel fault would (0: never)."""
-
-    def __init__(self, every: int):
-        self.every, self.calls, self.injected = every, 0, 0
-
-    def install(self, engine) -> None:
-        if not self.every:
-            return
-        real = engine.runner.model.forward
-
-        def forward(*args, **kwargs):
-            self.calls += 1
-            if self.calls % self.every == 0:
-                self.injected += 1
-                raise RuntimeError("injected fault (bench soak --fault-every)")
-            return real(*args, **kwargs)
-
-        engine.runner.model.forward = forward
+def _on_purpose(message: str) -> str | None:
+    """What the soak did on purpose that this error reports (an injected fault, a killed replica), or None."""
+    if "injected fault" in message:
+        return "injected fault"
+    if re.search(r"replica \d+ stopped", message):
+        return "killed replica"
+    return None
 
 
 def _error_kind(status: int, raw: bytes) -> str | None:
@@ -94,8 +98,9 @@ def _error_kind(status: int, raw: bytes) -> str | None:
 
 
 class Soak:
-    def __init__(self, url: str, max_model_len: int, args, tally: Tally):
-        self.url, self.args, self.tally = url, args, tally
+    def __init__(self, server: SoakServer, args, tally: Tally):
+        self.server, self.url, self.args, self.tally = server, server.url, args, tally
+        max_model_len = server.max_model_len
         self.rng = random.Random(args.traffic_seed)
         self.prompts = pick_prompts(16)
         self.hostile = hostile_bodies(max_model_len)
@@ -153,8 +158,8 @@ class Soak:
     def stream_ended(self, finish: list[str], events: int) -> None:
         errors = [f for f in finish if f.startswith("error:")]
         if errors:
-            return self.tally.add("stream: error event (injected fault)" if "injected fault" in errors[0]
-                                  else "stream: error event (not injected)")
+            cause = _on_purpose(errors[0])
+            return self.tally.add(f"stream: error event ({cause or 'not on purpose'})")
         if not finish:
             return self.tally.bad(f"a stream reached [DONE] with no finish_reason after {events} events")
         self.tally.add(f"stream finished: {'abort' if 'abort' in finish else 'stop/length'}")
@@ -180,8 +185,7 @@ class Soak:
         if message is None:
             return self.tally.bad(f"HTTP {status} without an OpenAI error body: {raw[:200]!r}")
         if status >= 500 and status != 503:
-            kind = "injected fault" if "injected fault" in message else "NOT injected"
-            return self.tally.add(f"{status} ({kind})")
+            return self.tally.add(f"{status} ({_on_purpose(message) or 'NOT on purpose'})")
         self.tally.add(f"refused {status}")
 
     async def hostile_request(self, http, rng: random.Random) -> None:
@@ -231,17 +235,62 @@ class Soak:
             except httpx.HTTPError as e:
                 self.tally.bad(f"slow reader: {e!r}")
 
-    async def health(self, http, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            start = time.perf_counter()
-            try:
-                r = await http.get(self.url + "/health")
-                self.tally.health_latency.append(time.perf_counter() - start)
-                if r.status_code not in (200, 503):
+    async def health(self, stop: asyncio.Event) -> None:
+        """The open /health (no key), as a load balancer's probe reads it."""
+        async with httpx.AsyncClient(timeout=30) as http:
+            while not stop.is_set():
+                start = time.perf_counter()
+                try:
+                    r = await http.get(self.url + "/health")
+                    self.tally.health_latency.append(time.perf_counter() - start)
+                    if r.status_code not in (200, 503):
+                        self.tally.health_failures += 1
+                except httpx.HTTPError:
                     self.tally.health_failures += 1
-            except httpx.HTTPError:
-                self.tally.health_failures += 1
-            await asyncio.sleep(0.2)
+                await asyncio.sleep(0.2)
+
+    async def attacker(self, stop: asyncio.Event) -> None:
+        """The hostile caller: every attack in turn, again and again; each must hold."""
+        target = self.server.target()
+        async with httpx.AsyncClient(timeout=120) as http:
+            while not stop.is_set():
+                for name, _, attack in ATTACKS:
+                    if stop.is_set():
+                        return
+                    outcome = await run_one(attack, target, http)
+                    if outcome.held is False:
+                        self.tally.bad(f"attack {name!r} broke the server: {outcome.said[:200]}")
+                    elif outcome.held:
+                        self.tally.add("attack held")
+                    self.tally.attacks.append({"attack": name, "held": outcome.held,
+                                               "seconds": round(outcome.seconds, 2)})
+                    await asyncio.sleep(ATTACK_PAUSE_S)
+
+    async def memory(self, stop: asyncio.Event, every: float) -> None:
+        started = time.monotonic()
+        while True:
+            mib = await asyncio.to_thread(self.server.resident_mib)
+            self.tally.rss.append((time.monotonic() - started, mib))
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+                return
+            except asyncio.TimeoutError:
+                pass
+
+    async def disruptions(self, duration: float, stop: asyncio.Event) -> None:
+        """One engine: the restart half-way. Data parallel: a replica killed every --kill-every seconds."""
+        if not self.server.parallel:
+            if self.args.restart_flags:
+                await asyncio.sleep(duration / 2)
+                await asyncio.to_thread(self.server.restart)
+            return
+        every = self.args.kill_every
+        while every and not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+                return
+            except asyncio.TimeoutError:
+                await asyncio.to_thread(self.server.kill_replica)
 
     async def client(self, http, seed: int, stop: asyncio.Event) -> None:
         rng = random.Random(seed)
@@ -259,73 +308,58 @@ class Soak:
             return f"hostile body {rng.choice(self.hostile)[0]!r}"
         return json.dumps(self.body(rng))[:200]
 
-    async def run(self, duration: float, restart) -> float:
+    async def run(self, duration: float) -> float:
         stop = asyncio.Event()
         limits = httpx.Limits(max_connections=self.args.clients + 8)
-        async with httpx.AsyncClient(timeout=30, limits=limits) as http:
+        async with httpx.AsyncClient(timeout=30, limits=limits, headers=self.server.target().headers) as http:
             tasks = [asyncio.create_task(self.client(http, self.args.traffic_seed * 1000 + i, stop))
                      for i in range(self.args.clients)]
-            tasks += [asyncio.create_task(self.slow_reader(http, stop)), asyncio.create_task(self.health(http, stop))]
+            tasks += [asyncio.create_task(self.slow_reader(http, stop)), asyncio.create_task(self.health(stop)),
+                      asyncio.create_task(self.memory(stop, min(RSS_SETTLED_S, duration / 6)))]
+            if not self.args.no_attacks:
+                tasks.append(asyncio.create_task(self.attacker(stop)))
             started = time.monotonic()
-            await asyncio.sleep(duration / 2)
-            if restart is not None:
-                await asyncio.to_thread(restart)
-            await asyncio.sleep(max(0.0, duration - (time.monotonic() - started)))
+            disruptions = asyncio.create_task(self.disruptions(duration, stop))
+            await asyncio.sleep(duration)
             stop.set()
-            await asyncio.gather(*tasks)
+            await asyncio.gather(*tasks, disruptions)
             return time.monotonic() - started
 
 
 def soak(config, args) -> dict:
-    """Serve `config` in this process, run the traffic, and return the account (see the module docstring)."""
-    from nanoserve.ab import variant
-    from nanoserve.server.serve import Server
-
-    server = Server(config, port=0, served_model_name=None).start()
-    faults = FaultInjector(args.fault_every)
-    faults.install(server.host.engine)
+    """Serve `config` in this process (or its replicas), run the traffic, and return the account (see the module
+    docstring)."""
+    server = SoakServer(config, args)
     tally = Tally()
-    restarted = {}
-
-    def restart() -> None:
-        new = variant(server.host.engine.config, args.restart_flags.replace(",", " "))
-        started = time.monotonic()
-        server.host.restart(new)
-        faults.install(server.host.engine)
-        restarted["seconds"] = time.monotonic() - started
-
     try:
-        rss_start = trimmed_resident_mib()
-        runner = Soak(server.url, server.host.engine.max_model_len, args, tally)
-        duration = asyncio.run(runner.run(args.duration, restart if args.restart_flags else None))
-        settle = time.monotonic() + 30
-        while server.host.live_requests() and time.monotonic() < settle:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        kv = server.host.stats().kv
-        account = server.host.accounting()
-        engine = server.host.engine
-        queue = engine.scheduler_stats()
-        leftovers = {**engine.output_processor.leftovers(), "running": queue.running, "waiting": queue.waiting}
-        rss_end = resident_mib()
-        rss_trimmed = trimmed_resident_mib()
+        runner = Soak(server, args, tally)
+        duration = asyncio.run(runner.run(args.duration))
+        server.settle()
+        account = server.account()
+        rss_end = server.resident_mib()
     finally:
         server.stop()
     sent = sum(tally.outcomes.values())
-    five_xx = sum(n for k, n in tally.outcomes.items() if k.startswith("5") and "NOT injected" in k) + \
-        tally.outcomes.get("stream: error event (not injected)", 0)
+    five_xx = sum(n for k, n in tally.outcomes.items() if k.startswith("5") and "NOT on purpose" in k) + \
+        tally.outcomes.get("stream: error event (not on purpose)", 0)
     return {
         "duration_s": duration, "requests_sent": sent, "outcomes": dict(sorted(tally.outcomes.items())),
-        "broken": tally.broken, "five_xx_not_injected": five_xx, "fault_every": args.fault_every,
-        "faults_injected": faults.injected,
-        "blocks_held_at_end": kv.blocks_total - kv.blocks_free, "host": account,
-        "unanswered": account["admitted"] - account["ended"] - account["live"] - account["dropped"],
-        "restart_s": restarted.get("seconds"), "rss_mib_start": rss_start, "rss_mib_end": rss_end,
-        "rss_mib_end_trimmed": rss_trimmed, "engine_leftovers": leftovers,
+        "broken": tally.broken, "five_xx_not_on_purpose": five_xx, "fault_every": server.faults.every,
+        "faults_injected": server.faults.injected, "replicas_killed": server.kills, **account,
+        "unanswered": account["host"]["admitted"] - account["host"]["ended"] - account["host"]["live"]
+        - account["host"]["dropped"],
+        "restart_s": server.restart_s, "rss_mib": tally.rss + [(duration, rss_end)],
+        "attacks": tally.attacks, "data_parallel_size": args.data_parallel_size,
         "health_polls": len(tally.health_latency), "health_failures": tally.health_failures,
         "health_p50_ms": 1000 * percentiles(tally.health_latency, 0.5)[0] if tally.health_latency else None,
         "health_p99_ms": 1000 * percentiles(tally.health_latency, 0.99)[0] if tally.health_latency else None,
     }
+
+
+def rss_settled(samples: list[tuple[float, float]], duration: float) -> float:
+    """Resident memory once warm: the first sample at least a minute in (a third of the way in on a shorter run)."""
+    settled_at = min(RSS_SETTLED_S, duration / 3)
+    return next(mib for t, mib in samples if t >= settled_at)
 
 
 def clean(result: dict) -> list[str]:
@@ -333,7 +367,7 @@ def clean(result: dict) -> list[str]:
     problems = []
     if result["broken"] or result["outcomes"].get("broken"):
         problems.append(f"{result['outcomes'].get('broken', 0)} broken responses: {result['broken'][:3]}")
-    for key in ("five_xx_not_injected", "blocks_held_at_end", "unanswered", "health_failures"):
+    for key in ("five_xx_not_on_purpose", "blocks_held_at_end", "unanswered", "health_failures"):
         if result[key]:
             problems.append(f"{key} = {result[key]}")
     if any(result["engine_leftovers"].values()):
@@ -344,7 +378,35 @@ def clean(result: dict) -> list[str]:
         problems.append(f"no fault was injected in {result['duration_s']:.0f} s (one forward in "
                         f"{result['fault_every']} fails): the run proves nothing about faults; run it longer "
                         "(--duration) or fail more often (a smaller --fault-every)")
+    if result["replicas_ready"] is not None and result["replicas_ready"] < result["data_parallel_size"]:
+        problems.append(f"only {result['replicas_ready']} of {result['data_parallel_size']} replicas ready at the end")
+    settled, end = rss_settled(result["rss_mib"], result["duration_s"]), result["rss_mib"][-1][1]
+    if end > settled * (1 + RSS_GROWTH):
+        problems.append(f"resident memory grew from {settled:,.0f} MiB (warm) to {end:,.0f} MiB at the end, past "
+                        f"{RSS_GROWTH:.0%}")
     return problems
+
+
+def _summary(result: dict, args) -> list[dict]:
+    leftovers = result["engine_leftovers"]
+    settled = rss_settled(result["rss_mib"], result["duration_s"])
+    return [
+        {"measure": "5xx not on purpose (must be 0)", "value": result["five_xx_not_on_purpose"]},
+        {"measure": "blocks held at the end (must be 0)", "value": result["blocks_held_at_end"]},
+        {"measure": "requests admitted / ended / live / dropped",
+         "value": "{admitted} / {ended} / {live} / {dropped}".format(**result["host"])},
+        {"measure": "requests unanswered (must be 0)", "value": result["unanswered"]},
+        {"measure": "broken responses (must be 0)", "value": result["outcomes"].get("broken", 0)},
+        {"measure": "attacks held / run", "value": f"{sum(a['held'] is True for a in result['attacks'])} / "
+                                                   f"{sum(a['held'] is not None for a in result['attacks'])}"},
+        {"measure": "engine restart (s)" if args.data_parallel_size == 1 else "replicas killed",
+         "value": result["restart_s"] if args.data_parallel_size == 1 else result["replicas_killed"]},
+        {"measure": "resident memory warm / end (MiB)",
+         "value": f"{settled:,.0f} / {result['rss_mib'][-1][1]:,.0f} ({result['rss_mib'][-1][1] / settled - 1:+.1%})"},
+        {"measure": "requests left in the engine", "value": ", ".join(f"{k} {v}" for k, v in leftovers.items())},
+        {"measure": "/health polls, p50 / p99 (ms)",
+         "value": f"{result['health_polls']}, {result['health_p50_ms']:.1f} / {result['health_p99_ms']:.1f}"},
+    ]
 
 
 def main(args) -> int:
@@ -353,25 +415,14 @@ def main(args) -> int:
     config = EngineConfig.from_flags(**engine_flags(args))
     result = soak(config, args)
     rows = [{"outcome": k, "requests": n} for k, n in result["outcomes"].items()]
+    disruption = (f"restart to {args.restart_flags or 'none'}, {result['faults_injected']} faults injected"
+                  if args.data_parallel_size == 1 else
+                  f"{args.data_parallel_size} replicas, {result['replicas_killed']} killed")
     print_table(f"bench soak: {result['requests_sent']} requests in {result['duration_s']:.0f} s, "
-                f"{args.clients} clients, restart to {args.restart_flags or 'none'}, "
-                f"{result['faults_injected']} faults injected", rows, ["outcome", "requests"])
-    summary = [
-        {"measure": "5xx not injected (must be 0)", "value": result["five_xx_not_injected"]},
-        {"measure": "blocks held at the end (must be 0)", "value": result["blocks_held_at_end"]},
-        {"measure": "requests admitted / ended / live / dropped",
-         "value": "{admitted} / {ended} / {live} / {dropped}".format(**result["host"])},
-        {"measure": "requests unanswered (must be 0)", "value": result["unanswered"]},
-        {"measure": "broken responses (must be 0)", "value": result["outcomes"].get("broken", 0)},
-        {"measure": "engine restart (s)", "value": result["restart_s"]},
-        {"measure": "resident memory start / end / end trimmed (MiB)",
-         "value": f"{result['rss_mib_start']:,.0f} / {result['rss_mib_end']:,.0f} / "
-                  f"{result['rss_mib_end_trimmed']:,.0f}"},
-        {"measure": "engine requests left (groups, streams, rows)", "value": "{groups}, {streams}, {running}+{waiting}"
-         .format(**result["engine_leftovers"])},
-        {"measure": "/health polls, p50 / p99 (ms)",
-         "value": f"{result['health_polls']}, {result['health_p50_ms']:.1f} / {result['health_p99_ms']:.1f}"},
-    ]
+                f"{args.clients} clients, {disruption}", rows, ["outcome", "requests"])
+    print_table("resident memory over time", [{"seconds": round(t), "MiB": round(mib)} for t, mib in result["rss_mib"]],
+                ["seconds", "MiB"])
+    summary = _summary(result, args)
     print_table("account", summary, ["measure", "value"])
     for line in result["broken"]:
         print("  broken:", line)
