@@ -36,6 +36,7 @@ FAULT_EVERY = 500  # a few faults a minute on the default model: each ends its s
 KILL_EVERY_S = 240.0  # data parallel: a replica killed this often (a rejoin takes a few seconds to a minute)
 RSS_SETTLED_S = 60.0  # memory is held to its value this far in (the first minute warms caches and pools)
 RSS_GROWTH = 0.10  # the most resident memory may grow past that value by the end
+RETRY_AFTER_503_S = 0.25  # a client refused with 503 (the engine restarting, no replica ready) waits this long
 ATTACK_PAUSE_S = 2.0  # between two attacks of the hostile caller
 
 
@@ -296,11 +297,14 @@ class Soak:
         rng = random.Random(seed)
         while not stop.is_set():
             state = rng.getstate()
+            refused = self.tally.outcomes["refused 503"]
             try:
                 await self.one(http, rng)
             except httpx.HTTPError as e:
                 rng.setstate(state)  # replay the choice to say which request it was
                 self.tally.bad(f"transport error {e!r} on {self.describe(rng)}")
+            if self.tally.outcomes["refused 503"] > refused:
+                await asyncio.sleep(RETRY_AFTER_503_S)  # as a client told to retry later would
 
     def describe(self, rng: random.Random) -> str:
         roll = rng.random()
