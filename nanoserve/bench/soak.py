@@ -271,7 +271,8 @@ class Soak:
         started = time.monotonic()
         while True:
             mib = await asyncio.to_thread(self.server.resident_mib)
-            self.tally.rss.append((time.monotonic() - started, mib))
+            if mib is not None:
+                self.tally.rss.append((time.monotonic() - started, mib))
             try:
                 await asyncio.wait_for(stop.wait(), every)
                 return
@@ -352,7 +353,7 @@ def soak(config, args) -> dict:
         "faults_injected": server.faults.injected, "replicas_killed": server.kills, **account,
         "unanswered": account["host"]["admitted"] - account["host"]["ended"] - account["host"]["live"]
         - account["host"]["dropped"],
-        "restart_s": server.restart_s, "rss_mib": tally.rss + [(duration, rss_end)],
+        "restart_s": server.restart_s, "rss_mib": tally.rss + ([(duration, rss_end)] if rss_end is not None else []),
         "attacks": tally.attacks, "data_parallel_size": args.data_parallel_size,
         "health_polls": len(tally.health_latency), "health_failures": tally.health_failures,
         "health_p50_ms": 1000 * percentiles(tally.health_latency, 0.5)[0] if tally.health_latency else None,
@@ -363,7 +364,7 @@ def soak(config, args) -> dict:
 def rss_settled(samples: list[tuple[float, float]], duration: float) -> float:
     """Resident memory once warm: the first sample at least a minute in (a third of the way in on a shorter run)."""
     settled_at = min(RSS_SETTLED_S, duration / 3)
-    return next(mib for t, mib in samples if t >= settled_at)
+    return next((mib for t, mib in samples if t >= settled_at), samples[-1][1])
 
 
 def clean(result: dict) -> list[str]:

@@ -98,8 +98,11 @@ class SoakServer:
         self.host.launcher.kill(rank)
         self.kills += 1
 
-    def resident_mib(self) -> float:
-        """This process's memory (after glibc hands back free arenas) plus every live replica's."""
+    def resident_mib(self) -> float | None:
+        """This process's memory (after glibc hands back free arenas) plus every replica's; None while a replica
+        is down or loading (its memory is on its way back, not a figure to hold the run to)."""
+        if not self._all_ready():
+            return None
         total = trimmed_resident_mib()
         if self.parallel:
             total += sum(process_resident_mib(link.pid) for link in self.host.links if link.pid)
