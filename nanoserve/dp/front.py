@@ -7,7 +7,8 @@ its live requests ended at once with an EngineFailure (a stream gets its error e
 around, and is started again with a growing pause between tries; it takes requests again once it says Ready.
 
 Threads: the event loop opens and aborts requests; one reader per replica connection delivers what the replica
-says; an acceptor takes replicas' connections; restarts run on timers. `_lock` guards the request table.
+says; the listener (listener.py) takes replicas' connections, each handshake on its own thread; restarts run on
+timers. `_lock` guards the request table.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 
 from nanoserve.dp import messages as m
 from nanoserve.dp.link import FrontModel, LiveRequest, ReplicaFailures, ReplicaLink
+from nanoserve.dp.listener import ReplicaListener
 from nanoserve.dp.merge import FrontLatency, merge
 from nanoserve.dp.routing import ReplicaView, Router, prompt_chain
 from nanoserve.errors import NanoserveError, RequestError
@@ -67,9 +69,8 @@ class DataParallelHost:
         self._live_changes: list[tuple[dict, str]] = []  # POST /knobs changes, for a restarted replica
         self._changed = threading.Condition()
         self._authkey = secrets.token_bytes(32)
-        self._listener = Listener((launcher.listen_host, 0), authkey=self._authkey)
+        self._listener = ReplicaListener(launcher.listen_host, self._authkey, self._joined)
         self.address = self._listener.address
-        threading.Thread(target=self._accept, name="nanoserve-dp-accept", daemon=True).start()
         progress = progress or (lambda phase: None)
         progress(f"starting {size} replicas ({launcher.backend})")
         for link in self.links:
@@ -97,22 +98,15 @@ class DataParallelHost:
         self._started = True
         progress("ready")
 
-    def _accept(self) -> None:
-        while not self._stopping:
-            try:
-                conn = self._listener.accept()
-                hello = conn.recv()
-            except (OSError, EOFError):  # the listener closed (shutdown), or a connection that failed its key
-                if self._stopping:
-                    return
-                continue
-            if not isinstance(hello, m.Hello) or not 0 <= hello.rank < self.size:
-                conn.close()
-                continue
-            link = self.links[hello.rank]
-            link.conn, link.pid, link.node, link.actor_id = conn, hello.pid, hello.node, hello.actor_id
-            threading.Thread(target=self._read, args=(link, conn), name=f"nanoserve-dp-read-{link.rank}",
-                             daemon=True).start()
+    def _joined(self, conn: Connection, hello) -> bool:
+        """A connection that proved the authkey (listener.py): a replica's, when it says Hello with its rank."""
+        if not isinstance(hello, m.Hello) or not 0 <= hello.rank < self.size:
+            return False
+        link = self.links[hello.rank]
+        link.conn, link.pid, link.node, link.actor_id = conn, hello.pid, hello.node, hello.actor_id
+        threading.Thread(target=self._read, args=(link, conn), name=f"nanoserve-dp-read-{link.rank}",
+                         daemon=True).start()
+        return True
 
     def _read(self, link: ReplicaLink, conn: Connection) -> None:
         """Everything replica `link` says, until its connection drops."""
