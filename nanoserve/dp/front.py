@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from nanoserve.dp import messages as m
 from nanoserve.dp.link import FrontModel, LiveRequest, ReplicaFailures, ReplicaLink
 from nanoserve.dp.listener import ReplicaListener
+from nanoserve.dp.live_flags import LiveFlags
 from nanoserve.dp.merge import FrontLatency, merge
 from nanoserve.dp.routing import ReplicaView, Router, prompt_chain
 from nanoserve.errors import NanoserveError, RequestError
@@ -66,7 +67,7 @@ class DataParallelHost:
         self._closed: str | None = None
         self._stopping = False
         self._started = False  # every replica was ready once: from then on a lost one is started again
-        self._live_changes: list[tuple[dict, str]] = []  # POST /knobs changes, for a restarted replica
+        self.live_flags = LiveFlags()  # POST /knobs changes, for a restarted replica
         self._changed = threading.Condition()
         self._authkey = secrets.token_bytes(32)
         self._listener = ReplicaListener(launcher.listen_host, self._authkey, self._joined)
@@ -127,8 +128,9 @@ class DataParallelHost:
     def _on_ready(self, link: ReplicaLink, ready: m.Ready) -> None:
         if self.front is None:
             self.front = FrontModel(ready)
-        for changes, who in self._live_changes:  # a restarted replica takes the live flags the others have,
-            self._op(link, "set_live", changes, f"{who} (replayed on restart)")  # queued before any request
+        replay = self.live_flags.replay()  # a restarted replica takes the live flags the others have,
+        if replay is not None:  # queued before any request
+            self._op(link, "set_live", *replay)
         with self._changed:
             link.status, link.reason, link.ready_since = "ready", None, time.monotonic()
             link.view.ready = True
@@ -369,7 +371,7 @@ class DataParallelHost:
     async def set_live(self, changes: dict, who: str) -> list:
         """Every ready replica takes the same changes, and a replica started again later takes them too."""
         done = (await self._all("set_live", changes, who))[0][1]
-        self._live_changes.append((changes, who))
+        self.live_flags.add(changes, who)
         return done
 
     async def request_rows(self, match: str = "") -> list[dict]:
