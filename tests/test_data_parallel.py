@@ -149,6 +149,7 @@ def _stream(server, prompt, results, index):
 def test_a_killed_replica_ends_its_streams_and_comes_back(tiny_checkpoint):
     with tiny_server_running(tiny_checkpoint("llama"), data_parallel=DataParallel(2)) as server:
         host = server.host
+        assert host.address[0] == "127.0.0.1"  # local replicas: the listener is on loopback
         for value in [4, 5] * 15:  # a restarted replica takes where the changes ended, not their history
             assert httpx.post(server.url + "/knobs", json={"max_num_seqs": value}, timeout=10).status_code == 200
         results: dict = {}
