@@ -118,3 +118,19 @@ def test_connections_beyond_the_handshake_limit_are_closed_and_a_replica_joins_a
         assert listener.refused == 3
     finally:
         listener.close()
+
+
+def test_a_replica_turned_away_at_the_limit_tries_again_and_joins(front):
+    from nanoserve.dp.replica import connect
+
+    listener = ReplicaListener("127.0.0.1", KEY, front.joined, handshake_s=1, max_handshakes=1)
+    try:
+        with _silent(listener.address) as held:
+            assert held.recv(64)  # its handshake takes the one place, until it is cut
+            conn = connect(listener.address, KEY, within_s=30)
+        conn.send(m.Hello(0, os.getpid(), "here", None))
+        assert wait_until(lambda: len(front.hellos) == 1, timeout=30)
+        assert listener.refused >= 2  # the replica's first try, and the silent one
+        conn.close()
+    finally:
+        listener.close()

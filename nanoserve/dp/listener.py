@@ -52,20 +52,23 @@ class ReplicaListener:
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                sock, peer = self._socket.accept()
-            except TimeoutError:
-                continue
-            except OSError as e:
+                self._accept_one()
+            except Exception as e:  # whatever it was, the next replica must still get in
                 if self._closed:
                     return
-                self._refuse(None, f"accept failed ({e})")
+                self._refuse(None, f"accepting failed ({type(e).__name__}: {e})")
                 time.sleep(0.1)  # out of file descriptors, say: do not spin
-                continue
-            try:
-                self._start(sock, peer)
-            except Exception as e:  # a thread that could not start: this connection is lost, the loop is not
-                sock.close()
-                self._refuse(peer, f"{type(e).__name__}: {e}")
+
+    def _accept_one(self) -> None:
+        try:
+            sock, peer = self._socket.accept()
+        except TimeoutError:
+            return
+        try:
+            self._start(sock, peer)
+        except BaseException:  # a thread that could not start: this connection is lost, not the loop
+            sock.close()
+            raise
 
     def _start(self, sock: socket.socket, peer) -> None:
         with self._lock:
