@@ -149,12 +149,14 @@ def _stream(server, prompt, results, index):
 def test_a_killed_replica_ends_its_streams_and_comes_back(tiny_checkpoint):
     with tiny_server_running(tiny_checkpoint("llama"), data_parallel=DataParallel(2)) as server:
         host = server.host
+        assert host.address[0] == "127.0.0.1"  # local replicas: the listener is on loopback
+        for value in [4, 5] * 15:  # a restarted replica takes where the changes ended, not their history
+            assert httpx.post(server.url + "/knobs", json={"max_num_seqs": value}, timeout=10).status_code == 200
         results: dict = {}
         threads = [threading.Thread(target=_stream, args=(server, PROMPTS[i % 4], results, i)) for i in range(6)]
         for t in threads:
             t.start()
         assert wait_until(lambda: host.links[1].view.in_flight > 0 and host.links[0].view.in_flight > 0)
-        assert httpx.post(server.url + "/knobs", json={"max_num_seqs": 5}, timeout=10).status_code == 200
         old_pid = host.links[1].pid
         host.launcher.kill(1)
         for t in threads:
@@ -172,6 +174,8 @@ def test_a_killed_replica_ends_its_streams_and_comes_back(tiny_checkpoint):
             assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1]) > 0
         assert wait_until(lambda: host.links[1].status == "ready", timeout=60)
         assert wait_until(lambda: host.links[1].stats.flags["max_num_seqs"] == 5)  # the live change, replayed
+        log = host._op(host.links[1], "knobs").result(timeout=10)["log"]
+        assert [(c["name"], c["new"]) for c in log if "replayed" in c["who"]] == [("max_num_seqs", 5)]
         replica = _replicas(server)[1]
         assert replica["restarts"] == 1 and replica["pid"] != old_pid
         assert host.accounting()["live"] == 0

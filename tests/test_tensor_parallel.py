@@ -203,6 +203,7 @@ def test_two_processes_meet_by_env_rendezvous(tiny_checkpoint, monkeypatch, tmp_
     host, port = free_loopback_address().removeprefix("tcp://").split(":")
     monkeypatch.setenv("MASTER_ADDR", host)
     monkeypatch.setenv("MASTER_PORT", port)
+    monkeypatch.setenv("NANOSERVE_DISTRIBUTED_KEY", "the same secret on every rank")
     env = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": port}
     command = [sys.executable, "-m", "nanoserve.cli", "worker", "--rank", "1", "--tensor-parallel-size", "2",
                "--distributed-init", "env://", "--distributed-timeout", "30"]

@@ -7,7 +7,8 @@ its live requests ended at once with an EngineFailure (a stream gets its error e
 around, and is started again with a growing pause between tries; it takes requests again once it says Ready.
 
 Threads: the event loop opens and aborts requests; one reader per replica connection delivers what the replica
-says; an acceptor takes replicas' connections; restarts run on timers. `_lock` guards the request table.
+says; the listener (listener.py) takes replicas' connections, each handshake on its own thread; restarts run on
+timers. `_lock` guards the request table.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 
 from nanoserve.dp import messages as m
 from nanoserve.dp.link import FrontModel, LiveRequest, ReplicaFailures, ReplicaLink
+from nanoserve.dp.listener import ReplicaListener
+from nanoserve.dp.live_flags import LiveFlags
 from nanoserve.dp.merge import FrontLatency, merge
 from nanoserve.dp.routing import ReplicaView, Router, prompt_chain
 from nanoserve.errors import NanoserveError, RequestError
@@ -64,12 +67,11 @@ class DataParallelHost:
         self._closed: str | None = None
         self._stopping = False
         self._started = False  # every replica was ready once: from then on a lost one is started again
-        self._live_changes: list[tuple[dict, str]] = []  # POST /knobs changes, for a restarted replica
+        self.live_flags = LiveFlags()  # POST /knobs changes, for a restarted replica
         self._changed = threading.Condition()
         self._authkey = secrets.token_bytes(32)
-        self._listener = Listener((launcher.listen_host, 0), authkey=self._authkey)
+        self._listener = ReplicaListener(launcher.listen_host, self._authkey, self._joined)
         self.address = self._listener.address
-        threading.Thread(target=self._accept, name="nanoserve-dp-accept", daemon=True).start()
         progress = progress or (lambda phase: None)
         progress(f"starting {size} replicas ({launcher.backend})")
         for link in self.links:
@@ -97,22 +99,15 @@ class DataParallelHost:
         self._started = True
         progress("ready")
 
-    def _accept(self) -> None:
-        while not self._stopping:
-            try:
-                conn = self._listener.accept()
-                hello = conn.recv()
-            except (OSError, EOFError):  # the listener closed (shutdown), or a connection that failed its key
-                if self._stopping:
-                    return
-                continue
-            if not isinstance(hello, m.Hello) or not 0 <= hello.rank < self.size:
-                conn.close()
-                continue
-            link = self.links[hello.rank]
-            link.conn, link.pid, link.node, link.actor_id = conn, hello.pid, hello.node, hello.actor_id
-            threading.Thread(target=self._read, args=(link, conn), name=f"nanoserve-dp-read-{link.rank}",
-                             daemon=True).start()
+    def _joined(self, conn: Connection, hello) -> bool:
+        """A connection that proved the authkey (listener.py): a replica's, when it says Hello with its rank."""
+        if not isinstance(hello, m.Hello) or not 0 <= hello.rank < self.size:
+            return False
+        link = self.links[hello.rank]
+        link.conn, link.pid, link.node, link.actor_id = conn, hello.pid, hello.node, hello.actor_id
+        threading.Thread(target=self._read, args=(link, conn), name=f"nanoserve-dp-read-{link.rank}",
+                         daemon=True).start()
+        return True
 
     def _read(self, link: ReplicaLink, conn: Connection) -> None:
         """Everything replica `link` says, until its connection drops."""
@@ -133,8 +128,9 @@ class DataParallelHost:
     def _on_ready(self, link: ReplicaLink, ready: m.Ready) -> None:
         if self.front is None:
             self.front = FrontModel(ready)
-        for changes, who in self._live_changes:  # a restarted replica takes the live flags the others have,
-            self._op(link, "set_live", changes, f"{who} (replayed on restart)")  # queued before any request
+        replay = self.live_flags.replay()  # a restarted replica takes the live flags the others have,
+        if replay is not None:  # queued before any request
+            self._op(link, "set_live", *replay)
         with self._changed:
             link.status, link.reason, link.ready_since = "ready", None, time.monotonic()
             link.view.ready = True
@@ -375,7 +371,7 @@ class DataParallelHost:
     async def set_live(self, changes: dict, who: str) -> list:
         """Every ready replica takes the same changes, and a replica started again later takes them too."""
         done = (await self._all("set_live", changes, who))[0][1]
-        self._live_changes.append((changes, who))
+        self.live_flags.add(changes, who)
         return done
 
     async def request_rows(self, match: str = "") -> list[dict]:

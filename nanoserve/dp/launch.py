@@ -45,7 +45,8 @@ def replica_shares(config, size: int) -> tuple[int, list[str | None]]:
 
 
 class ProcessLauncher:
-    """Replicas as spawned processes on this machine."""
+    """Replicas as spawned processes on this machine: the listener is on loopback, and the authkey reaches each
+    replica as an argument of its process (through the spawn pipe, never the network)."""
 
     backend = "mp"
     listen_host = "127.0.0.1"
@@ -102,7 +103,10 @@ class ProcessLauncher:
 
 class RayLauncher:
     """Replicas as Ray actors on an existing cluster (`ray start --head`, or --ray-address), one per GPU or per
-    CPU share; the front end stays where `nanoserve serve` runs and listens on this node's address."""
+    CPU share; the front end stays where `nanoserve serve` runs and listens on this node's address (the other
+    nodes must reach it). The authkey reaches each actor as an argument of its `serve` call, over Ray's own
+    channels: as private as the cluster's network (encrypted only with Ray's TLS), which must be private anyway,
+    since Ray runs whatever job a caller that reaches it submits."""
 
     backend = "ray"
 

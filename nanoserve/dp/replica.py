@@ -17,12 +17,14 @@ import os
 import signal
 import socket
 import threading
+import time
 from multiprocessing.connection import Client, Connection
 
 from nanoserve.dp import messages as m
 
 log = logging.getLogger("nanoserve.dp.replica")
 _UNSENT = object()
+CONNECT_S = 120.0  # how long a replica keeps trying to reach the front end's listener
 
 
 def spawned(address, authkey: bytes, rank: int, config, threads: int, max_waiting: int | None) -> None:
@@ -36,7 +38,23 @@ def spawned(address, authkey: bytes, rank: int, config, threads: int, max_waitin
         import torch
 
         torch.set_num_threads(threads)
-    Replica(Client(address, authkey=authkey), rank).serve(config, max_waiting)
+    Replica(connect(address, authkey), rank).serve(config, max_waiting)
+
+
+def connect(address, authkey: bytes, within_s: float = CONNECT_S) -> Connection:
+    """The connection to the front end's listener, tried again (with a growing pause) while it is refused or cut:
+    a listener busy with strangers' handshakes closes a connection over its limit, and the replica comes back
+    later instead of dying unheard."""
+    deadline, pause = time.monotonic() + within_s, 0.1
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except (OSError, EOFError) as e:
+            if time.monotonic() + pause > deadline:
+                raise ConnectionError(f"the front end's listener at {address} refused this replica for "
+                                      f"{within_s:g} s ({type(e).__name__}: {e})") from None
+            time.sleep(pause)
+            pause = min(2 * pause, 2.0)
 
 
 class Replica:
@@ -197,4 +215,4 @@ class RayReplica:
 
             torch.set_num_threads(threads)
         actor_id = ray.get_runtime_context().get_actor_id()
-        Replica(Client(address, authkey=authkey), rank, actor_id).serve(config, max_waiting)
+        Replica(connect(address, authkey), rank, actor_id).serve(config, max_waiting)

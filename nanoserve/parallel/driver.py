@@ -26,6 +26,7 @@ import torch
 from nanoserve.errors import ConfigError, NanoserveError
 from nanoserve.parallel import shm, worker
 from nanoserve.parallel.group import GroupFailed, TensorGroup, backend_for, free_loopback_address, memory_of
+from nanoserve.parallel.sealed import group_key
 from nanoserve.parallel.shard import TensorShard
 
 log = logging.getLogger("nanoserve.parallel")
@@ -73,6 +74,7 @@ class ParallelGroup:
         states, and a decode step's logits (wider gathers, prompt logprobs, go through gloo)."""
         self.world = config.tensor_parallel_size
         self.local = config.distributed_init is None  # every rank on this machine: rank 0 spawns the others
+        key = group_key(config.distributed_init)  # before any process starts: a missing one is refused first
         init = config.distributed_init or free_loopback_address()
         self.processes: list[multiprocessing.Process] = []
         if self.local and device.type == "cpu" and self.world > cpu_budget():
@@ -83,7 +85,7 @@ class ParallelGroup:
             context = multiprocessing.get_context("spawn")
             for rank in range(1, self.world):
                 process = context.Process(target=worker.spawned, name=f"nanoserve-rank-{rank}", daemon=True,
-                                          args=(rank, self.world, init, config.distributed_timeout, device.type))
+                                          args=(rank, self.world, init, config.distributed_timeout, key, device.type))
                 process.start()
                 self.processes.append(process)
         self.failed: str | None = None
@@ -91,7 +93,8 @@ class ParallelGroup:
         self.memory: list = []
         self._closed = False
         try:
-            self.group = TensorGroup(0, self.world, init, device, config.distributed_timeout, alive=self._dead_ranks)
+            self.group = TensorGroup(0, self.world, init, device, config.distributed_timeout, key,
+                                     alive=self._dead_ranks)
         except Exception as e:
             self.kill()
             hint = (" (the ranks are spawned processes that import the main script: a script that starts "

@@ -13,6 +13,9 @@ at once.
 
 The time spent in collectives is counted (host wall time: exact on gloo, which is synchronous; on NCCL it is the
 time to enqueue) so the stats can say what parallelism costs per step.
+
+Every value a rank unpickles, and every failure report, is signed with the group's key (sealed.py): the store
+answers anyone who reaches its port, so an unsigned value is refused unread.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from nanoserve.parallel.sealed import seal, unseal
 from nanoserve.parallel.shm import SharedReduce
 
 FAILED_KEY = "failed/{rank}"  # where a rank that fails writes why, in the group's store
@@ -71,8 +75,8 @@ class TensorGroup:
     the ranks ends at once instead of at the timeout."""
 
     def __init__(self, rank: int, world: int, init_method: str, device: torch.device, timeout_s: float,
-                 alive: Callable[[], str | None] | None = None):
-        self.rank, self.world, self.device = rank, world, device
+                 key: bytes, alive: Callable[[], str | None] | None = None):
+        self.rank, self.world, self.device, self.key = rank, world, device, key
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.alive = alive or (lambda: None)
         host, port = rendezvous(init_method)
@@ -115,15 +119,16 @@ class TensorGroup:
                 raise GroupFailed(failed)
             if time.monotonic() > deadline:
                 raise GroupFailed(f"waited {waited:g} s for {what}; is every rank started with the same "
-                                  "--distributed-init?")
+                                  "--distributed-init and NANOSERVE_DISTRIBUTED_KEY?")
             time.sleep(POLL_S)
 
     def put(self, key: str, value) -> None:
-        self.store.set(key, pickle.dumps(value))
+        self.store.set(key, seal(self.key, key, pickle.dumps(value)))
 
     def take(self, key: str, what: str, floor_s: float = 0.0):
+        """The value at `key` once set; Unauthenticated (unread) when it is not signed with the group's key."""
         self.wait([key], what, floor_s)
-        return pickle.loads(self.store.get(key))
+        return pickle.loads(unseal(self.key, key, self.store.get(key)))
 
     def gather_status(self, phase: str, status) -> list:
         """Each rank's word after a phase (a str: what went wrong; anything else: fine, and what it reports),
@@ -182,7 +187,7 @@ class TensorGroup:
         """Rank 0: one object to every rank, pickled. A broadcast costs its latency more than its bytes, so a
         step's message goes in one fixed-size broadcast (its length in the first 8 bytes), and only a message
         larger than that takes a second one for the rest."""
-        data = pickle.dumps(message)
+        data = seal(self.key, "step", pickle.dumps(message))
         head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
         head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
         first = min(len(data), MESSAGE_BYTES - 8)
@@ -203,7 +208,7 @@ class TensorGroup:
             rest = torch.empty(size - first, dtype=torch.uint8)
             self._broadcast(rest)
             data += rest.numpy().tobytes()
-        return pickle.loads(data)
+        return pickle.loads(unseal(self.key, "step", data))
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         on = tensor if self.device.type == "cpu" else tensor.to(self.device)
@@ -228,17 +233,18 @@ class TensorGroup:
     def report_failure(self, error: BaseException) -> None:
         """A worker's last act: write why it failed where rank 0 can read it, even from another machine."""
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        key = FAILED_KEY.format(rank=self.rank)
         try:
-            self.store.set(FAILED_KEY.format(rank=self.rank), text)
+            self.store.set(key, seal(self.key, key, text.encode()))
         except Exception:  # the store itself is gone: rank 0 still sees the rank leave
             pass
 
     def failure_of(self, rank: int) -> str | None:
-        """What rank `rank` wrote before it failed, if it could."""
+        """What rank `rank` wrote before it failed, if it could (an unsigned report is not its word: None)."""
         key = FAILED_KEY.format(rank=rank)
         try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
+            return unseal(self.key, key, self.store.get(key)).decode() if self.store.check([key]) else None
+        except Exception:  # the store is gone, or the report is unsigned (Unauthenticated)
             return None
 
     def reported_failure(self) -> str | None:

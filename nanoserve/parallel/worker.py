@@ -2,7 +2,7 @@
 rank 0 sends until it is told to stop.
 
 A worker is a spawned process on this machine (one per rank, started by rank 0), or `nanoserve worker --rank R`
-started by hand on another machine with the same `--distributed-init`. It holds no scheduler, sampler or
+started by hand on another machine with the same `--distributed-init` and NANOSERVE_DISTRIBUTED_KEY. It holds no scheduler, sampler or
 tokenizer use of its own: it runs its part of each forward and hands its slice of the logits to rank 0.
 If anything fails, it writes why in the group's store (rank 0 names it in its error) and exits non-zero.
 """
@@ -16,7 +16,9 @@ import sys
 
 import torch
 
+from nanoserve.errors import ConfigError
 from nanoserve.parallel.group import TensorGroup, memory_of
+from nanoserve.parallel.sealed import group_key
 from nanoserve.parallel.shard import TensorShard
 
 log = logging.getLogger("nanoserve.worker")
@@ -74,12 +76,12 @@ def batch_to(batch, device: torch.device, copy: bool = False):
                                prefill_blocks=tuple(b.to(device, copy=copy) for b in batch.prefill_blocks))
 
 
-def serve(rank: int, world: int, init_method: str, timeout_s: float, device_type: str = "cpu",
+def serve(rank: int, world: int, init_method: str, timeout_s: float, key: bytes, device_type: str = "cpu",
           model_override: str | None = None) -> int:
     """A worker's whole life; returns its exit status."""
     if device_type == "cuda":  # NCCL wants each rank's device chosen before the group forms
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    group = TensorGroup(rank, world, init_method, torch.device(device_type), timeout_s)
+    group = TensorGroup(rank, world, init_method, torch.device(device_type), timeout_s, key)
     try:
         hello: Hello = group.take("hello", "rank 0's flags")
         if hello.shared_path is not None:
@@ -146,14 +148,15 @@ def run_steps(group: TensorGroup, config, loaded, device: torch.device) -> int:
         group.gather_logits(logits.float(), vocab)
 
 
-def spawned(rank: int, world: int, init_method: str, timeout_s: float, device_type: str) -> None:
-    """The entry of a worker rank 0 spawned on this machine."""
+def spawned(rank: int, world: int, init_method: str, timeout_s: float, key: bytes, device_type: str) -> None:
+    """The entry of a worker rank 0 spawned on this machine (`key` is the group's, rank 0's random one)."""
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(message)s")
-    os._exit(serve(rank, world, init_method, timeout_s, device_type))
+    os._exit(serve(rank, world, init_method, timeout_s, key, device_type))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`nanoserve worker`: one rank of a group whose rank 0 runs on another machine (`--distributed-init`)."""
+    """`nanoserve worker`: one rank of a group whose rank 0 runs on another machine (`--distributed-init`).
+    Every rank, rank 0 included, exports the same secret in NANOSERVE_DISTRIBUTED_KEY."""
     import argparse
 
     p = argparse.ArgumentParser(prog="nanoserve worker", description=main.__doc__)
@@ -168,9 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.rank < args.tensor_parallel_size:
         p.error(f"--rank must be in 1..{args.tensor_parallel_size - 1} (rank 0 is the serving process)")
+    try:
+        key = group_key(args.distributed_init)
+    except ConfigError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format=f"rank {args.rank}: %(levelname)s %(message)s")
-    return serve(args.rank, args.tensor_parallel_size, args.distributed_init, args.distributed_timeout, args.device,
-                 args.model)
+    return serve(args.rank, args.tensor_parallel_size, args.distributed_init, args.distributed_timeout, key,
+                 args.device, args.model)
 
 
 if __name__ == "__main__":
