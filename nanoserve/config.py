@@ -143,7 +143,8 @@ class EngineConfig:
     kv_events_config: str | None = _flag(None, "publish KV cache events as vLLM does, its JSON: "
                                                "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                                                "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}' "
-                                               "(for KV-aware routers; needs the kv-events extra)")
+                                               "(for KV-aware routers; needs the kv-events extra); tcp://*:PORT binds "
+                                               "127.0.0.1 here, tcp://0.0.0.0:PORT every interface")
     data_parallel_rank: int = _flag(0, "this engine's rank among data-parallel replicas: its KV events carry it "
                                        "and --kv-events-config's port is offset by it (--data-parallel-size sets "
                                        "it for each replica)")
