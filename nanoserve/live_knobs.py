@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 from nanoserve.errors import ConfigError, shown
+from nanoserve.step_budget import MOST_MS
 
 CONFIG_LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms",  # read by the scheduler each step
                "speculative_config",  # the drafter the scheduler asks: on, off, or another method
@@ -71,7 +72,10 @@ class LiveKnobs:
             changes = {**changes, "speculative_config": json.dumps(changes["speculative_config"]) or None}
         specs = {spec.name: spec for spec in type(config).flag_specs()}
         for name, value in changes.items():
-            specs[name].check_kind(value)
+            try:
+                specs[name].check_kind(value)
+            except ConfigError as e:
+                raise ConfigError(f"{e}; {name} goes live {self.ranges()[name]}") from None
         new = dataclasses.replace(config, **changes)  # __post_init__ checks every value as at start
         for name, most in self.ceilings.items():
             if getattr(new, name) > most:
@@ -79,6 +83,15 @@ class LiveKnobs:
                                   f"sized for it); a restart with --{name.replace('_', '-')} "
                                   f"{getattr(new, name)} raises it")
         return new
+
+    def ranges(self) -> dict[str, str]:
+        """Each live flag's values in words, for a refusal of the wrong kind (the range checks say their own)."""
+        seqs, tokens = self.ceilings["max_num_seqs"], self.ceilings["max_num_batched_tokens"]
+        return {"max_num_seqs": f"from 1 to {seqs}, what the engine started with",
+                "max_num_batched_tokens": f"from max_num_seqs to {tokens}, what the engine started with",
+                "max_step_ms": f"from 0 (off) to {MOST_MS} ms, or null (automatic)",
+                "speculative_config": "as vLLM's speculative_config, an object or its JSON, or null (off)",
+                "stall_factor": "as a finite number > 1", "stall_drop_fraction": "as a number between 0 and 1"}
 
     def apply(self, engine, changes: dict, who: str) -> list[KnobChange]:
         """Put `changes` in force for the engine's next step; returns what changed (unchanged values skipped).

@@ -39,7 +39,9 @@ def test_a_live_change_is_checked_as_at_start_and_only_live_flags_change(tiny_ch
                           ({"max_num_seqs": 0}, "max_num_seqs"),
                           ({"max_num_seqs": "2"}, "takes an integer"),
                           ({"max_num_seqs": 8}, "goes live up to 4"),
-                          ({"max_step_ms": "fast"}, "takes a number or null")):
+                          ({"max_step_ms": "fast"}, "takes a number or null"),
+                          ({"max_num_seqs": True}, "takes an integer, got True; max_num_seqs goes live from 1 to 4"),
+                          ({"max_step_ms": float("inf")}, r"in \[0, 60000\].*got inf")):
         with pytest.raises(ConfigError, match=says):
             engine.set_live(changes, "test")
     assert engine.config.max_num_seqs == 4 and not engine.knobs.log  # nothing half-applied
