@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from nanoserve.attention.dispatch import STREAMED_NOT_INVARIANT, check_read_block
-from nanoserve.errors import ConfigError
+from nanoserve.errors import ConfigError, shown
 from nanoserve.kv.publisher import KVEventsConfig
 from nanoserve.sampling_params import MAX_LOGPROBS
+from nanoserve.step_budget import MOST_MS
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def _finite(value) -> bool:
+    """A number that is not inf or NaN (an int always is: one past a float's range has no float to overflow)."""
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
 
 
 def _flag(default, help: str, choices: tuple[str, ...] | None = None):
@@ -49,10 +57,27 @@ class FlagSpec:
                 raise ValueError(f"{self.name} must be true/false/on/off/yes/no/1/0, got {text!r}")
             return word in _TRUE
         try:
-            return self.kind(text)
+            value = self.kind(text)
         except ValueError:
             raise ValueError(f"{self.name} must be {'empty or ' if self.optional else ''}"
-                             f"{'an integer' if self.kind is int else 'a number'}, got {text!r}") from None
+                             f"{'an integer' if self.kind is int else 'a number'}, got {shown(text)}") from None
+        if self.kind is float and not math.isfinite(value):
+            raise ValueError(f"{self.name} must be a finite number, got {shown(text)}")
+        return value
+
+    def check_kind(self, value) -> None:
+        """ConfigError unless `value` is of the flag's kind: a bool is no number, a str no int, and an int stands
+        for a float (None where the flag may be unset). Values come from Python callers and from JSON as well as
+        from text, so the types are checked before any range compares them."""
+        if value is None and self.optional:
+            return
+        if self.kind in (int, float):
+            ok = isinstance(value, numbers.Integral if self.kind is int else numbers.Real) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, self.kind)
+        if not ok:
+            kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.kind]
+            raise ConfigError(f"{self.name} takes {kind}{' or null' if self.optional else ''}, got {shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +143,8 @@ class EngineConfig:
     kv_events_config: str | None = _flag(None, "publish KV cache events as vLLM does, its JSON: "
                                                "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                                                "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}' "
-                                               "(for KV-aware routers; needs the kv-events extra)")
+                                               "(for KV-aware routers; needs the kv-events extra); tcp://*:PORT binds "
+                                               "127.0.0.1 here, tcp://0.0.0.0:PORT every interface")
     data_parallel_rank: int = _flag(0, "this engine's rank among data-parallel replicas: its KV events carry it "
                                        "and --kv-events-config's port is offset by it (--data-parallel-size sets "
                                        "it for each replica)")
@@ -126,6 +152,19 @@ class EngineConfig:
                                              "before the engine stops with an error (start-up: at least 120)")
 
     def __post_init__(self) -> None:
+        for spec in self.flag_specs():
+            if spec.kind in (int, float):
+                spec.check_kind(getattr(self, spec.name))
+        self._check_ranges()
+        for spec in self.flag_specs():  # a float flag without a range of its own is still refused infinite or NaN
+            value = getattr(self, spec.name)
+            if spec.kind is float and value is not None and not _finite(value):
+                raise ConfigError(f"{spec.name} must be a finite number, got {value}")
+        self._check_combinations()
+
+    def _check_ranges(self) -> None:
+        """Each number in its range. A float's range says finite: inf passes `>= 0` and then breaks the step that
+        divides by it, and the JSON (/health, GET /knobs) that publishes it."""
         checks = (
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 for no limit, got {self.max_logprobs}"),
@@ -134,13 +173,15 @@ class EngineConfig:
             (self.max_num_batched_tokens >= self.max_num_seqs,
              f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
              f"({self.max_num_seqs}) so every running row can decode each step; raise it or lower max_num_seqs"),
-            (self.max_step_ms is None or self.max_step_ms >= 0,
-             f"max_step_ms must be >= 0 (0 turns the step-time budget off), got {self.max_step_ms}"),
+            (self.max_step_ms is None or 0 <= self.max_step_ms <= MOST_MS,
+             f"max_step_ms must be a number of milliseconds in [0, {MOST_MS}] (0 turns the step-time budget off; "
+             f"unset: automatic), got {self.max_step_ms}"),
             (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two, got {self.block_size}"),
             (self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be >= 2, got {self.max_model_len}"),
-            (self.kv_cache_gib is None or self.kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {self.kv_cache_gib}"),
+            (self.kv_cache_gib is None or 0 < self.kv_cache_gib and _finite(self.kv_cache_gib),
+             f"kv_cache_gib must be > 0 and finite, got {self.kv_cache_gib}"),
             (0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
@@ -151,16 +192,21 @@ class EngineConfig:
              f"distributed_init must be env://, tcp://host:port or file://path, got {self.distributed_init!r}"),
             (self.distributed_init is None or self.tensor_parallel_size > 1,
              "distributed_init names a rendezvous for tensor_parallel_size > 1; set both or neither"),
-            (self.stall_factor > 1, f"stall_factor must be > 1 (a step slower than the p99), got {self.stall_factor}"),
+            (self.stall_factor > 1 and _finite(self.stall_factor),
+             f"stall_factor must be > 1 (a step slower than the p99) and finite, got {self.stall_factor}"),
             (0 < self.stall_drop_fraction < 1,
              f"stall_drop_fraction must be in (0, 1), got {self.stall_drop_fraction}"),
-            (self.distributed_timeout > 0, f"distributed_timeout must be > 0, got {self.distributed_timeout}"),
+            (0 < self.distributed_timeout and _finite(self.distributed_timeout),
+             f"distributed_timeout must be > 0 and finite (seconds), got {self.distributed_timeout}"),
             (self.tp_all_reduce in ("auto", "backend"),
              f"tp_all_reduce must be auto or backend, got {self.tp_all_reduce!r}"),
         )
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    def _check_combinations(self) -> None:
+        """Flags that each pass but cannot work together, and the values only a parser can check."""
         self.torch_device()  # refuses cuda on a machine without it
         check_read_block(self.read_block)
         switches = self.decode_switches()

@@ -66,7 +66,7 @@ class Engine:
         self.kv = KVManager(runner.num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching,
                             cache_identity=(runner.loaded.name, config.quantization, str(runner.dtype)))
         self.step_budget = StepBudget(config.max_step_ms, config.block_size, row_quantum(runner.model))
-        self.drafter = self._drafter(config.speculative_config)
+        self.drafter = self.make_drafter(config.speculative_config)
         self.kv_events = KVEventHub(self.kv)  # each step's named and evicted blocks, to whoever listens
         self.kv_publisher = None
         if kv_events is not None and kv_events.publishing:
@@ -205,14 +205,16 @@ class Engine:
         self.timelines.on_request_done = tracer.request_done
 
     @staticmethod
-    def _drafter(speculative_config: str | None) -> Drafter | None:
+    def make_drafter(speculative_config: str | None) -> Drafter | None:
+        """The drafter `speculative_config` asks for, None for none: a live change builds it before anything
+        changes, so a failure changes nothing."""
         spec = SpeculativeConfig.parse(speculative_config)
         return Drafter(spec) if spec is not None else None
 
-    def use_drafter(self, speculative_config: str | None) -> None:
+    def use_drafter(self, drafter: Drafter | None) -> None:
         """Speculation on, off or another method from the next step (a live knob): running requests keep their
         outputs either way, since drafts never change a token; the counters start again with the new drafter."""
-        self.drafter = self.scheduler.drafter = self._drafter(speculative_config)
+        self.drafter = self.scheduler.drafter = drafter
         for req in self.scheduler.live():  # a pause or draft length the old drafter set means nothing to this one
             req.spec_paused_until, req.spec_length = 0, None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -26,8 +27,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default,
                            help=f"{spec.help} (default: {spec.default})")
         else:
-            p.add_argument(flag, type=spec.kind, default=spec.default, metavar=spec.name.upper(),
-                           help=f"{spec.help} (default: {spec.default})")
+            p.add_argument(flag, type=_finite if spec.kind is float else spec.kind, default=spec.default,
+                           metavar=spec.name.upper(), help=f"{spec.help} (default: {spec.default})")
+
+
+def _finite(text: str) -> float:
+    """A float flag's value: inf and nan (which float() takes) are refused where they are typed."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def engine_flags(args: argparse.Namespace) -> dict:

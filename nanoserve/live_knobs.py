@@ -3,8 +3,9 @@
 Operators tune by feel under load; a restart for each try drops the load they are tuning for. A live knob is one
 the engine reads afresh each step (the scheduler's row and token limits, the step-time budget's target); every
 other flag still needs a restart, which the flags screen and the route say. A change is checked as a whole new
-EngineConfig first (the same checks as at start), applied between two steps, and logged with who asked and the
-old and new values. The row and token limits go live up to the values the engine started with: the decode fast
+EngineConfig first (the same checks as at start: the kind, so a boolean is no number, and the range, so inf and
+NaN are refused), applied whole or not at all between two steps, and logged with who asked and the old and new
+values. The row and token limits go live up to the values the engine started with: the decode fast
 path's buffers, its captured graphs, the tensor-parallel buffers and the KV pool's sizing were made for those,
 so raising them further takes a restart.
 """
@@ -17,7 +18,8 @@ import logging
 import time
 from collections import deque
 
-from nanoserve.errors import ConfigError
+from nanoserve.errors import ConfigError, shown
+from nanoserve.step_budget import MOST_MS
 
 CONFIG_LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms",  # read by the scheduler each step
                "speculative_config",  # the drafter the scheduler asks: on, off, or another method
@@ -36,18 +38,8 @@ def log_level() -> str:
 
 def _check_log_level(value) -> str:
     if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
-        raise ConfigError(f"log_level takes one of {', '.join(LOG_LEVELS)}, got {value!r}")
+        raise ConfigError(f"log_level takes one of {', '.join(LOG_LEVELS)}, got {shown(value)}")
     return value.upper()
-
-
-def _check_kind(spec, value) -> None:
-    """A value of the flag's kind (an int is a float too; None where the flag may be unset), or ConfigError."""
-    kinds = (int, float) if spec.kind is float else (spec.kind,)
-    if value is None and spec.optional:
-        return
-    if isinstance(value, bool) is not (spec.kind is bool) or not isinstance(value, kinds):
-        raise ConfigError(f"{spec.name} takes {'a number' if spec.kind is float else spec.kind.__name__}"
-                          f"{' or null' if spec.optional else ''}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +72,10 @@ class LiveKnobs:
             changes = {**changes, "speculative_config": json.dumps(changes["speculative_config"]) or None}
         specs = {spec.name: spec for spec in type(config).flag_specs()}
         for name, value in changes.items():
-            _check_kind(specs[name], value)
+            try:
+                specs[name].check_kind(value)
+            except ConfigError as e:
+                raise ConfigError(f"{e}; {name} goes live {self.ranges()[name]}") from None
         new = dataclasses.replace(config, **changes)  # __post_init__ checks every value as at start
         for name, most in self.ceilings.items():
             if getattr(new, name) > most:
@@ -89,18 +84,30 @@ class LiveKnobs:
                                   f"{getattr(new, name)} raises it")
         return new
 
+    def ranges(self) -> dict[str, str]:
+        """Each live flag's values in words, for a refusal of the wrong kind (the range checks say their own)."""
+        seqs, tokens = self.ceilings["max_num_seqs"], self.ceilings["max_num_batched_tokens"]
+        return {"max_num_seqs": f"from 1 to {seqs}, what the engine started with",
+                "max_num_batched_tokens": f"from max_num_seqs to {tokens}, what the engine started with",
+                "max_step_ms": f"from 0 (off) to {MOST_MS} ms, or null (automatic)",
+                "speculative_config": "as vLLM's speculative_config, an object or its JSON, or null (off)",
+                "stall_factor": "as a finite number > 1", "stall_drop_fraction": "as a number between 0 and 1"}
+
     def apply(self, engine, changes: dict, who: str) -> list[KnobChange]:
-        """Put `changes` in force for the engine's next step; returns what changed (unchanged values skipped)."""
+        """Put `changes` in force for the engine's next step; returns what changed (unchanged values skipped).
+        All or nothing: every value is checked, and the new drafter built, before anything changes."""
         new = self.check(engine.config, changes)
         level = _check_log_level(changes["log_level"]) if "log_level" in changes else None
+        respec = new.speculative_config != engine.config.speculative_config
+        drafter = engine.make_drafter(new.speculative_config) if respec else None
         done = [KnobChange(time.time(), engine.runner.steps + 1, who, name, getattr(engine.config, name),
                            getattr(new, name)) for name in changes
                 if name in CONFIG_LIVE and getattr(engine.config, name) != getattr(new, name)]
         if level is not None and level != log_level():
             done.append(KnobChange(time.time(), engine.runner.steps + 1, who, "log_level", log_level(), level))
             logging.getLogger(LOGGER).setLevel(level)
-        if new.speculative_config != engine.config.speculative_config:
-            engine.use_drafter(new.speculative_config)
+        if respec:
+            engine.use_drafter(drafter)
         engine.config = new
         engine.scheduler.max_num_seqs = new.max_num_seqs
         engine.scheduler.max_num_batched_tokens = new.max_num_batched_tokens

@@ -11,9 +11,9 @@ is cut to what fits in a target time, from two costs measured online over the st
   token stands in, and before any prefill at all, FIRST_CHUNK tokens.
 
 With no stream decoding, prefill takes the whole token budget as before, so an idle server's time to first token
-and an offline batch's throughput do not change. The target is `--max-step-ms`, or, unset, DECODE_MULTIPLE decode
-steps (at least FLOOR_S); 0 turns the budget off. Chunk boundaries chosen this way change no output: the
-batch-invariant path computes a chunked prompt bitwise as it computes it whole.
+and an offline batch's throughput do not change. The target is `--max-step-ms` (at most MOST_MS), or, unset,
+DECODE_MULTIPLE decode steps (at least FLOOR_S); 0 turns the budget off. Chunk boundaries chosen this way change
+no output: the batch-invariant path computes a chunked prompt bitwise as it computes it whole.
 
 Where they cost nothing, cuts fall on the units the work comes in. Where the linears run on a tile unit (AMX,
 16 rows a tile, the last padded), a step's rows fill whole tiles: one decode row beside 15 prefill tokens costs
@@ -30,6 +30,8 @@ from collections import deque
 
 DECODE_MULTIPLE = 4.0  # the auto target: a stream's gap grows at most this many decode steps while prompts are read
 FLOOR_S = 0.025  # ... and at least this (a decode step timed unusually fast must not make chunks tiny)
+MOST_MS = 60_000  # the longest --max-step-ms: a longer step is no budget at all (use 0), and past ~1e305 the
+# target's seconds, and the stats that publish it, overflow to inf
 ALPHA = 0.25  # weight of the newest step in the prefill cost's exponential average (the cost grows with context)
 DECODE_WINDOW = 32  # latest decode-only steps whose median is the decode step
 FIRST_CHUNK = 32  # prefill tokens beside decode rows before any prefill has been timed

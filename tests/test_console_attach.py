@@ -173,6 +173,12 @@ async def test_flags_are_shown_not_applied_and_chat_sends_with_the_key(second_se
         assert f"max_num_seqs 3 -> 2; no restart on {second_server.url}" in text(app, "#flags-message")
         assert second_server.host.serving().config.max_num_seqs == 2
         assert second_server.host.serving().knobs.log[-1].who.startswith("http ")
+        flags.query_one("#flag-max_step_ms").value = "100000"  # the server's range refuses it: said, not crashed
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: "not applied" in text(app, "#flags-message"), 10, "the server's refusal")
+        assert "max_step_ms must be a number of milliseconds in [0, 60000]" in text(app, "#flags-message")
+        assert second_server.host.serving().config.max_step_ms is None
+        flags.query_one("#flag-max_step_ms").value = ""
         second_server.host.serving().set_live({"max_num_seqs": 3}, "test")  # as the other tests expect it
 
         await pilot.press("c")

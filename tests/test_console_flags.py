@@ -109,6 +109,7 @@ async def test_the_log_level_and_the_prefix_cache_reset_apply_at_once_and_are_lo
     ("max_num_seqs", "many", "max_num_seqs must be an integer"),
     ("block_size", "24", "block_size must be a power of two"),
     ("max_num_batched_tokens", "8", "must be >= max_num_seqs"),
+    ("stall_factor", "inf", "stall_factor must be a finite number"),  # a live flag: refused as typed
 ])
 async def test_bad_values_are_refused_before_anything_restarts(config, field, value, message):
     app = NanoserveConsole(config, refresh_s=0.05)

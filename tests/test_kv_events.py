@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -155,10 +156,8 @@ def publishing_llm(tiny_checkpoint):
 
 
 def test_a_subscriber_rebuilds_the_pools_block_set(publishing_llm):
-    import time
-
     llm, port = publishing_llm
-    assert llm.engine.kv_publisher.endpoint == f"tcp://*:{port}"  # the port offset by the rank
+    assert llm.engine.kv_publisher.endpoint == f"tcp://127.0.0.1:{port}"  # the port offset by the rank
     sub = Subscriber(f"tcp://127.0.0.1:{port}", "kv-events")
     try:
         time.sleep(0.3)  # a SUB socket hears only what is sent after it has joined
@@ -327,6 +326,7 @@ def test_events_off_or_null_publish_nothing():
 
 def test_wildcards_ipc_and_inproc_bind_and_a_named_host_connects():
     assert binds("tcp://*:5557") and binds("tcp://[::]:5557") and binds("ipc:///tmp/kv") and binds("inproc://kv")
+    assert binds("tcp://0.0.0.0:5557")  # every interface: no host to connect to
     assert not binds("tcp://127.0.0.1:5557") and not binds("tcp://router.example:5557")
     assert KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpoint": "tcp://[::1]:5557"}')
 
@@ -335,3 +335,51 @@ def test_each_rank_has_its_own_endpoint():
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+
+
+def _bound(publisher, which: str = "_pub") -> str:
+    """The address a publisher's socket really listens on, as ZMQ reports it."""
+    return getattr(publisher, which).getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def test_vllms_default_wildcard_binds_loopback_and_says_how_to_publish_further(caplog):
+    """tcp://*:PORT (vLLM's default) names no address: the events (every prompt's token ids, no key) are bound
+    on 127.0.0.1 only, the replay socket's too, and the log says where and how to publish on every interface. A
+    subscriber on 127.0.0.1 hears them."""
+    from nanoserve.kv.publisher import ZmqEventPublisher
+
+    port, replay = _free_port(), _free_port()
+    config = KVEventsConfig.parse(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                                              "replay_endpoint": f"tcp://*:{replay}", "topic": "t"}))
+    with caplog.at_level("WARNING", logger="nanoserve.kv"):
+        publisher = ZmqEventPublisher(config)
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", "t")
+    try:
+        assert _bound(publisher) == f"tcp://127.0.0.1:{port}" == publisher.endpoint
+        assert _bound(publisher, "_replay") == f"tcp://127.0.0.1:{replay}"
+        said = caplog.text
+        assert f"publishes on tcp://127.0.0.1:{port}, loopback only" in said and f"tcp://0.0.0.0:{port}" in said
+        deadline = time.monotonic() + 10  # a SUB socket hears only what is sent after it has joined
+        while not sub.kinds and time.monotonic() < deadline:
+            publisher.publish([records.AllBlocksCleared()])
+            sub.drain(100)
+        assert "AllBlocksCleared" in sub.kinds
+    finally:
+        publisher.close()
+        sub.close()
+
+
+def test_an_explicit_every_interface_address_binds_as_asked_with_a_warning(caplog):
+    """tcp://0.0.0.0:PORT is an operator's choice: bound on every interface (vLLM would connect to it), and the
+    log warns that the token ids go out with no key."""
+    from nanoserve.kv.publisher import ZmqEventPublisher
+
+    port = _free_port()
+    config = KVEventsConfig.parse(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://0.0.0.0:{port}"}))
+    with caplog.at_level("WARNING", logger="nanoserve.kv"):
+        publisher = ZmqEventPublisher(config)
+    try:
+        assert _bound(publisher) == f"tcp://0.0.0.0:{port}" == publisher.endpoint
+        assert f"token ids of every cached block on tcp://0.0.0.0:{port} with no key" in caplog.text
+    finally:
+        publisher.close()

@@ -3,6 +3,8 @@ start, logged with who asked; over HTTP behind the API key."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -35,9 +37,11 @@ def test_a_live_change_is_checked_as_at_start_and_only_live_flags_change(tiny_ch
     engine = LLM(model=str(tiny_checkpoint("llama")), max_model_len=256, kv_cache_gib=0.02, max_num_seqs=4).engine
     for changes, says in (({"block_size": 32}, "cannot change while the engine runs"),
                           ({"max_num_seqs": 0}, "max_num_seqs"),
-                          ({"max_num_seqs": "2"}, "takes int"),
+                          ({"max_num_seqs": "2"}, "takes an integer"),
                           ({"max_num_seqs": 8}, "goes live up to 4"),
-                          ({"max_step_ms": "fast"}, "takes a number or null")):
+                          ({"max_step_ms": "fast"}, "takes a number or null"),
+                          ({"max_num_seqs": True}, "takes an integer, got True; max_num_seqs goes live from 1 to 4"),
+                          ({"max_step_ms": float("inf")}, r"in \[0, 60000\].*got inf")):
         with pytest.raises(ConfigError, match=says):
             engine.set_live(changes, "test")
     assert engine.config.max_num_seqs == 4 and not engine.knobs.log  # nothing half-applied
@@ -140,3 +144,96 @@ def test_the_stall_thresholds_change_live_and_judge_the_next_step(tiny_checkpoin
     assert engine.stats().features["stalls"]["drop_fraction"] == 0.8
     with pytest.raises(ConfigError, match="stall_factor must be > 1"):
         engine.set_live({"stall_factor": 0.5}, "test")
+
+
+# A bad value for every live knob, as raw JSON (Python's json reads 1e999 as inf, and NaN / Infinity literals),
+# with the text the 400 must name: the knob and the value it got.
+BAD_KNOBS = (
+    (b'{"max_step_ms": 1e999}', "max_step_ms", "inf"),
+    (b'{"max_step_ms": -Infinity}', "max_step_ms", "-inf"),
+    (b'{"max_step_ms": NaN}', "max_step_ms", "nan"),
+    (b'{"max_step_ms": 1e306}', "max_step_ms", "1e+306"),
+    (b'{"max_step_ms": true}', "max_step_ms", "True"),
+    (b'{"max_num_seqs": 1e999}', "max_num_seqs", "inf"),
+    (b'{"max_num_seqs": true}', "max_num_seqs", "True"),
+    (b'{"max_num_seqs": 2.5}', "max_num_seqs", "2.5"),
+    (b'{"max_num_batched_tokens": NaN}', "max_num_batched_tokens", "nan"),
+    (b'{"max_num_batched_tokens": false}', "max_num_batched_tokens", "False"),
+    (b'{"stall_factor": 1e999}', "stall_factor", "inf"),
+    (b'{"stall_factor": NaN}', "stall_factor", "nan"),
+    (b'{"stall_factor": true}', "stall_factor", "True"),
+    (b'{"stall_drop_fraction": Infinity}', "stall_drop_fraction", "inf"),
+    (b'{"stall_drop_fraction": NaN}', "stall_drop_fraction", "nan"),
+    (b'{"speculative_config": {"method": "suffix", "suffix_decoding_max_spec_factor": 1e999}}',
+     "suffix_decoding_max_spec_factor", "inf"),
+    (b'{"speculative_config": {"method": "suffix", "suffix_decoding_max_spec_factor": NaN}}',
+     "suffix_decoding_max_spec_factor", "nan"),
+    (b'{"speculative_config": {"method": "ngram", "num_speculative_tokens": 1e999}}', "num_speculative_tokens", "inf"),
+    (b'{"speculative_config": true}', "speculative_config", "True"),
+    (b'{"log_level": 10}', "log_level", "10"),
+    (b'{"max_num_seqs": 2, "max_step_ms": 1e999}', "max_step_ms", "inf"),  # one bad value refuses the whole change
+    (b'{"log_level": "DEBUG", "stall_factor": NaN}', "stall_factor", "nan"),
+    (b'{"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "stall_factor": 1e999}',
+     "stall_factor", "inf"),
+)
+
+
+def test_every_live_knob_refuses_a_bad_value_with_a_400_and_changes_nothing(tiny_checkpoint):
+    """Infinity, NaN, a boolean or an out-of-range number for any live knob is a 400 naming the knob and the
+    value, and applies nothing (the other knobs of the same change included): the flags, the log and /health
+    are as before, and a streamed decode with a prompt's prefill beside it runs as before."""
+    import threading
+
+    from tests.helpers import tiny_server_running
+
+    with tiny_server_running(tiny_checkpoint("llama"), {"max_num_seqs": 4}) as server:
+        def state():
+            health = httpx.get(server.url + "/health", timeout=30)
+            return health.status_code, health.json()["flags"], httpx.get(server.url + "/knobs", timeout=30).json()
+
+        before = state()
+        for body, knob, value in BAD_KNOBS:
+            r = httpx.post(server.url + "/knobs", content=body, headers={"content-type": "application/json"},
+                           timeout=30)
+            message = r.json()["error"]["message"] if r.status_code == 400 else r.text
+            assert r.status_code == 400 and knob in message and value in message, (body, r.status_code, message)
+            assert state() == before, body
+        assert before[0] == 200
+        long_prompt = {"prompt": [5 + i % 50 for i in range(100)], "max_tokens": 4}
+        streamed, beside = [], []
+
+        def stream():
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                    "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+                streamed.extend([r.status_code, *r.iter_lines()])
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        beside.append(httpx.post(server.url + "/v1/completions", json=long_prompt, timeout=60).status_code)
+        reader.join(timeout=60)
+        assert streamed[0] == 200 and "data: [DONE]" in streamed and beside == [200]
+        assert state()[0] == 200
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({"max_step_ms": float("inf")}, "max_step_ms must be"), ({"max_step_ms": float("nan")}, "max_step_ms must be"),
+    ({"max_step_ms": 10 ** 400}, "max_step_ms must be"), ({"max_step_ms": True}, "max_step_ms takes a number"),
+    ({"stall_factor": float("inf")}, "stall_factor must be"), ({"kv_cache_gib": float("inf")}, "kv_cache_gib must"),
+    ({"distributed_timeout": float("nan")}, "distributed_timeout must"), ({"max_num_seqs": True}, "takes an integer"),
+    ({"max_num_seqs": "8"}, "max_num_seqs takes an integer"), ({"gpu_memory_utilization": float("nan")}, "in (0, 1]"),
+])
+def test_engine_config_refuses_infinite_nan_and_boolean_numbers(flags, says):
+    from nanoserve import EngineConfig
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        EngineConfig(**flags)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf", "1e999"])
+def test_the_command_line_refuses_an_infinite_or_nan_max_step_ms(value, capsys):
+    from nanoserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["serve", "tiny", f"--max-step-ms={value}"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--max-step-ms" in err and "finite" in err, err

@@ -3,7 +3,10 @@ scorer, Dynamo, Ray Serve's KV-aware router).
 
 The contract is vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py): a PUB socket at `endpoint`, bound when
 the endpoint is a wildcard ("*" or "::") or ipc/inproc and connected otherwise (tcp://router-host:5557 reaches a
-router that binds its SUB socket, as llm-d's does). Each message is three frames: the topic, an 8-byte big-endian
+router that binds its SUB socket, as llm-d's does). One difference, since the events carry every cached prompt's
+token ids and ZMQ asks no key: vLLM's default `tcp://*:PORT` binds loopback here (127.0.0.1:PORT), as the HTTP
+server does by default; an address named explicitly binds as asked (tcp://0.0.0.0:PORT, every interface, which
+vLLM would connect to), with a warning. Each message is three frames: the topic, an 8-byte big-endian
 sequence number (from 0), and a msgpack KVEventBatch `[ts, [event, ...], data_parallel_rank]`. Each event is what
 msgspec writes for vLLM's tag=True structs: a map {"type": "BlockStored", "block_hashes": ..., ...} since vLLM 0.26
 (wire_format "map", the default), or a tagged array ["BlockStored", ...] as older vLLM sent (wire_format "array",
@@ -36,6 +39,8 @@ from nanoserve.kv.events import AllBlocksCleared
 log = logging.getLogger("nanoserve.kv")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+WILDCARD = "tcp://*:"  # vLLM's default endpoint's form: bound on LOOPBACK here unless an address is named
+LOOPBACK = "127.0.0.1"
 WIRE_FORMATS = ("map", "array")
 
 
@@ -104,8 +109,16 @@ class KVEventsConfig:
 
 
 def binds(endpoint: str) -> bool:
-    """Whether the PUB socket binds `endpoint` or connects to it (vLLM's rule: bind a wildcard, ipc or inproc)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """Whether the PUB socket binds `endpoint` or connects to it: vLLM's rule (bind a wildcard, ipc or inproc),
+    and 0.0.0.0, every interface, which names no host a connection could reach."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://", "tcp://0.0.0.0:"))
+
+
+def bound_address(endpoint: str) -> str:
+    """Where a bound `endpoint` listens: vLLM's default wildcard `tcp://*:PORT` on loopback only, since it names
+    no address and the events it would spread to every interface carry every prompt's token ids with no key;
+    any other endpoint as written."""
+    return f"tcp://{LOOPBACK}:{endpoint[len(WILDCARD):]}" if endpoint.startswith(WILDCARD) else endpoint
 
 
 def wire(event, wire_format: str = "map"):
@@ -141,16 +154,18 @@ class ZmqEventPublisher:
         self.msgpack = require("msgpack", "--kv-events-config")
         self.config, self.rank = config, data_parallel_rank
         self._pub = None
-        self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
-        self.replay_endpoint = (offset_endpoint(config.replay_endpoint, data_parallel_rank)
-                                if config.replay_endpoint else None)
+        asked = offset_endpoint(config.endpoint, data_parallel_rank)
+        replay = offset_endpoint(config.replay_endpoint, data_parallel_rank) if config.replay_endpoint else None
+        self.binds = binds(asked)
+        self.endpoint = bound_address(asked) if self.binds else asked
+        self.replay_endpoint = bound_address(replay) if replay else None
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._stop = threading.Event()
         self.batches = self.events = self.dropped = 0
         self._context = self.zmq.Context()
-        self._pub = self._open(self.zmq.PUB, self.endpoint, binds(self.endpoint), config.hwm)
+        self._pub = self._open(self.zmq.PUB, self.endpoint, self.binds, config.hwm)
         self._replay = (self._open(self.zmq.ROUTER, self.replay_endpoint, True) if self.replay_endpoint else None)
-        self._warn_if_open()
+        self._say_where((asked, self.endpoint, self.binds), (replay, self.replay_endpoint, True))
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self.publish([AllBlocksCleared()])
@@ -178,13 +193,21 @@ class ZmqEventPublisher:
                               "data-parallel replica takes the port plus its rank)") from None
         return socket
 
-    def _warn_if_open(self) -> None:
-        """The events carry every cached block's token ids (the prompts' text, in tokens) and ZMQ asks no key:
-        said once at start when a socket it binds is reachable from other machines, as vLLM's default tcp://*:5557
-        is. (A connecting PUB socket sends only to the subscriber it names.)"""
-        for endpoint, bound in ((self.endpoint, binds(self.endpoint)), (self.replay_endpoint, True)):
-            if endpoint and bound and endpoint.startswith("tcp://") and not endpoint.startswith(
-                    ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")):
+    def _say_where(self, *sockets: tuple[str | None, str | None, bool]) -> None:
+        """The events carry every cached block's token ids (the prompts' text, in tokens) and ZMQ asks no key, so
+        the start-up log says where each socket it binds listens: on loopback, when vLLM's wildcard was narrowed
+        to it, with how to publish further; reachable from other machines, as a warning. (A connecting PUB socket
+        sends only to the subscriber it names.)"""
+        for asked, endpoint, bound in sockets:
+            if not (endpoint and bound and endpoint.startswith("tcp://")):
+                continue
+            if endpoint != asked:
+                port = endpoint.rsplit(":", 1)[1]
+                log.warning("--kv-events-config: %s (vLLM's default wildcard) publishes on %s, loopback only: the "
+                            "events carry every cached prompt's token ids with no key (the API key does not cover "
+                            "them); to publish on every interface name it: tcp://0.0.0.0:%s, on a private network",
+                            asked, endpoint, port)
+            elif not endpoint.startswith(("tcp://127.", "tcp://localhost:", "tcp://[::1]:")):
                 log.warning("--kv-events-config publishes the token ids of every cached block on %s with no key "
                             "(the API key does not cover it): keep that port on a private network, or publish on "
                             "ipc://PATH or to a subscriber that binds (tcp://HOST:PORT)", endpoint)

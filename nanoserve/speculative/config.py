@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from nanoserve.errors import ConfigError
+from nanoserve.errors import ConfigError, shown
 
 NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
@@ -47,7 +47,7 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config keys {unknown} are not supported; supported: {sorted(KEYS)}")
         method = value.get("method")
         if method not in METHODS:
-            raise ConfigError(f"speculative_config method {method!r} is not supported; supported: "
+            raise ConfigError(f"speculative_config method {shown(method)} is not supported; supported: "
                               f"{', '.join(METHODS)}")
         foreign = sorted(key for other, keys in METHODS.items() if other != method for key in keys if key in value)
         if foreign:
@@ -60,7 +60,7 @@ class SpeculativeConfig:
         k = value.get("num_speculative_tokens", default)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT:
             raise ConfigError(f"speculative_config needs num_speculative_tokens, an integer in 1..{MAX_DRAFT}; "
-                              f"got {k!r}")
+                              f"got {shown(k)}")
         return k
 
     @classmethod
@@ -71,13 +71,15 @@ class SpeculativeConfig:
         for key in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
             n, low = suffix[key], 1 if key.endswith("depth") else 0
             if not isinstance(n, int) or isinstance(n, bool) or n < low:
-                raise ConfigError(f"speculative_config {key} must be an integer >= {low}, got {n!r}")
+                raise ConfigError(f"speculative_config {key} must be an integer >= {low}, got {shown(n)}")
         factor, prob = suffix["suffix_decoding_max_spec_factor"], suffix["suffix_decoding_min_token_prob"]
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ConfigError(f"speculative_config suffix_decoding_max_spec_factor must be a number > 0, "
-                              f"got {factor!r}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= MAX_DRAFT:
+            raise ConfigError(f"speculative_config suffix_decoding_max_spec_factor must be a number > 0 and at most "
+                              f"{MAX_DRAFT} (a request drafts at most {MAX_DRAFT} tokens a step, so a larger factor "
+                              f"drafts no more), got {shown(factor)}")
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
-            raise ConfigError(f"speculative_config suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
+            raise ConfigError(f"speculative_config suffix_decoding_min_token_prob must be in [0, 1], "
+                              f"got {shown(prob)}")
         k = cls._draft_length(value, min(suffix["suffix_decoding_max_tree_depth"], MAX_DRAFT))
         return cls("suffix", k, 0, 0, suffix)
 
@@ -90,7 +92,7 @@ class SpeculativeConfig:
         low, high = (5, 5) if low is None else (low, high)
         for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ConfigError(f"speculative_config {name} must be an integer >= 1, got {n!r}")
+                raise ConfigError(f"speculative_config {name} must be an integer >= 1, got {shown(n)}")
         if low > high:
             raise ConfigError(f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         return cls("ngram", k, high, low)
