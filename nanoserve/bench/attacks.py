@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,16 @@ class Outcome:
     said: str
     seconds: float = 0.0
     details: dict = field(default_factory=dict)
+
+
+def on_purpose(message: str) -> str | None:
+    """What a benchmark did on purpose that this error reports (a fault it injected, a replica it killed), or
+    None: an error of any other cause is the server's own."""
+    if "injected fault" in message:
+        return "injected fault"
+    if re.search(r"replica \d+ stopped", message):
+        return "killed replica"
+    return None
 
 
 def held(said: str, **details) -> Outcome:

@@ -19,7 +19,7 @@ from collections import Counter
 
 import httpx
 
-from nanoserve.bench.attacks import ATTACKS, Target, run_one
+from nanoserve.bench.attacks import ATTACKS, Target, on_purpose, run_one
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.memory import resident_mib
 from nanoserve.flags import add_data_parallel_flags, add_engine_flags, engine_flags
@@ -82,9 +82,21 @@ async def _plain_traffic(url: str, headers: dict, stop: asyncio.Event, tally: di
             try:
                 r = await http.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8,
                                                                    "temperature": 0})
-                tally["ok" if r.status_code == 200 else f"HTTP {r.status_code}"] += 1
+                tally[_plain_outcome(r)] += 1
             except httpx.HTTPError as e:
                 tally[type(e).__name__] += 1
+
+
+def _plain_outcome(r: httpx.Response) -> str:
+    """"ok", "killed replica" (the listener attack kills one: its requests end with an error on purpose), or the
+    failure's status."""
+    if r.status_code == 200:
+        return "ok"
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = ""
+    return on_purpose(message) or f"HTTP {r.status_code}"
 
 
 async def _attack_all(target: Target, chosen: list) -> tuple[list[dict], dict]:
@@ -148,12 +160,13 @@ def main(args) -> int:
         server.stop()
     print_table(f"bench hostile: {len(rows)} attacks, data-parallel size {args.data_parallel_size}", rows,
                 ["attack", "verdict", "seconds", "exercises"])
-    failed_plain = sum(n for k, n in plain.items() if k != "ok")
+    failed_plain = sum(n for k, n in plain.items() if k not in ("ok", "killed replica"))
     summary = [
         {"measure": "attacks held / broke / skipped",
          "value": " / ".join(str(sum(r["verdict"] == v for r in rows)) for v in ("held", "BROKE", "skipped"))},
         {"measure": "plain requests beside them: answered / failed (must be 0)",
-         "value": f"{plain.get('ok', 0)} / {failed_plain}"},
+         "value": f"{plain.get('ok', 0)} / {failed_plain}" + (f" ({plain['killed replica']} on the killed replica)"
+                                                              if plain.get("killed replica") else "")},
         {"measure": "KV blocks held at the end (must be 0)", "value": blocks},
         {"measure": "/health at the end", "value": f"{health[0]} {health[1].get('status')}"},
         {"measure": "resident memory start / end (MiB)", "value": f"{rss_start:,.0f} / {rss_end:,.0f}"},

@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
 
-from nanoserve.bench.attacks import ATTACKS, run_one
+from nanoserve.bench.attacks import ATTACKS, on_purpose, run_one
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.hostile import chunked_oversize, hostile_bodies
 from nanoserve.bench.soak_server import SoakServer
@@ -78,15 +77,6 @@ class Tally:
         self.outcomes["broken"] += 1
         if len(self.broken) < 20:
             self.broken.append(what)
-
-
-def _on_purpose(message: str) -> str | None:
-    """What the soak did on purpose that this error reports (an injected fault, a killed replica), or None."""
-    if "injected fault" in message:
-        return "injected fault"
-    if re.search(r"replica \d+ stopped", message):
-        return "killed replica"
-    return None
 
 
 def _error_kind(status: int, raw: bytes) -> str | None:
@@ -159,7 +149,7 @@ class Soak:
     def stream_ended(self, finish: list[str], events: int) -> None:
         errors = [f for f in finish if f.startswith("error:")]
         if errors:
-            cause = _on_purpose(errors[0])
+            cause = on_purpose(errors[0])
             return self.tally.add(f"stream: error event ({cause or 'not on purpose'})")
         if not finish:
             return self.tally.bad(f"a stream reached [DONE] with no finish_reason after {events} events")
@@ -186,7 +176,7 @@ class Soak:
         if message is None:
             return self.tally.bad(f"HTTP {status} without an OpenAI error body: {raw[:200]!r}")
         if status >= 500 and status != 503:
-            return self.tally.add(f"{status} ({_on_purpose(message) or 'NOT on purpose'})")
+            return self.tally.add(f"{status} ({on_purpose(message) or 'NOT on purpose'})")
         self.tally.add(f"refused {status}")
 
     async def hostile_request(self, http, rng: random.Random) -> None:
