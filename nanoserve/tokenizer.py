@@ -20,7 +20,8 @@ import jinja2.ext
 import tokenizers
 
 from nanoserve.errors import CheckpointError, RequestError
-from nanoserve.template_budget import BudgetedSandbox, RenderAbandoned, TemplateBudgetError, render
+from nanoserve.template_budget import RenderAbandoned, TemplateBudgetError, render
+from nanoserve.template_sandbox import BudgetedSandbox
 
 __all__ = ["Tokenizer"]
 
