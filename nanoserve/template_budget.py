@@ -25,8 +25,8 @@ import jinja2
 
 from nanoserve.errors import RequestError
 
-__all__ = ["LIMITS", "Limits", "RenderAbandoned", "TemplateBudgetError", "count_item", "for_request", "render",
-           "tick"]
+__all__ = ["LIMITS", "Limits", "RenderAbandoned", "TemplateBudgetError", "count_built", "count_item", "for_request",
+           "render", "tick"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Limits:
     # any string or output: twice the 4 MiB body limit, as a conversation renders to about its own size plus
     # each message's markup
     chars: int = 8 * 2**20
+    built_chars: int = 64 * 2**20  # all the strings a render builds, together: what it could be holding
     items: int = 1_000_000  # a list the template builds
     range_items: int = 100_000  # range(): Jinja's own MAX_RANGE
     loop_items: int = 4_000_000  # items all of a render's loops take, together
@@ -67,9 +68,16 @@ class _Meter:
 
     def __init__(self, limits: Limits, request: _Request):
         self.limits, self.request = limits, request
-        self.items = 0
+        self.items = self.built = self.ticks = 0
 
     def tick(self) -> None:
+        """Every operation of the render ticks; each 16th looks at the clock and the client (a look costs more
+        than most operations)."""
+        self.ticks += 1
+        if not self.ticks & 15:
+            self.check()
+
+    def check(self) -> None:
         """Stop the render if its client has gone or its time is up."""
         stop = self.request.stop
         if stop is not None and stop.is_set():
@@ -85,7 +93,15 @@ class _Meter:
             raise TemplateBudgetError(f"the chat template's loops took more than {self.limits.loop_items:,} items in "
                                       "all; send a shorter conversation or a template with fewer loops")
         if self.items % 64 == 0:
-            self.tick()
+            self.check()
+
+    def build(self, chars: int) -> None:
+        """A string of `chars` characters built: counted against the render's total (and a tick)."""
+        self.tick()
+        self.built += chars
+        if self.built > self.limits.built_chars:
+            raise TemplateBudgetError(f"the chat template built more than {self.limits.built_chars:,} characters "
+                                      "of text in all; send a shorter conversation or a template that builds less")
 
 
 _meter: ContextVar[_Meter | None] = ContextVar("nanoserve_template_meter", default=None)
@@ -110,14 +126,14 @@ def render(template: jinja2.Template, variables: Mapping[str, Any]) -> str:
     meter = _Meter(LIMITS, request)
     token = _meter.set(meter)
     try:
-        meter.tick()  # a request whose client has gone, or whose time is spent, renders nothing more
+        meter.check()  # a request whose client has gone, or whose time is spent, renders nothing more
         out, size = [], 0
         for chunk in template.generate(**variables):
             size += len(chunk)
             if size > meter.limits.chars:
                 raise too_long("the rendered prompt")
             out.append(chunk)
-            meter.tick()
+            meter.check()
         return "".join(out)
     finally:
         _meter.reset(token)
@@ -135,6 +151,13 @@ def count_item() -> None:
     meter = _meter.get()
     if meter is not None:
         meter.item()
+
+
+def count_built(chars: int) -> None:
+    """A string the running render built (nothing outside a render)."""
+    meter = _meter.get()
+    if meter is not None:
+        meter.build(chars)
 
 
 def too_long(what: str) -> TemplateBudgetError:

@@ -26,28 +26,18 @@ from nanoserve.template_budget import TemplateBudgetError
 __all__ = ["BudgetedSandbox"]
 
 
-_WIDTH_FILTERS = ("center", "indent", "wordwrap", "truncate", "tojson")  # an argument sets a width
-_TEXT_FILTERS = ("join", "string", "tojson", "pprint", "sum", "format", "urlize", "xmlattr")  # the value as text
+_CONTEXTS = (jinja2.runtime.Context, nodes.EvalContext, jinja2.Environment)  # what a filter may be passed first
 
 
 def _sized_filter(name: str, fn):
-    """A built-in filter with its arguments bounded before and its result after."""
+    """A filter with its arguments bounded before and its result after (template_sizes.check_filter)."""
 
     def bounded(*args, **kwargs):
         budget.tick()
-        values = [a for a in args if not isinstance(a, (jinja2.runtime.Context, nodes.EvalContext,
-                                                         jinja2.Environment))]
-        if name in _WIDTH_FILTERS:
-            sizes.check_args(tuple(values[1:]), kwargs)
-        if name in _TEXT_FILTERS and values:
-            sizes.as_text(values[0])
-        if name == "join" and len(values) > 1 and isinstance(values[1], str):
-            if len(values[1]) * _count(values[0]) > budget.LIMITS.chars:
-                raise budget.too_long("the joined string")
-        elif name == "replace" and len(values) >= 3 and all(isinstance(v, str) for v in values[:3]):
-            sizes.grown_by_replace(*values[:3])
-        elif name == "format" and values and isinstance(values[0], str):
-            sizes.check_percent_format(values[0], tuple(values[1:]))
+        first = next((i for i, a in enumerate(args) if not isinstance(a, _CONTEXTS)), len(args))
+        if name in sizes.ITEM_FILTERS and first < len(args) and not hasattr(args[first], "__len__"):
+            args = (*args[:first], list(sizes.bounded_items(args[first])), *args[first + 1:])
+        sizes.check_filter(name, list(args[first:]), kwargs)
         return sizes.sized(fn(*args, **kwargs))
 
     bounded.__name__ = getattr(fn, "__name__", name)
@@ -55,12 +45,13 @@ def _sized_filter(name: str, fn):
     return bounded
 
 
-def _count(value: Any) -> int:
-    """len(value), or 0 for what has none (a join filter's items are counted where they can be)."""
-    try:
-        return len(value)
-    except TypeError:
-        return 0
+def _added(left: str, right: str) -> str:
+    """`a + b` of two strings, as templates join their markup: sized from the operands, as `sized` would."""
+    size = len(left) + len(right)
+    if size > budget.LIMITS.chars:
+        raise budget.too_long("a string the template builds")
+    budget.count_built(size)
+    return left + right
 
 
 def _range(*args: int) -> range:
@@ -82,7 +73,7 @@ def _each(iterable: Any) -> Iterator[Any]:
 def _joined(parts: list) -> str:
     """`a ~ b`: the parts bounded before they are written out as text."""
     sizes.as_text(parts, "a string the template builds with ~")
-    return "".join(map(str, parts))
+    return sizes.sized("".join(map(str, parts)))
 
 
 def _concat(pieces) -> str:
@@ -90,7 +81,7 @@ def _concat(pieces) -> str:
     pieces = list(pieces)
     if sum(len(p) for p in pieces) > budget.LIMITS.chars:
         raise budget.too_long("a block's text")
-    return "".join(pieces)
+    return sizes.sized("".join(pieces))
 
 
 def _finalize(value: Any) -> Any:
@@ -125,6 +116,7 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(finalize=_finalize, **options)
         self.globals["range"] = _range
         self.globals.pop("lipsum", None)  # writes as much text as it is asked for, and no template uses it
+        self.filters.pop("urlize", None)  # writes several times its input, and no template uses it
         self.filters = {name: _sized_filter(name, fn) for name, fn in self.filters.items()}
         self.filters["nanoserve_each"] = _each
         self.filters["nanoserve_joined"] = _joined
@@ -145,6 +137,8 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         return _Metered().visit(tree)
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # noqa: E721 (the common case, made fast)
+            return _added(left, right)
         budget.tick()
         sizes.before_binop(operator, left, right)
         return sizes.sized(super().call_binop(context, operator, left, right))
@@ -170,8 +164,7 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         fmt = value.__self__
 
         def bounded(*args: Any, **kwargs: Any) -> str:
-            sizes.check_format_widths(fmt)
-            sizes.check_args(args, kwargs)
+            sizes.check_args(args, kwargs, counts=sizes.check_format_widths(fmt))
             return sizes.sized(wrapped(*args, **kwargs))
 
         return bounded

@@ -16,9 +16,10 @@ from nanoserve.server.context import PREPARE_THREADS
 from .helpers import tiny_server_running, wait_until
 
 HI = [{"role": "user", "content": "hi"}]
-# each item builds and uppercases a megabyte: within every size limit, so only the clock (or the client
+# each of three million loop items reads 8 MB: within every size limit, so only the clock (or the client
 # leaving) ends it
-SLOW = "{% for i in range(100000) %}{{ ('x' * 1000000).upper() | length }}{% endfor %}"
+SLOW = ("{% set big = 'x' * 8000000 %}{% for i in range(100000) %}{% for j in range(30) %}"
+        "{% if big.count('y') %}{% endif %}{% endfor %}{% endfor %}")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,22 @@ def test_a_request_template_that_builds_too_much_is_a_400_naming_the_limit(serve
     message = refusal(post(server, route, template))
     assert says in message
     assert time.monotonic() - started < 30  # refused before it is built, not after
+
+
+@pytest.mark.parametrize("template,says", [
+    ("{{ ('%s' * 1000) % (('a' * 8000000,) * 1000) }}", "the arguments would be over"),  # before: 16 s, 8 GB
+    ("{{ ('{:>8000000}' * 100).format(*range(100)) }}", "a format's fields (800,000,000 characters wide)"),
+    ("{{ (range(100000) | list) | tojson(indent=8000000) }}", "the tojson text would be over"),
+    ("{{ ('a\n' * 1000000) | indent(8000000) }}", "the text with its indent would be over"),
+    ("{{ ('\t' * 1000000).expandtabs(8000000) }}", "the string with its tabs expanded would be over"),
+    ("{{ ('a' * 8000000) | batch(1) | list }}", "would have 8,000,000 items"),
+    ("{{ range(1000) | map('string') | map('center', 8000000) | list }}", "built more than 67,108,864 characters"),
+])
+def test_a_request_template_that_builds_too_much_in_steps_is_a_400(server, template, says):
+    """Each step within its limit, the whole past it: refused before the whole is built."""
+    started = time.monotonic()
+    assert says in refusal(post(server, "/v1/chat/completions", template))
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("route", ROUTES)
