@@ -137,6 +137,7 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         return _Metered().visit(tree)
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        """`*`, `**`, `+` and `%`, refused before a result too big is built, and sized after."""
         if operator == "+" and type(left) is str and type(right) is str:  # noqa: E721 (the common case, made fast)
             return _added(left, right)
         budget.tick()

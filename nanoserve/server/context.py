@@ -79,6 +79,7 @@ async def rendered_off_loop(request: Request | None, fn, *args, **kwargs):
 
 
 def _rendering(stop: threading.Event, fn, *args, **kwargs):
+    """`fn` on a preparation thread, as one request's rendering (template_budget.for_request)."""
     if stop.is_set():  # the client left while this waited for a thread
         raise ClientGone("the client disconnected before its conversation was rendered")
     with for_request(stop):
