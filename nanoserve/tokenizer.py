@@ -18,9 +18,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nanoserve.errors import CheckpointError, RequestError
+from nanoserve.template_budget import RenderAbandoned, TemplateBudgetError, render
+from nanoserve.template_sandbox import BudgetedSandbox
 
 __all__ = ["Tokenizer"]
 
@@ -170,10 +171,7 @@ class Tokenizer:
             raise RequestError("continue_final_message continues the last message, add_generation_prompt starts "
                                "a new one; set add_generation_prompt=False to continue")
         source = chat_template or self._template_source(kwargs.get("tools"))
-        try:
-            template = _compiled(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise RequestError(f"the chat template does not parse: {e}; fix the template") from e
+        template = _compiled_or_refused(source)
         unused = sorted(k for k, v in kwargs.items() if v is not None and k not in _variables(source))
         if unused:
             raise RequestError(f"this chat template does not use {', '.join(unused)}, so it would be dropped; "
@@ -186,10 +184,7 @@ class Tokenizer:
             variables["eos_token"] = self.eos_token
         variables.update(kwargs)
         variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
-        try:
-            text = template.render(**variables)
-        except jinja2.TemplateError as e:
-            raise RequestError(f"the chat template rejected this conversation: {e}") from e
+        text = _rendered(template, variables)
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content", ""))
         if tokenize:
@@ -281,6 +276,38 @@ def _compiled(source: str) -> jinja2.Template:
     return _jinja_env().from_string(source)
 
 
+def _compiled_or_refused(source: str) -> jinja2.Template:
+    try:
+        return _compiled(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise RequestError(f"the chat template does not parse: {_short(e)}; fix the template") from None
+    except RecursionError:
+        raise RequestError("the chat template nests too deep to parse; fix the template") from None
+
+
+def _rendered(template: jinja2.Template, variables: dict[str, Any]) -> str:
+    """The template rendered within its budget (template_budget.py). Whatever it raises is the template's or
+    the conversation's doing, so it is a request error naming what went wrong, not a server error."""
+    try:
+        return render(template, variables)
+    except (RequestError, RenderAbandoned):
+        raise
+    except jinja2.TemplateError as e:
+        raise RequestError(f"the chat template rejected this conversation: {_short(e)}") from None
+    except RecursionError:
+        raise TemplateBudgetError("the chat template recursed too deep rendering this conversation; fix the "
+                                  "template") from None
+    except Exception as e:  # noqa: BLE001 (a template's own failure: 1/0, a bad index, a wrong type)
+        raise RequestError(f"the chat template failed on this conversation: {type(e).__name__}: {_short(e)}") \
+            from None
+
+
+def _short(e: Exception) -> str:
+    """An error's text, cut short: it may carry the template's or the conversation's own words."""
+    text = str(e)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
 @functools.lru_cache(maxsize=32)
 def _variables(source: str) -> frozenset[str]:
     """The variables a template reads (so a variable it never reads can be refused, not dropped)."""
@@ -303,12 +330,11 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in; templates from the Hub rely on its settings."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
+def _jinja_env() -> BudgetedSandbox:
+    """The environment transformers renders chat templates in (templates from the Hub rely on its settings),
+    with a budget for each render."""
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

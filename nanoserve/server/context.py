@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import threading
 import uuid
 from dataclasses import dataclass
 from importlib import metadata
@@ -19,11 +20,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from nanoserve.errors import shown
-from nanoserve.server.disconnect import unless_disconnected
+from nanoserve.server.disconnect import ClientGone, unless_disconnected
 from nanoserve.server.fanout import Fanout
 from nanoserve.server.host import EngineHost
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.protocol import error_body
+from nanoserve.template_budget import for_request
 
 PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
 log = logging.getLogger("nanoserve.server")
@@ -60,6 +62,28 @@ async def off_loop(fn, *args, **kwargs):
     """Run CPU-bound request preparation (tokenizing a long prompt, rendering a chat template) on a worker
     thread: on the event loop, one 4 MB prompt stalled every other stream for seconds."""
     return await asyncio.get_running_loop().run_in_executor(_prepare, functools.partial(fn, *args, **kwargs))
+
+
+async def rendered_off_loop(request: Request | None, fn, *args, **kwargs):
+    """off_loop for preparation that renders a chat template, given up when the client leaves (as
+    unless_disconnected gives up a response): still queued for a thread, it never starts; running, the template
+    stops at its next check. So callers who leave cannot keep the rendering threads from the next request (four
+    abandoned conversations made a plain one wait 144 s). The request's renders share one time budget
+    (template_budget.for_request)."""
+    stop = threading.Event()
+    work = off_loop(_rendering, stop, fn, *args, **kwargs)
+    try:
+        return await (work if request is None else unless_disconnected(request, work))
+    finally:
+        stop.set()  # done, or given up: a render still running stops at its next check
+
+
+def _rendering(stop: threading.Event, fn, *args, **kwargs):
+    """`fn` on a preparation thread, as one request's rendering (template_budget.for_request)."""
+    if stop.is_set():  # the client left while this waited for a thread
+        raise ClientGone("the client disconnected before its conversation was rendered")
+    with for_request(stop):
+        return fn(*args, **kwargs)
 
 
 async def compiled(engine, params) -> None:

@@ -3,10 +3,13 @@ rendered with the model's template. Anything a template would silently drop is r
 
 from __future__ import annotations
 
+import re
+import secrets
 from typing import Any
 
-from nanoserve.errors import RequestError
+from nanoserve.errors import RequestError, shown
 from nanoserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from nanoserve.template_budget import TemplateBudgetError
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.tools.prompt import template_arguments, with_tool_prompt, written_calls
 from nanoserve.tools.spec import ToolRequest
@@ -84,17 +87,18 @@ def rendered_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: Tool
         else:
             messages = with_tool_prompt(messages, tools)
 
-    def render(msgs: list[dict]) -> str:
+    def render(msgs: list[dict], continuing: bool = body.continue_final_message) -> str:
         return tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            tokenize=False, chat_template=body.chat_template, continue_final_message=body.continue_final_message,
-            **variables)
+            msgs, add_generation_prompt=body.add_generation_prompt and not continuing, tokenize=False,
+            chat_template=body.chat_template, continue_final_message=continuing, **variables)
 
     text = render(messages)
 
     def renders_the_same_without(key: str) -> bool:
         try:
             return render([_without(m, key) for m in messages]) == text
+        except TemplateBudgetError:
+            raise
         except RequestError:  # the template needs the key, so it reads it
             return False
 
@@ -104,25 +108,36 @@ def rendered_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: Tool
     if any("name" in m for m in messages) and renders_the_same_without("name"):
         raise PromptError("messages.name", "this model's chat template does not render a message's 'name', so it "
                                            "would be dropped; send the conversation without it")
-    _check_roles_render(messages, text, render)
+    _check_roles_render(messages, render)
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     return text, truncated(ids, body, max_model_len)
 
 
-def _check_roles_render(messages: list[dict], text: str, render) -> None:
-    """A message of a role outside OpenAI's is passed to the template as vLLM passes it; one the template drops
-    (the conversation renders the same without it) is refused, since the model would never see it."""
-    for i, m in enumerate(messages):
-        if m["role"] in ROLES:
-            continue
-        try:
-            dropped = render(messages[:i] + messages[i + 1:]) == text
-        except RequestError:  # the template cannot do without it: it reads it
-            dropped = False
-        if dropped:
-            raise PromptError(f"messages.{i}.role", f"messages[{i}] has role {m['role']!r}, which this model's chat "
-                                                    f"template does not render, so the model would never see it; "
-                                                    f"use one of {', '.join(sorted(ROLES))}")
+def _check_roles_render(messages: list[dict], render) -> None:
+    """A message of a role outside OpenAI's is passed to the template as vLLM passes it; one the template drops is
+    refused, since the model would never see it. One more render tells, however many such messages there are:
+    each one's content is replaced by a marker of its own, and a marker missing from the result is a message
+    dropped (a render per message made a long conversation cost the square of its length)."""
+    custom = [i for i, m in enumerate(messages) if m["role"] not in ROLES]
+    if not custom:
+        return
+    tag = f"{secrets.randbelow(10**12):012d}"  # digits: they come through the filters a template may apply
+    marked = list(messages)
+    for i in custom:
+        marked[i] = {**messages[i], "content": f"[{tag}:{i}]"}
+    try:
+        text = render(marked, continuing=False)
+    except TemplateBudgetError:
+        raise
+    except RequestError:  # the template cannot take the marker for the content: it reads the message
+        return
+    seen = {int(i) for i in re.findall(rf"\[{tag}:(\d+)\]", text)}  # one pass: a search per marker was n^2
+    dropped = next((i for i in custom if i not in seen), None)
+    if dropped is not None:
+        raise PromptError(f"messages.{dropped}.role", f"messages[{dropped}] has role "
+                                                      f"{shown(messages[dropped]['role'])}, which this model's chat "
+                                                      "template does not render, so the model would never see it; "
+                                                      f"use one of {', '.join(sorted(ROLES))}")
 
 
 def _check_tool_results(messages: list[dict]) -> None:

@@ -42,7 +42,7 @@ async def complete(ctx: RouteContext, body: CompletionRequest, request: Request)
 
 async def chat_complete(ctx: RouteContext, body: ChatCompletionRequest, request: Request):
     """/v1/chat/completions: the messages rendered with the chat template; tool calls read by the turn's parser."""
-    turn = await prepare_turn(ctx, body, "chatcmpl")
+    turn = await prepare_turn(ctx, body, "chatcmpl", request)
     responder = ChatResponder(body, turn.fanout, turn.tokenizer, ctx.model_name, turn.rid, ctx.metrics, turn.parser,
                               turn.prompt_text)
     return await respond(responder, body, request)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from nanoserve.server.context import APIError, RouteContext, off_loop
+from nanoserve.server.context import APIError, RouteContext, rendered_off_loop
 from nanoserve.server.disconnect import unless_disconnected
 from nanoserve.server.messages_api import MessagesResponder
 from nanoserve.server.messages_protocol import CountTokensRequest, MessagesRequest
@@ -75,16 +75,16 @@ def translated(body) -> ChatCompletionRequest | dict:
 
 async def create(ctx: RouteContext, body: MessagesRequest, request: Request):
     ctx.admit(body)
-    turn = await prepare_turn(ctx, translated(body), "msg")
+    turn = await prepare_turn(ctx, translated(body), "msg", request)
     responder = MessagesResponder(turn, ctx.model_name, ctx.metrics)
     return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
 
 
-async def count_tokens(ctx: RouteContext, body: CountTokensRequest) -> dict:
+async def count_tokens(ctx: RouteContext, body: CountTokensRequest, request: Request) -> dict:
     ctx.admit(body)
     chat = ChatCompletionRequest.model_validate({**translated(body), "model": body.model})
     engine = ctx.host.serving()
-    _, ids = await off_loop(rendered_chat, chat, engine.tokenizer, chat.tool_request(), None)
+    _, ids = await rendered_off_loop(request, rendered_chat, chat, engine.tokenizer, chat.tool_request(), None)
     return {"input_tokens": len(ids)}
 
 
@@ -96,5 +96,5 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
 
     @routes.post("/v1/messages/count_tokens", responses={**ERRORS, 200: {"model": TokenCount}},
                  summary="The prompt tokens a Messages request would send (Anthropic's count_tokens)")
-    async def messages_count_tokens(body: CountTokensRequest):
-        return await count_tokens(ctx, body)
+    async def messages_count_tokens(body: CountTokensRequest, request: Request):
+        return await count_tokens(ctx, body, request)

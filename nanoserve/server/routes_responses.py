@@ -80,7 +80,7 @@ async def create(ctx: RouteContext, store: ResponseStore, body: ResponsesRequest
         raise APIError(400, f"store keeps a response with its conversation up to {store.max_entry_bytes:,} bytes "
                             f"(as JSON), and this conversation is already {asked_bytes:,}: send store false to "
                             "answer without keeping it, or start a shorter conversation", param="store")
-    turn = await prepare_turn(ctx, chat, "resp")
+    turn = await prepare_turn(ctx, chat, "resp", request)
     owner = body.user or body.safety_identifier or ""
 
     def done(response: dict, output: list[dict]) -> bool:

@@ -3,9 +3,9 @@ tokens as this server does."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from nanoserve.server.context import APIError, RouteContext, off_loop
+from nanoserve.server.context import APIError, RouteContext, off_loop, rendered_off_loop
 from nanoserve.server.openapi import ERRORS, ok
 from nanoserve.server.prompts import chat_prompt
 from nanoserve.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -17,14 +17,14 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     host = ctx.host
 
     @routes.post("/tokenize", responses={**ERRORS, **ok(TokenizeResponse)})
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest, request: Request):
         engine = host.serving()
         tokenizer = engine.tokenizer
         ctx.check_model(body.model)
         if body.messages is not None:
             ctx.check_template_trusted(body.chat_template)
             chat = body.as_chat()
-            ids = await off_loop(chat_prompt, chat, tokenizer, chat.tool_request())
+            ids = await rendered_off_loop(request, chat_prompt, chat, tokenizer, chat.tool_request())
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from nanoserve.server.context import RouteContext, off_loop
+from starlette.requests import Request
+
+from nanoserve.server.context import RouteContext, rendered_off_loop
 from nanoserve.server.fanout import Fanout
 from nanoserve.server.prompts import rendered_chat
 from nanoserve.server.protocol import ChatCompletionRequest
@@ -46,8 +48,10 @@ class TurnEnd:
     cached_tokens: int | None
 
 
-async def prepare_turn(ctx: RouteContext, body: ChatCompletionRequest, prefix: str) -> PreparedTurn:
-    """Admit `body` (checks, the template rendered off the event loop) and open its engine request."""
+async def prepare_turn(ctx: RouteContext, body: ChatCompletionRequest, prefix: str,
+                       request: Request | None = None) -> PreparedTurn:
+    """Admit `body` (checks, the template rendered off the event loop, given up if the client of `request`
+    leaves) and open its engine request."""
     ctx.admit(body)
     ctx.check_template_trusted(body.chat_template)
     engine = ctx.host.serving()  # read per request: a restart may bring a new engine
@@ -55,7 +59,7 @@ async def prepare_turn(ctx: RouteContext, body: ChatCompletionRequest, prefix: s
     tools = body.tool_request()
     parser = parser_for(tools, tokenizer.template_source(body.chat_template, tools=[]) if tools else "",
                         bool(tools) and tokenizer.template_reads("tools", body.chat_template), ctx.tool_call_parser)
-    text, ids = await off_loop(rendered_chat, body, tokenizer, tools, engine.max_model_len)
+    text, ids = await rendered_off_loop(request, rendered_chat, body, tokenizer, tools, engine.max_model_len)
     limit = body.token_limit()
     params = body.sampling_params(limit if limit is not None else ctx.room_for(engine, ids), body.chat_logprobs())
     rid = ctx.request_id(body, prefix)
