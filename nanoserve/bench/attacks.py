@@ -58,6 +58,27 @@ def on_purpose(message: str) -> str | None:
     return None
 
 
+class Disrupted(Exception):
+    """The benchmark's own disruption (a restart's 503, an injected fault, a killed replica) reached one of the
+    attack's requests: the attack gives no verdict."""
+
+
+def _disruption(status: int, message: str) -> bool:
+    return status == 503 or (status >= 500 and on_purpose(message) is not None)
+
+
+async def _raise_on_disruption(response: httpx.Response) -> None:
+    if response.status_code >= 500:
+        await response.aread()
+        if _disruption(response.status_code, _error_message(response)):
+            raise Disrupted(f"{response.status_code} {_error_message(response)[:120]}")
+
+
+def attack_client(**kwargs) -> httpx.AsyncClient:
+    """The HTTP client attacks run on: a response that reports the benchmark's own disruption raises Disrupted."""
+    return httpx.AsyncClient(event_hooks={"response": [_raise_on_disruption]}, **kwargs)
+
+
 def held(said: str, **details) -> Outcome:
     return Outcome(True, said, details=details)
 
@@ -147,13 +168,18 @@ async def failing_grammar(t: Target, http: httpx.AsyncClient) -> Outcome:
     r = await http.post(t.url + "/v1/completions", headers=t.headers, timeout=120,
                         json={"prompt": "Say it", "max_tokens": 8, "guided_grammar": wide_lark()})
     others = await asyncio.gather(*streams)
-    errors = [e for events in others for e in events if "error" in e]
+    errors = [e["error"]["message"] for events in others for e in events if "error" in e]
+    if any(on_purpose(message) for message in errors):
+        raise Disrupted(f"a stream beside it: {errors[0][:120]}")
     health = await http.get(t.url + "/health")
     if r.status_code != 400:
         return broke(f"the failing grammar got {r.status_code}: {_error_message(r)[:160]}")
     if errors:
-        return broke(f"other callers' streams ended with its error: {errors[0]['error']['message'][:160]}")
+        return broke(f"other callers' streams ended with its error: {errors[0][:160]}")
     if health.json().get("status") != "ok":
+        keyed = (await http.get(t.url + "/health", headers=t.headers)).json()
+        if on_purpose(str(keyed.get("reason"))):
+            raise Disrupted(f"/health {keyed.get('status')}: the benchmark's injected faults")
         return broke(f"the open /health says {health.json().get('status')}: {health.json().get('reason')}")
     return held(f"400 for it alone ({_error_message(r)[:80]}...); three streams finished; /health ok")
 
@@ -352,6 +378,8 @@ async def run_one(attack: Attack, target: Target, http: httpx.AsyncClient) -> Ou
     started = time.monotonic()
     try:
         outcome = await attack(target, http)
+    except Disrupted as e:
+        outcome = skipped(f"the benchmark's own disruption reached it ({e})")
     except (httpx.HTTPError, OSError, asyncio.TimeoutError) as e:
         outcome = broke(f"{type(e).__name__}: {e}")
     outcome.seconds = time.monotonic() - started

@@ -19,7 +19,7 @@ from collections import Counter
 
 import httpx
 
-from nanoserve.bench.attacks import ATTACKS, Target, on_purpose, run_one
+from nanoserve.bench.attacks import ATTACKS, Target, attack_client, on_purpose, run_one
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.memory import resident_mib
 from nanoserve.flags import add_data_parallel_flags, add_engine_flags, engine_flags
@@ -103,7 +103,7 @@ async def _attack_all(target: Target, chosen: list) -> tuple[list[dict], dict]:
     stop, tally = asyncio.Event(), Counter(ok=0)
     plain = [asyncio.create_task(_plain_traffic(target.url, target.headers, stop, tally)) for _ in range(2)]
     rows = []
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with attack_client(timeout=120) as http:
         for name, exercises, attack in chosen:
             outcome = await run_one(attack, target, http)
             verdict = {True: "held", False: "BROKE", None: "skipped"}[outcome.held]

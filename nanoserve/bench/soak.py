@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from nanoserve.bench.attacks import ATTACKS, on_purpose, run_one
+from nanoserve.bench.attacks import ATTACKS, attack_client, on_purpose, run_one
 from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.hostile import chunked_oversize, hostile_bodies
 from nanoserve.bench.soak_server import SoakServer
@@ -243,7 +243,7 @@ class Soak:
     async def attacker(self, stop: asyncio.Event) -> None:
         """The hostile caller: every attack in turn, again and again; each must hold."""
         target = self.server.target()
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with attack_client(timeout=120) as http:
             while not stop.is_set():
                 for name, _, attack in ATTACKS:
                     if stop.is_set():
