@@ -254,7 +254,7 @@ class Soak:
                     elif outcome.held:
                         self.tally.add("attack held")
                     self.tally.attacks.append({"attack": name, "held": outcome.held,
-                                               "seconds": round(outcome.seconds, 2)})
+                                               "seconds": round(outcome.seconds, 2), "said": outcome.said[:300]})
                     await asyncio.sleep(ATTACK_PAUSE_S)
 
     async def memory(self, stop: asyncio.Event, every: float) -> None:
@@ -392,8 +392,10 @@ def _summary(result: dict, args) -> list[dict]:
          "value": "{admitted} / {ended} / {live} / {dropped}".format(**result["host"])},
         {"measure": "requests unanswered (must be 0)", "value": result["unanswered"]},
         {"measure": "broken responses (must be 0)", "value": result["outcomes"].get("broken", 0)},
-        {"measure": "attacks held / run", "value": f"{sum(a['held'] is True for a in result['attacks'])} / "
-                                                   f"{sum(a['held'] is not None for a in result['attacks'])}"},
+        {"measure": "attacks held / run (skipped: no replicas, or met the soak's own disruption)",
+         "value": f"{sum(a['held'] is True for a in result['attacks'])} / "
+                  f"{sum(a['held'] is not None for a in result['attacks'])} "
+                  f"({sum(a['held'] is None for a in result['attacks'])})"},
         {"measure": "engine restart (s)" if args.data_parallel_size == 1 else "replicas killed",
          "value": result["restart_s"] if args.data_parallel_size == 1 else result["replicas_killed"]},
         {"measure": "resident memory warm / end (MiB)",
