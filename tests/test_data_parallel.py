@@ -183,6 +183,19 @@ def test_a_killed_replica_ends_its_streams_and_comes_back(tiny_checkpoint):
         assert served == {0, 1}  # the new replica 1 serves again
 
 
+def test_a_replica_killed_again_while_starting_is_started_again(tiny_checkpoint):
+    """A restarted replica that dies before it connects (killed, out of memory while loading) has no connection
+    to drop: the front end still notices, and starts it again."""
+    with tiny_server_running(tiny_checkpoint("llama"), data_parallel=DataParallel(2)) as server:
+        host = server.host
+        host.launcher.kill(1)
+        assert wait_until(lambda: host.links[1].status == "starting" and host.links[1].conn is None, timeout=60)
+        host.launcher.kill(1)  # before its Hello: no connection to drop
+        assert wait_until(lambda: "while starting" in (host.links[1].reason or ""), timeout=30)
+        assert wait_until(lambda: host.links[1].status == "ready", timeout=120), host.links[1].describe()
+        assert _replicas(server)[1]["restarts"] == 2
+
+
 def test_replicas_that_cannot_load_stop_the_start_with_the_reason(tmp_path):
     from nanoserve import EngineConfig
     from nanoserve.dp.front import ReplicaStartFailed

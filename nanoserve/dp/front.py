@@ -41,6 +41,7 @@ log = logging.getLogger("nanoserve.dp")
 
 RESTART_PAUSES_S = (0.5, 1, 2, 5, 10, 30)  # before each try in a row; a replica ready for STEADY_S starts over
 STEADY_S = 60.0
+WATCH_S = 1.0  # how often the front end looks at replicas that are starting
 
 
 class ReplicaStartFailed(NanoserveError):
@@ -97,7 +98,24 @@ class DataParallelHost:
                     raise ReplicaStartFailed(f"replica {failed[0].rank if failed else '?'} did not start: {why}")
                 self._changed.wait(0.5)
         self._started = True
+        threading.Thread(target=self._watch_starting, name="nanoserve-dp-starting", daemon=True).start()
         progress("ready")
+
+    def _watch_starting(self) -> None:
+        """A replica started again that dies before it connects (killed, out of memory while loading) has no
+        connection to drop: watch its process, and start it again as a dropped one is."""
+        while not self._stopping:
+            for link in self.links:
+                if link.status != "starting" or link.conn is not None:
+                    continue
+                how = self.launcher.exited(link.rank)
+                if how is None or link.conn is not None:
+                    continue
+                self.launcher.reap(link.rank, timeout=2)
+                link.status, link.reason = "restarting", f"it stopped while starting ({how})"
+                log.error("replica %d stopped while starting (%s)", link.rank, how)
+                self._schedule_restart(link)
+            time.sleep(WATCH_S)
 
     def _joined(self, conn: Connection, hello) -> bool:
         """A connection that proved the authkey (listener.py): a replica's, when it says Hello with its rank."""
