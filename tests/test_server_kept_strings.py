@@ -73,7 +73,7 @@ def test_health_stays_small_after_requests_with_the_largest_users(tiny_server):
 def test_unknown_field_names_are_logged_clipped_and_remembered_within_a_bound(tiny_server, monkeypatch):
     from nanoserve.server import context
 
-    monkeypatch.setattr(context, "_warned", set())  # the process's own, as other tests left it, comes back after
+    monkeypatch.setattr(context, "_warned", {})  # the process's own, as other tests left it, comes back after
     for batch in range(3):
         extra = {f"{batch}-{i}-".ljust(1000, "x"): 1 for i in range(60)} | {MEGABYTE + str(batch): 1}
         r = httpx.post(tiny_server.url + "/v1/chat/completions", json={**CHAT, **extra}, timeout=60)

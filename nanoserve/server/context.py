@@ -29,16 +29,20 @@ from nanoserve.template_budget import for_request
 
 PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
 log = logging.getLogger("nanoserve.server")
-_warned: set[str] = set()  # unknown field names already named in the log (clipped), at most WARNED_MAX
+_warned: dict[str, None] = {}  # unknown field names already named in the log (clipped), the latest WARNED_MAX
 WARNED_MAX, NAME_KEPT = 100, 64  # a caller may send new names, and long ones, with every request
 
 
 def _warn_unknown(names: list[str]) -> None:
-    """Name unknown fields in the log once each: clipped, and only until WARNED_MAX names are remembered."""
+    """Name unknown fields in the log once each, clipped; the latest WARNED_MAX names are remembered, the oldest
+    forgotten first (a name forgotten is named again)."""
     unknown = list(dict.fromkeys(n if len(n) <= NAME_KEPT else n[:NAME_KEPT - 3] + "..." for n in names))
-    unknown = [n for n in unknown if n not in _warned][:WARNED_MAX - len(_warned)]
+    unknown = [n for n in unknown if n not in _warned][:WARNED_MAX]
     if unknown:
-        _warned.update(unknown)
+        for name in unknown:
+            _warned[name] = None
+        while len(_warned) > WARNED_MAX:
+            del _warned[next(iter(_warned))]
         log.warning("ignoring request fields that are neither OpenAI's nor vLLM's: %s", ", ".join(unknown))
 
 
