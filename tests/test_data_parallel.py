@@ -256,9 +256,18 @@ def test_each_replica_publishes_kv_events_with_its_rank(tiny_checkpoint):
 
     from tests.test_kv_events import Subscriber
 
-    with sockets.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    def two_free_ports() -> int:
+        """A port free on loopback with the next one free too (replica 1 takes the port plus one)."""
+        while True:
+            with sockets.socket() as s, sockets.socket() as t:
+                s.bind(("127.0.0.1", 0))
+                try:
+                    t.bind(("127.0.0.1", s.getsockname()[1] + 1))
+                except OSError:
+                    continue
+                return s.getsockname()[1]
+
+    port = two_free_ports()
     config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
     with tiny_server_running(tiny_checkpoint("llama"), {"kv_events_config": config},
                              data_parallel=DataParallel(2)) as server:
