@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("textual")
@@ -54,6 +56,14 @@ async def test_stop_midway_aborts_the_rest_and_frees_blocks(config):
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_load(app, pilot, load_n="12", load_concurrency="4", load_output="240",
                                  load_input="16", load_dataset="synthetic")
+        engine = app.server.host.engine
+        step = engine.runner.execute
+
+        def paced(sched):  # 240 tokens of the tiny model take a moment; the stop below must meet them running
+            time.sleep(0.02)
+            return step(sched)
+
+        engine.runner.execute = paced
         await pilot.press("ctrl+r")
         stats = app.server.host.stats
         await wait_until(pilot, lambda: stats().scheduler.generation_tokens_total > 20, 60, "tokens flowing")
