@@ -72,3 +72,15 @@ async def open_screen(app, pilot, key: str, screen_class, timeout: float = 5.0):
     await pilot.press(key)
     await wait_until(pilot, lambda: isinstance(app.screen, screen_class), timeout, f"the {screen_class.__name__}")
     return app.screen
+
+
+def pace(engine, seconds: float = 0.02) -> None:
+    """Slow the engine's every step by `seconds`: the tiny model runs hundreds of tokens a second, and a key a
+    test presses must meet its requests still running."""
+    step = engine.runner.execute
+
+    def paced(sched):
+        time.sleep(seconds)
+        return step(sched)
+
+    engine.runner.execute = paced

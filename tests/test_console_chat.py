@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("textual")
@@ -14,7 +12,7 @@ from console.app import NanoserveConsole  # noqa: E402
 from console.screens.chat import ChatScreen  # noqa: E402
 from console.screens.dashboard import Dashboard  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from tests.console_helpers import notes, started, text, wait_until  # noqa: E402
+from tests.console_helpers import notes, pace, started, text, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -70,14 +68,7 @@ async def test_stop_key_cancels_frees_blocks_and_gives_the_prompt_back(tiny_conf
     app = NanoserveConsole(tiny_config, refresh_s=0.05)
     async with app.run_test(size=(150, 48)) as pilot:
         await started(app, pilot)
-        engine = app.server.host.engine
-        step = engine.runner.execute
-
-        def paced(sched):  # 400 tokens of the tiny model take a second; the keys below must meet them streaming
-            time.sleep(0.02)
-            return step(sched)
-
-        engine.runner.execute = paced
+        pace(app.server.host.engine)  # the keys below must meet its requests still running
         chat = await open_chat(app, pilot, max_tokens="400")
         prompt = "Tell me a very long story"
         await send(pilot, chat, prompt)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("textual")
@@ -12,7 +10,7 @@ from console.app import NanoserveConsole  # noqa: E402
 from console.screens.dashboard import Dashboard  # noqa: E402
 from console.screens.load import LoadScreen  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from tests.console_helpers import notes, started, text, wait_until  # noqa: E402
+from tests.console_helpers import notes, pace, started, text, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -56,14 +54,7 @@ async def test_stop_midway_aborts_the_rest_and_frees_blocks(config):
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_load(app, pilot, load_n="12", load_concurrency="4", load_output="240",
                                  load_input="16", load_dataset="synthetic")
-        engine = app.server.host.engine
-        step = engine.runner.execute
-
-        def paced(sched):  # 240 tokens of the tiny model take a moment; the stop below must meet them running
-            time.sleep(0.02)
-            return step(sched)
-
-        engine.runner.execute = paced
+        pace(app.server.host.engine)  # the keys below must meet its requests still running
         await pilot.press("ctrl+r")
         stats = app.server.host.stats
         await wait_until(pilot, lambda: stats().scheduler.generation_tokens_total > 20, 60, "tokens flowing")
