@@ -7,12 +7,12 @@ import os
 import threading
 
 
-def resident_mib() -> float:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+def resident_mib(pid: int | str = "self") -> float:
+    """A process's resident memory, this one's by default (Linux /proc; 0 elsewhere, or once it is gone)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return 0.0
 
 

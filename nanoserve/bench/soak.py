@@ -70,8 +70,10 @@ class Tally:
     attacks: list[dict] = field(default_factory=list)
     rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the run, MiB)
 
-    def add(self, outcome: str) -> None:
+    def add(self, outcome: str) -> str:
+        """Count `outcome`, and return it (a client's request says what became of it)."""
         self.outcomes[outcome] += 1
+        return outcome
 
     def bad(self, what: str) -> None:
         self.outcomes["broken"] += 1
@@ -111,7 +113,7 @@ class Soak:
             body["n"] = 2
         return body
 
-    async def one(self, http: httpx.AsyncClient, rng: random.Random) -> None:
+    async def one(self, http: httpx.AsyncClient, rng: random.Random) -> str | None:
         roll = rng.random()
         if roll < 0.1:
             return await self.hostile_request(http, rng)
@@ -123,7 +125,7 @@ class Soak:
         abandon_after = rng.uniform(0.02, 0.5) if roll < 0.2 else None
         return await self.whole(http, route, body, abandon_after)
 
-    async def streamed(self, http, route: str, body: dict, leave_after: int | None) -> None:
+    async def streamed(self, http, route: str, body: dict, leave_after: int | None) -> str | None:
         events, finish = 0, []
         async with http.stream("POST", self.url + route, json=body) as r:
             if r.status_code != 200:
@@ -146,7 +148,7 @@ class Soak:
         else:
             self.tally.add("disconnected mid-stream")
 
-    def stream_ended(self, finish: list[str], events: int) -> None:
+    def stream_ended(self, finish: list[str], events: int) -> str | None:
         errors = [f for f in finish if f.startswith("error:")]
         if errors:
             cause = on_purpose(errors[0])
@@ -155,7 +157,7 @@ class Soak:
             return self.tally.bad(f"a stream reached [DONE] with no finish_reason after {events} events")
         self.tally.add(f"stream finished: {'abort' if 'abort' in finish else 'stop/length'}")
 
-    async def whole(self, http, route: str, body: dict, abandon_after: float | None) -> None:
+    async def whole(self, http, route: str, body: dict, abandon_after: float | None) -> str | None:
         call = http.post(self.url + route, json=body)
         if abandon_after is not None:
             try:
@@ -171,15 +173,15 @@ class Soak:
             return self.tally.bad(f"a 200 answer with an unfinished choice: {r.text[:200]}")
         self.tally.add(f"answer: {'abort' if 'abort' in reasons else 'stop/length'}")
 
-    def refused(self, status: int, raw: bytes) -> None:
+    def refused(self, status: int, raw: bytes) -> str | None:
         message = _error_kind(status, raw)
         if message is None:
             return self.tally.bad(f"HTTP {status} without an OpenAI error body: {raw[:200]!r}")
         if status >= 500 and status != 503:
             return self.tally.add(f"{status} ({on_purpose(message) or 'NOT on purpose'})")
-        self.tally.add(f"refused {status}")
+        return self.tally.add(f"refused {status}")
 
-    async def hostile_request(self, http, rng: random.Random) -> None:
+    async def hostile_request(self, http, rng: random.Random) -> str | None:
         name, route, content, headers, expected = rng.choice(self.hostile)
         data = chunked_oversize() if content is None else content
         try:
@@ -288,13 +290,13 @@ class Soak:
         rng = random.Random(seed)
         while not stop.is_set():
             state = rng.getstate()
-            refused = self.tally.outcomes["refused 503"]
+            outcome = None
             try:
-                await self.one(http, rng)
+                outcome = await self.one(http, rng)
             except httpx.HTTPError as e:
                 rng.setstate(state)  # replay the choice to say which request it was
                 self.tally.bad(f"transport error {e!r} on {self.describe(rng)}")
-            if self.tally.outcomes["refused 503"] > refused:
+            if outcome == "refused 503":
                 await asyncio.sleep(RETRY_AFTER_503_S)  # as a client told to retry later would
 
     def describe(self, rng: random.Random) -> str:

@@ -9,12 +9,11 @@ Resident memory is the server's whole: this process and, under data parallelism,
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 
 from nanoserve.bench.attacks import Target
-from nanoserve.bench.memory import trimmed_resident_mib
+from nanoserve.bench.memory import resident_mib, trimmed_resident_mib
 
 
 class FaultInjector:
@@ -36,15 +35,6 @@ class FaultInjector:
             return real(*args, **kwargs)
 
         engine.runner.model.forward = forward
-
-
-def process_resident_mib(pid: int) -> float:
-    """Another process's resident memory (Linux /proc; 0 when it is gone or elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 class SoakServer:
@@ -105,7 +95,7 @@ class SoakServer:
             return None
         total = trimmed_resident_mib()
         if self.parallel:
-            total += sum(process_resident_mib(link.pid) for link in self.host.links if link.pid)
+            total += sum(resident_mib(link.pid) for link in self.host.links if link.pid)
         return total
 
     # ---- its account at the end ----------------------------------------------------------------------------
