@@ -189,7 +189,8 @@ def test_a_replica_killed_again_while_starting_is_started_again(tiny_checkpoint)
     with tiny_server_running(tiny_checkpoint("llama"), data_parallel=DataParallel(2)) as server:
         host = server.host
         host.launcher.kill(1)
-        assert wait_until(lambda: host.links[1].status == "starting" and host.links[1].conn is None, timeout=60)
+        assert wait_until(lambda: host.links[1].status == "starting" and host.links[1].conn is None
+                          and host.launcher.running(1), timeout=60)  # spawned (starting is said before spawning)
         host.launcher.kill(1)  # before its Hello: no connection to drop
         assert wait_until(lambda: "while starting" in (host.links[1].reason or ""), timeout=30)
         assert wait_until(lambda: host.links[1].status == "ready", timeout=120), host.links[1].describe()

@@ -71,6 +71,11 @@ class ProcessLauncher:
         process.start()
         self._processes[rank] = process
 
+    def running(self, rank: int) -> bool:
+        """Whether the replica's process has been started and has not ended (start() returns after spawning)."""
+        process = self._processes.get(rank)
+        return process is not None and process.is_alive()
+
     def exited(self, rank: int) -> str | None:
         """How the replica's process ended, or None while it runs."""
         process = self._processes.get(rank)
@@ -142,6 +147,10 @@ class RayLauncher:
         config = dataclasses.replace(self.config, device="cuda") if self.gpu else self.config
         self._actors[rank] = actor
         self._runs[rank] = actor.serve.remote(address, authkey, rank, config, self.threads, self.max_waiting)
+
+    def running(self, rank: int) -> bool:
+        """Whether the replica's actor has been started and its run has not ended."""
+        return rank in self._runs and self.exited(rank) is None
 
     def exited(self, rank: int) -> str | None:
         """How the actor's run ended, or None while it runs."""
