@@ -143,7 +143,9 @@ def cmd_serve(args) -> int:
                     trust_request_chat_template=args.trust_request_chat_template,
                     shutdown_timeout=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
                     header_timeout=args.header_timeout, body_timeout=args.body_timeout, tool_call_parser=args.tool_call_parser,
-                    prompt_tokens_details=args.enable_prompt_tokens_details, data_parallel=data_parallel)
+                    prompt_tokens_details=args.enable_prompt_tokens_details, data_parallel=data_parallel,
+                    force_include_usage=args.enable_force_include_usage,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     server.run()
     return 0
 
@@ -198,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=True,
                        help="usage.prompt_tokens_details.cached_tokens in every response (vLLM's flag; on by "
                             "default here, since clients read cached_tokens)")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every streamed completion and chat completion ends with its usage chunk, as if it "
+                            "sent stream_options.include_usage (vLLM's flag)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name tokens as 'token_id:N' on every request, as if each sent "
+                            "return_tokens_as_token_ids (vLLM's flag)")
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                        help="the format tool_choice 'auto' reads calls in (default: the chat template's own, "
                             "Hermes <tool_call> blocks where it writes them or renders no tools)")

@@ -79,7 +79,7 @@ class Engine:
         self.knobs = LiveKnobs(config)  # the flags that change at the next step, and who changed them
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.step_budget,
                                    self.drafter, on_finish=self._finished)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                  stats=runner.sampler.masker.stats)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
@@ -179,6 +179,7 @@ class Engine:
             failure = self._fail(sched, error)
             self.timelines.settle(time.monotonic())
             raise failure from error
+        self.output_processor.iterations.step_done()
         self._record_step(sched, self.step_clock() - started)
         self.timelines.step(sched, began, time.monotonic(), result.accepted)
         return self._outputs()
@@ -316,6 +317,7 @@ class Engine:
                       **({"speculative": self.drafter.as_dict()} if self.drafter is not None else {}),
                       **({"kv_events": self.kv_publisher.stats()} if self.kv_publisher is not None else {})},
             latency=self.output_processor.latency(), prefix_cache=prefix,
+            vllm_counts=self.output_processor.iterations.as_dict(),
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
+from nanoserve.iteration_stats import IterationStats
 from nanoserve.outputs import (
     CompletionOutput,
     LogprobSequence,
@@ -30,7 +31,8 @@ Emitted = tuple[Request, str, tuple[int, ...]]  # a sequence that moved, its new
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, max_model_len: int = 2**16):
+        """`max_model_len` caps the token-count buckets of the vLLM-style request histograms."""
         self._tokenizer = tokenizer
         self._groups: dict[str, list[Request]] = {}  # request id -> its sequences (n of them), until all finish
         self._streams: dict[int, TextStream] = {}  # Request.serial -> the sequence's text
@@ -41,6 +43,7 @@ class OutputProcessor:
         self._step_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._request_latency: tuple | None = None  # (ttft p50, p99, tpot p50, p99); recomputed after a finish
         self.recent = RecentActivity()  # the same latencies and finishes, by time: the sliding windows
+        self.iterations = IterationStats(max_model_len)  # steps, tokens, finished requests: vLLM's counting
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, group: list[Request]) -> None:
@@ -99,6 +102,9 @@ class OutputProcessor:
             req.prompt_logprobs[position] = entry
         now, stopped = time.monotonic(), []
         for req, token, logprobs in result.rows():
+            since = None if req.last_token_time is None else now - req.last_token_time
+            self.iterations.token(len(req.prompt_ids), req.first_token_time is None, since)
+            req.last_token_time = now
             if req.first_token_time is None:
                 req.first_token_time = now
             if logprobs is not None:
@@ -150,6 +156,7 @@ class OutputProcessor:
             done = last_of[req.request_id] == i and all(r.finished for r in group)
             if req.finished:
                 self.finished[req.finish_reason] += 1
+                self.iterations.finished(req)
                 self.recent.finished(req.finish_reason, req.finished_time or time.monotonic())
                 self._streams.pop(req.serial, None)
             if done:
@@ -170,7 +177,8 @@ class OutputProcessor:
         if first.prompt_logprobs is not None and first.num_computed >= len(first.prompt_ids):
             prompt_logprobs = LogprobSequence(first.prompt_logprobs, text)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions,
-                                 req.spec_draft_tokens, req.spec_accepted_tokens)
+                                 req.spec_draft_tokens, req.spec_accepted_tokens, req.first_scheduled_time,
+                                 req.max_tokens, req.params.n)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_tuple, [completion], done, delta, delta_ids, metrics,
             prompt_logprobs, first.num_cached_tokens, req.error,

@@ -161,6 +161,9 @@ class RequestMetrics:
     num_preemptions: int
     spec_draft_tokens: int = 0  # tokens drafted for it by speculative decoding, and of those, kept
     spec_accepted_tokens: int = 0
+    first_scheduled_time: float | None = None  # its queue time ends here (None: never scheduled, aborted waiting)
+    max_tokens: int | None = None  # what it could generate (params.max_tokens, or what the context left)
+    n: int = 1  # its request's n
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None  # why it ended with finish_reason "error", when its own input was the cause
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it (its queue time ends)
     first_token_time: float | None = None
+    last_token_time: float | None = None  # its latest token's (the gap to the next is an inter-token latency)
     finished_time: float | None = None
     num_preemptions: int = 0
     text_pieces: list[str] = field(default_factory=list)  # the text emitted so far, as the pieces it came in

@@ -22,6 +22,7 @@ A stop string is found in the text, by the output processor, which asks for that
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -172,6 +173,8 @@ class Scheduler:
             self.waiting.popleft()
             req.num_computed = cached.num_tokens
             req.status = Status.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.prefills.append(Chunk(req, cached.num_tokens, n))
             budget -= n

@@ -124,6 +124,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats = PrefixCacheStats(enabled=False)
     features: dict = field(default_factory=dict)  # what optional features publish (e.g. inputs); absent while off
     vocab_size: int = 0  # the tokenizer's ids (what a load generator draws random prompts from)
+    vllm_counts: dict = field(default_factory=dict)  # iteration_stats.IterationStats.as_dict(): for vllm: metrics
     numerics: Numerics | None = None  # what runs: weights, activations, KV cache (None from an older server)
 
     @property

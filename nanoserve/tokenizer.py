@@ -140,6 +140,12 @@ class Tokenizer:
             text = self._token_texts[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
         return text
 
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's own string for a token (`'Ġis'` for " is" in a byte-level BPE): what transformers'
+        convert_ids_to_tokens answers, and vLLM's /tokenize token_strs."""
+        piece = self.hf.id_to_token(token_id)
+        return piece if piece is not None else self.token_text(token_id)
+
     def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict:
         """`tokenizer(text)` as transformers answers it: {"input_ids": ids} (a list of lists for a batch)."""
         if isinstance(text, str):
@@ -172,7 +178,9 @@ class Tokenizer:
                                "a new one; set add_generation_prompt=False to continue")
         source = chat_template or self._template_source(kwargs.get("tools"))
         template = _compiled_or_refused(source)
-        unused = sorted(k for k, v in kwargs.items() if v is not None and k not in _variables(source))
+        # a variable the template never reads is dropped: refused, unless it asks for nothing (None, false:
+        # enable_thinking false on a model that never thinks is what happens anyway, as vLLM accepts it)
+        unused = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in _variables(source))
         if unused:
             raise RequestError(f"this chat template does not use {', '.join(unused)}, so it would be dropped; "
                                "leave it out, or pass a chat template that reads it")

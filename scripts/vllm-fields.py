@@ -24,6 +24,9 @@ MODELS = {  # table key -> (file in the wheel, class)
     "tokenize_prompt": ("vllm/entrypoints/serve/tokenize/protocol.py", "TokenizeCompletionRequest"),
     "tokenize_messages": ("vllm/entrypoints/serve/tokenize/protocol.py", "TokenizeChatRequest"),
     "detokenize": ("vllm/entrypoints/serve/tokenize/protocol.py", "DetokenizeRequest"),
+    "responses": ("vllm/entrypoints/openai/responses/protocol.py", "ResponsesRequest"),
+    "messages": ("vllm/entrypoints/anthropic/protocol.py", "AnthropicMessagesRequest"),
+    "count_tokens": ("vllm/entrypoints/anthropic/protocol.py", "AnthropicCountTokensRequest"),
 }
 
 

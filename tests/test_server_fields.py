@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from nanoserve import EngineConfig
+from nanoserve.server.messages_protocol import CountTokensRequest, MessagesRequest
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -26,6 +27,7 @@ from nanoserve.server.protocol import (
     StreamOptions,
     TokenizeRequest,
 )
+from nanoserve.server.responses_protocol import ResponsesRequest
 from nanoserve.server.serve import Server
 
 CHANGES, REFUSED = "changes", "refused"
@@ -303,7 +305,8 @@ VLLM = json.loads((Path(__file__).with_name("vllm_request_fields.json")).read_te
 
 @pytest.mark.parametrize("key,cls", [("completion", CompletionRequest), ("chat", ChatCompletionRequest),
                                      ("tokenize_prompt", TokenizeRequest), ("tokenize_messages", TokenizeRequest),
-                                     ("detokenize", DetokenizeRequest)])
+                                     ("detokenize", DetokenizeRequest), ("responses", ResponsesRequest),
+                                     ("messages", MessagesRequest), ("count_tokens", CountTokensRequest)])
 def test_every_vllm_request_field_is_declared_so_the_walk_proves_it(key, cls):
     """vLLM's request models (tests/vllm_request_fields.json, read from a vLLM wheel by scripts/vllm-fields.py):
     every field there is declared here, so the walks above prove it honoured or refused; none falls through to

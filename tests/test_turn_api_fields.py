@@ -5,6 +5,8 @@ with a warning (as on the other routes)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -29,24 +31,35 @@ RESPONSES_HONOURED = {**SAMPLING, "instructions": "Be brief.", "stop": ["zz"], "
                       "text": {"format": {"type": "json_schema", "name": "o", "schema": SCHEMA}},
                       "tools": [{"type": "function", "name": "f", "parameters": SCHEMA}],
                       "tool_choice": {"type": "function", "name": "f"}, "max_output_tokens": 4,
-                      "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}]}
+                      "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],
+                      # vLLM's chat fields on its Responses request, honoured as the chat route honours them
+                      "logit_bias": {"5": 1.0}, "skip_special_tokens": False, "include_stop_str_in_output": True,
+                      "structured_outputs": {"choice": ["yes", "no"]}}
 # declared, and accepted as they ask for nothing to change: the prefix cache is always on, one tier, no reasoning
 ASK_NOTHING = {"/v1/messages": {"cache_control": {"type": "ephemeral"}, "thinking": {"type": "disabled"},
                                 "stream": False},
                "/v1/responses": {"prompt_cache_key": "k", "reasoning": {"effort": "none"}, "store": True,
-                                 "metadata": {"tag": "x"}, "parallel_tool_calls": True, "stream": False}}
+                                 "metadata": {"tag": "x"}, "parallel_tool_calls": True, "stream": False,
+                                 "prompt_cache_options": {"mode": "implicit"}, "include_reasoning": True}}
+# vLLM's fields that the chat request refuses unless they ask for nothing, on both turn APIs
+VLLM_REFUSED = {"mm_payload": "none", "return_mm_kwargs": True, "watermarking": True, "kv_transfer_params": {"a": 1},
+                "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}}
 REFUSED = {"/v1/messages": {"container": "c", "mcp_servers": [{"url": "x"}], "context_management": {"edits": []},
                             "speed": "fast", "service_tier": "priority",
                             "thinking": {"type": "enabled", "budget_tokens": 1024},
-                            "output_config": {"effort": "high"}},
+                            "output_config": {"effort": "high"}, **VLLM_REFUSED},
            "/v1/responses": {"background": True, "conversation": "conv_1", "prompt": {"id": "p"},
                              "include": ["message.output_text.logprobs"], "max_tool_calls": 2, "top_logprobs": 2,
                              "truncation": "auto", "service_tier": "flex", "context_management": [{"type": "x"}],
                              "prompt_cache_retention": "24h", "reasoning": {"effort": "high"},
-                             "stream_options": {"include_obfuscation": True}}}
+                             "stream_options": {"include_obfuscation": True},
+                             "prompt_cache_options": {"mode": "explicit"},
+                             "previous_input_messages": [{"role": "user", "content": "x"}], "priority": 1,
+                             "include_reasoning": False, "spaces_between_special_tokens": False,
+                             "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"a": 1}, **VLLM_REFUSED}}
 # chat_template_kwargs reach the template, which refuses a variable it never reads (the tiny model's reads none
 # of these) and a render argument the request sets itself
-TEMPLATE_KWARGS = ({"enable_thinking": False}, "does not use enable_thinking"), \
+TEMPLATE_KWARGS = ({"enable_thinking": True}, "does not use enable_thinking"), \
     ({"add_generation_prompt": False}, "which the request sets itself")
 
 
@@ -108,12 +121,42 @@ def test_chat_template_kwargs_reach_the_template_checks(server, route, base):
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("route,base", [("/v1/messages", MESSAGES), ("/v1/responses", RESPONSES),
+                                        ("/v1/chat/completions", {"model": "tiny", "max_tokens": 3, "messages": ASK})])
+def test_a_template_variable_set_to_false_asks_nothing_of_a_template_that_never_reads_it(server, route, base):
+    """enable_thinking false on a model that never thinks is what happens anyway (vLLM accepts it too)."""
+    r = httpx.post(server.url + route, json={**base, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_the_tables_cover_every_declared_field():
     """A field declared later must join one of the tables above."""
     walked = {"/v1/messages": {*MESSAGES_HONOURED, *ASK_NOTHING["/v1/messages"], *REFUSED["/v1/messages"],
                                *MESSAGES, *MESSAGES_UNSUPPORTED, "chat_template_kwargs"},
               "/v1/responses": {*RESPONSES_HONOURED, *ASK_NOTHING["/v1/responses"], *REFUSED["/v1/responses"],
                                 *RESPONSES, *RESPONSES_UNSUPPORTED, "previous_response_id",
-                                "chat_template_kwargs"}}
+                                "chat_template_kwargs", "enable_response_messages"}}
     assert set(MessagesRequest.model_fields) <= walked["/v1/messages"]
     assert set(ResponsesRequest.model_fields) <= walked["/v1/responses"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_enable_response_messages_returns_the_rendered_prompt_and_the_raw_reply(server, stream):
+    """vLLM's enable_response_messages: the prompt as the template rendered it and the reply as written, each with
+    its token ids (the tokenizer's own encoding of the text)."""
+    body = {**RESPONSES, "enable_response_messages": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        response = events[-1]["response"]
+    else:
+        response = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    (given,), (said,) = response["input_messages"], response["output_messages"]
+    tokenizer = server.engine.tokenizer
+    assert given["type"] == said["type"] == "raw_message_tokens"
+    assert given["tokens"] == tokenizer.encode(given["message"], add_special_tokens=False)
+    assert "Hi there" in given["message"] and len(given["tokens"]) == response["usage"]["input_tokens"]
+    assert tokenizer.decode(said["tokens"]) == said["message"] == response["output"][0]["content"][0]["text"]
+    assert len(said["tokens"]) == response["usage"]["output_tokens"]
+    plain = httpx.post(server.url + "/v1/responses", json=RESPONSES, timeout=60).json()
+    assert "input_messages" not in plain and "output_messages" not in plain

@@ -83,4 +83,5 @@ def merge(replicas: list[tuple[int, EngineStats]], latency: FrontLatency, data_p
     return dataclasses.replace(
         first, device=", ".join(devices), scheduler=scheduler, kv=kv, prefix_cache=prefix, paged_read=read,
         rows=rows, finished_rows=finished[:ROWS_KEPT], latency=latency.stats(stats),
-        features={**first.features, "data_parallel": data_parallel})
+        features={**first.features, "data_parallel": data_parallel},
+        vllm_counts={})  # per engine only: /metrics reads each replica's own (engine_stats), never a sum

@@ -17,6 +17,8 @@ WITHOUT_KEY = {
     "/health": LIVENESS,
     "/metrics": OPEN,  # aggregates only
     "/version": OPEN,
+    "/ping": LIVENESS,  # SageMaker's health check (vLLM's): /health's liveness answer
+    "/load": OPEN,  # one count: the generation requests in flight
     "/openapi.json": OPEN,  # the API's own description
     "/docs": OPEN,
     "/docs/oauth2-redirect": OPEN,

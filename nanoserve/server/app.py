@@ -38,6 +38,7 @@ from nanoserve.server.context import error_response as _error
 from nanoserve.server.disconnect import ClientGone
 from nanoserve.server.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES, Guard
 from nanoserve.server.host import EngineFailure, EngineHost, HostStopped
+from nanoserve.server.load import LoadTracker, ServerLoad
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.openapi import install_openapi
 from nanoserve.server.protocol import error_body
@@ -52,7 +53,8 @@ ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, rout
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              prompt_tokens_details: bool = True, body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+              prompt_tokens_details: bool = True, body_timeout: float = BODY_TIMEOUT_S,
+              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
     a template is code the server renders, so without it such a request is refused. `tool_call_parser` names
     the format tool_choice 'auto' reads calls in, when the chat template's own is not the one to use.
@@ -61,18 +63,27 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     is checked on the engine thread, where it cannot race. A request's whole body must arrive within
     `body_timeout` seconds (guard.py)."""
     app = FastAPI(title="nanoserve", version=server_version())
-    app.add_middleware(LoneSurrogates)  # innermost: it reads the body the guard hands on
+    load = LoadTracker()
+    app.add_middleware(ServerLoad, tracker=load, named=lambda: _load_figures(host))  # inside the guard
+    app.add_middleware(LoneSurrogates)  # it reads the body the guard hands on
     app.add_middleware(Guard, api_key=api_key, max_body=max_body, model_name=model_name, routes=app.router.routes,
                        body_timeout=body_timeout)
     app.add_middleware(AnthropicErrors)  # outside the guard: its 401 and 413 too
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
     ctx = RouteContext(host, model_name, Metrics(host.stats, model_name, host.engine_stats), trust_request_chat_template,
-                       tool_call_parser, prompt_tokens_details)
+                       tool_call_parser, prompt_tokens_details, force_include_usage, return_tokens_as_token_ids,
+                       load)
     install_openapi(app, lambda: host.serving().max_model_len)
     _install_error_handlers(app)
     for module in ROUTE_MODULES:
         module.add_routes(app.router, ctx)
     return app
+
+
+def _load_figures(host: EngineHost) -> dict[str, float]:
+    """The ORCA report's figures, vLLM's two: KV-cache use and requests waiting (over every replica)."""
+    stats = host.stats()
+    return {"kv_cache_usage_perc": float(stats.kv.usage), "num_requests_waiting": float(stats.scheduler.waiting)}
 
 
 # FastAPI's 400 for a JSON body json.loads could not decode (not UTF-8), without the reason

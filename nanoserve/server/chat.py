@@ -10,7 +10,7 @@ import time
 from nanoserve.server.fanout import Choice, Fanout, sse
 from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.responses import chat_logprobs, prompt_logprobs_json, token_namer, usage
-from nanoserve.tools.parsers import Arguments, CallStart, Content, joined
+from nanoserve.tools.parsers import Arguments, CallStart, Content, joined, whole_reply
 
 
 class ChatResponder:
@@ -31,6 +31,8 @@ class ChatResponder:
                 self.metrics.observe(out)
         body = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [self._choice_json(c) for c in self.fanout.choices], "usage": usage(*self.fanout.usage_counts()),
+                "service_tier": None, "system_fingerprint": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                "kv_transfer_params": None,  # vLLM's fields, null when not asked for (clients read them)
                 **self._prompt_fields()}
         if self.body.prompt_logprobs is not None:
             scored = self.fanout.prompt_logprobs[0]
@@ -106,15 +108,15 @@ class ChatResponder:
         message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
         if self.parser is not None:
             parser = self.parser()
-            content, calls = joined(parser.feed(c.text) + parser.finish())
-            message["content"] = content
+            content, calls = joined(whole_reply(parser, c.text))
+            message["content"] = (content or "") if parser.forced else content  # forced: "" as vLLM answers
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
         if self.echoed:
             message["content"] = self.echoed + (message["content"] or "")
         out = {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason,
-               "stop_reason": c.stop_reason}
+               "stop_reason": c.stop_reason, "token_ids": None}
         if self.body.return_token_ids:
             out["token_ids"] = list(c.token_ids)
         return out

@@ -48,7 +48,8 @@ class CompletionResponder:
             self._observe(out)
         choices = [self._choice_json(c) for c in self.fanout.choices]
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(*self._usage())}
+                "choices": choices, "usage": usage(*self._usage()), "service_tier": None, "system_fingerprint": None,
+                "kv_transfer_params": None}  # vLLM's fields, null when not asked for (clients read them)
 
     def stream(self):
         return sse(self._events())
@@ -125,7 +126,8 @@ class CompletionResponder:
             entries = p_entries + entries if entries is not None else None
         out = {"index": choice.index, "text": text,
                "logprobs": completion_logprobs(ids, entries, self.name) if self.body.logprobs is not None else None,
-               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+               "prompt_logprobs": None, "prompt_token_ids": None, "token_ids": None}  # vLLM's, null when not asked
         if self.body.return_token_ids:
             out["prompt_token_ids"] = list(self.fanout.prompts[choice.prompt])
             out["token_ids"] = [] if self.echo is not None and self.echo.only else list(c.token_ids)

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 
 from fastapi import Request
@@ -23,8 +23,9 @@ from nanoserve.errors import shown
 from nanoserve.server.disconnect import ClientGone, unless_disconnected
 from nanoserve.server.fanout import Fanout
 from nanoserve.server.host import EngineHost
+from nanoserve.server.load import LoadTracker
 from nanoserve.server.metrics import Metrics
-from nanoserve.server.protocol import error_body
+from nanoserve.server.protocol import StreamOptions, error_body
 from nanoserve.template_budget import for_request
 
 PREPARE_THREADS = 4  # tokenization and chat templating run here, off the event loop that feeds every stream
@@ -97,6 +98,18 @@ async def compiled(engine, params) -> None:
         await off_loop(engine.grammars.compile, params.structured_outputs)
 
 
+def validated(cls, data, *where):
+    """`data` as request model `cls`, or the 400 a body of that model gets (RequestValidationError, its location
+    prefixed with `where`): for routes that read their body themselves and hand parts of it on."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *where, *err["loc"])} for err in e.errors()]) from None
+
+
 def not_json_message(doc: str | bytes | None, pos: int, what: str | None) -> str:
     """What json.loads said and where, in its own words ("Expecting ',' delimiter at line 1, column 62 (char
     61)"): the line and column find the mistake in a body that was pretty-printed or built by hand."""
@@ -135,6 +148,9 @@ class RouteContext:
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None
     prompt_tokens_details: bool = True
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
+    return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's default
+    load: LoadTracker = field(default_factory=LoadTracker)  # generation requests in flight (GET /load)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -142,12 +158,25 @@ class RouteContext:
                            "not_found_error", "model")
 
     def admit(self, body) -> None:
-        """The checks every generation request passes before it reaches the engine."""
+        """The checks every generation request passes before it reaches the engine (the server's defaults for
+        its fields set first, so they are checked as the request's own)."""
+        self._server_defaults(body)
         self.check_model(body.model)
         refused = body.refusal()
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0])
         _warn_unknown(body.unknown_fields())
+
+    def _server_defaults(self, body) -> None:
+        """What the server's flags ask of every OpenAI-shaped request (the turn APIs report usage and name tokens
+        their own way)."""
+        if self.return_tokens_as_token_ids and hasattr(body, "return_tokens_as_token_ids"):
+            body.return_tokens_as_token_ids = True
+        if self.force_include_usage and getattr(body, "stream", False) and hasattr(body, "stream_options"):
+            if body.stream_options is None:
+                body.stream_options = StreamOptions(include_usage=True)
+            else:
+                body.stream_options.include_usage = True
 
     @staticmethod
     def request_id(body, prefix: str) -> str:

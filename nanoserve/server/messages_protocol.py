@@ -103,6 +103,9 @@ class _MessagesBody(BaseModel):
     thinking: Thinking | None = None
     cache_control: dict[str, Any] | None = None  # automatic prompt caching: the prefix cache does it always
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as on the chat route
+    # the reply's format and effort: create honours or refuses them; they do not change the prompt count_tokens
+    # counts (the schema is enforced by the grammar, never written into the prompt)
+    output_config: OutputConfig | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -169,7 +172,6 @@ class MessagesRequest(_MessagesBody):
     stop_sequences: list[str] | None = None
     stream: StrictBool = False
     metadata: Metadata | None = None
-    output_config: OutputConfig | None = None
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
@@ -190,10 +192,19 @@ class MessagesRequest(_MessagesBody):
     context_management: Any = None
     speed: Any = None
     service_tier: Any = None
+    # vLLM's Messages fields that are its chat request's too: the chat request honours or refuses them
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    watermarking: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                                            "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids",
-                                           "ignore_eos", "request_id", "cache_salt", "session_id")
+                                           "ignore_eos", "request_id", "cache_salt", "session_id", "mm_payload",
+                                           "return_mm_kwargs", "watermarking", "kv_transfer_params",
+                                           "ec_transfer_params", "vllm_xargs")
 
     def refusal(self) -> tuple[str, str] | None:
         if self.output_config is not None and self.output_config.effort is not None:

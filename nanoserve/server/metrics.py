@@ -1,7 +1,6 @@
-"""Prometheus metrics under vLLM's names with a `nanoserve:` prefix, so vLLM dashboards need little change; and the
-four that Kubernetes routers scrape to pick an endpoint (llm-d, the Gateway API Inference Extension) under vLLM's
-own `vllm:` names, types and labels (`model_name`, and `engine`, vLLM's engine index: one series per
-data-parallel replica, "0" for a single engine).
+"""Prometheus metrics: the server's own under a `nanoserve:` prefix (vLLM's names where one exists; the merged
+snapshot's figures, refusals, speculative decoding, the optional features), and vLLM's whole `vllm:` family under
+its own names, types, buckets and labels (vllm_metrics.py), which dashboards, routers and endpoint pickers read.
 
 Counters and gauges are read from the engine's stats snapshot at scrape time (one source of truth);
 latency histograms are observed per request from the timestamps its final output carries.
@@ -15,10 +14,10 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanoserve.outputs import RequestOutput
+from nanoserve.server.vllm_metrics import vllm_families
 from nanoserve.stats import EngineStats
 
 P = "nanoserve:"
-ROUTER = "vllm:"  # the names routers built around vLLM read
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
@@ -61,38 +60,11 @@ class _SnapshotCollector:
             refused.add_metric([self.model, status], n)
         yield refused
         yield from self._speculative(s.features.get("speculative"), counter)
-        yield from self._for_routers(self.engines())
+        yield from vllm_families(self.model, self.engines())
         for section, values in sorted(s.features.items()):  # optional features (inputs, buckets, capture)
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     yield gauge(f"{section}_{key}", f"{section}.{key} from the stats snapshot.", value)
-
-    def _for_routers(self, engines: list[tuple[str, EngineStats]]):
-        """vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc and vllm:cache_config_info, as vLLM's V1
-        engine exports them: what an endpoint picker scrapes (load, KV use, and the pool's size in blocks), one
-        series per engine (a data-parallel replica each)."""
-        labels = ["model_name", "engine"]
-        for name, doc, value in (("num_requests_running", "Number of requests in model execution batches.",
-                                  lambda s: s.scheduler.running),
-                                 ("num_requests_waiting", "Number of requests waiting to be processed.",
-                                  lambda s: s.scheduler.waiting),
-                                 ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                  lambda s: s.kv.usage)):
-            g = GaugeMetricFamily(ROUTER + name, doc, labels=labels)
-            for engine, s in engines:
-                g.add_metric([self.model, engine], value(s))
-            yield g
-        info = None
-        for engine, s in engines:
-            config = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.blocks_total, "num_cpu_blocks": 0,
-                      "cache_dtype": s.dtype, "enable_prefix_caching": s.prefix_cache.enabled,
-                      "gpu_memory_utilization": s.flags.get("gpu_memory_utilization"), "device": s.device}
-            if info is None:
-                info = GaugeMetricFamily(ROUTER + "cache_config_info", "Information of the LLMEngine CacheConfig",
-                                         labels=[*labels, *config])
-            info.add_metric([self.model, engine, *(str(v) for v in config.values())], 1)
-        if info is not None:
-            yield info
 
     def _speculative(self, spec: dict | None, counter):
         """vLLM's speculative-decoding counters (spec_decode_*), when speculation is on."""

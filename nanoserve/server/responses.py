@@ -39,8 +39,9 @@ def completion_logprobs(ids: Sequence[int], entries: Sequence[TokenLogprobs | No
             top.append(None)
             continue
         token_logprobs.append(_lp(e.logprob))
-        alternatives = {name(t): _lp(lp) for t, lp in e.top}
-        alternatives.setdefault(text, _lp(e.logprob))
+        alternatives = {text: _lp(e.logprob)}  # the chosen token first, then by rank (vLLM's order)
+        for t, lp in e.top:
+            alternatives.setdefault(name(t), _lp(lp))
         top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 

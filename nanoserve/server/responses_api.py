@@ -62,8 +62,18 @@ class ResponsesResponder:
     def _finished(self, output: list[dict], end: TurnEnd) -> dict:
         status = "incomplete" if end.finish_reason == "length" else "completed"
         response = self.response(status, output, end)
+        if self.body.enable_response_messages:
+            response |= self._raw_messages()
         response["store"] = self.done(response, output)
         return response
+
+    def _raw_messages(self) -> dict:
+        """vLLM's enable_response_messages: the prompt as the template rendered it and the reply as the model
+        wrote it (tool calls' text included), each with its token ids, which are the truth where the two differ."""
+        fanout, completion = self.turn.fanout, self.turn.fanout.choices[0].completion
+        raw = "raw_message_tokens"
+        return {"input_messages": [{"message": self.turn.prompt_text, "tokens": list(fanout.prompts[0]), "type": raw}],
+                "output_messages": [{"message": completion.text, "tokens": list(completion.token_ids), "type": raw}]}
 
     async def whole(self) -> dict:
         reply = await whole_turn(self.turn, self.metrics)

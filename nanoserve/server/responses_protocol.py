@@ -39,7 +39,19 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "context_management": ((None, []), "context management is not supported; trim the input on the client"),
     "prompt_cache_retention": ((None, "in_memory"), "cached prefixes live in memory while the server runs; send "
                                                     "'in_memory' or none"),
+    "previous_input_messages": ((None, []), "harmony-format messages are gpt-oss's, which this server does not "
+                                            "render; send the conversation as input items, or chain with "
+                                            "previous_response_id"),
 }
+# vLLM's Responses fields that are its chat request's too: passed to the chat request as they are, so each is
+# honoured or refused there exactly as on /v1/chat/completions
+CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "session_id",
+               "parallel_tool_calls", "chat_template_kwargs", "logit_bias", "skip_special_tokens",
+               "include_stop_str_in_output", "structured_outputs", "include_reasoning",
+               "spaces_between_special_tokens", "priority", "kv_transfer_params", "ec_transfer_params",
+               "mm_processor_kwargs", "media_io_kwargs", "mm_payload", "return_mm_kwargs", "vllm_xargs",
+               "watermarking")
 METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 64, 512  # OpenAI's bounds for metadata
 RESPONSES_UNSUPPORTED_TOOLS = "built-in tools (web search, file search, computer use, code interpreter, ...)"
 
@@ -131,11 +143,28 @@ class ResponsesRequest(BaseModel):
     service_tier: Any = None
     context_management: Any = None
     prompt_cache_retention: Any = None
+    prompt_cache_options: dict[str, Any] | None = None  # mode implicit (the only cache here) is what runs
+    previous_input_messages: Any = None
+    # vLLM's: the rendered prompt and the raw reply, text and token ids, on the response
+    enable_response_messages: StrictBool = False
+    # vLLM's chat fields (CHAT_FIELDS): the chat request honours or refuses them
+    logit_bias: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    structured_outputs: Any = None
+    include_reasoning: Any = None
+    spaces_between_special_tokens: Any = None
+    priority: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    vllm_xargs: Any = None
+    watermarking: Any = None
 
-    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-                                           "presence_penalty", "frequency_penalty", "min_tokens", "stop",
-                                           "stop_token_ids", "ignore_eos", "cache_salt", "session_id",
-                                           "parallel_tool_calls", "chat_template_kwargs")
+    SAMPLING: ClassVar[tuple[str, ...]] = CHAT_FIELDS
 
     @field_validator("metadata")
     @classmethod
@@ -161,6 +190,11 @@ class ResponsesRequest(BaseModel):
                                       or reasoning.generate_summary is not None):
             return "reasoning", ("this model does not reason in separate items; send reasoning {'effort': 'none'} "
                                  "or none")
+        options = self.prompt_cache_options or {}
+        if options.get("mode", "implicit") != "implicit" or options.get("comparison_response_id") is not None:
+            return "prompt_cache_options", ("prompt_cache_options: the prefix cache here is implicit (every request "
+                                            "shares it, with no breakpoints or comparisons); send mode 'implicit' "
+                                            "or none")
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options apply to a streamed response; send stream: true too"
         if self.stream_options is not None and self.stream_options.include_obfuscation:

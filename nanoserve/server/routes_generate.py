@@ -1,4 +1,5 @@
-"""OpenAI's generation routes: /v1/completions and /v1/chat/completions.
+"""OpenAI's generation routes: /v1/completions and /v1/chat/completions; vLLM's /v1/chat/completions/batch (many
+conversations, one choice each) and /invocations (SageMaker's route: either request, told apart by its body).
 
 Each request is admitted (RouteContext.admit), prepared off the event loop (prompts tokenized, the chat
 template rendered), handed to the engine as one Fanout of its prompts, and answered by a responder in the
@@ -7,13 +8,25 @@ route's own JSON shape, streamed or whole.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.server.chat import ChatResponder
 from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
-from nanoserve.server.context import APIError, RouteContext, off_loop, respond
+from nanoserve.server.context import (
+    APIError,
+    RouteContext,
+    not_json_message,
+    off_loop,
+    rendered_off_loop,
+    respond,
+    validated,
+)
 from nanoserve.server.openapi import ERRORS, streamed
-from nanoserve.server.prompts import completion_prompts
+from nanoserve.server.prompts import completion_prompts, rendered_chat
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.server.schemas import ChatResponse, CompletionResponse
 from nanoserve.server.turn import prepare_turn
@@ -48,8 +61,70 @@ async def chat_complete(ctx: RouteContext, body: ChatCompletionRequest, request:
     return await respond(responder, body, request)
 
 
+class BatchChatRequest(BaseModel):
+    """vLLM's batch chat request: a chat request whose `messages` is a list of conversations."""
+
+    model_config = ConfigDict(extra="allow")
+    messages: list[list[dict[str, Any]]] = Field(min_length=1, max_length=1024)
+
+
+# what the batch route refuses (vLLM's limits), and why: each asks for something a batch of whole answers lacks
+BATCH_REFUSED = {"stream": "a batch is answered whole; stream each conversation on /v1/chat/completions",
+                 "tools": "tool use is not batched; send each conversation with tools on /v1/chat/completions",
+                 "n": "a batch answers each conversation once (n 1); send n on /v1/chat/completions",
+                 "echo": "echo belongs to one conversation; send it on /v1/chat/completions",
+                 "prompt_logprobs": "prompt logprobs belong to one conversation; ask on /v1/chat/completions",
+                 "return_token_ids": "prompt token ids belong to one conversation; ask on /v1/chat/completions",
+                 "return_prompt_text": "a rendered prompt belongs to one conversation; ask on /v1/chat/completions"}
+
+
+async def batch_chat_complete(ctx: RouteContext, batch: BatchChatRequest, request: Request):
+    """/v1/chat/completions/batch: every conversation rendered and admitted as one request of several prompts;
+    the answer is one chat completion whose choice i answers conversation i."""
+    fields = batch.model_dump(exclude_unset=True)
+    for name, why in BATCH_REFUSED.items():
+        if fields.get(name) not in (None, False, 1):
+            raise APIError(400, f"{name} is not supported on the batch route: {why}", param=name)
+    bodies = [validated(ChatCompletionRequest, {**fields, "messages": conversation}, "messages", i)
+              for i, conversation in enumerate(batch.messages)]
+    for body in bodies:
+        ctx.admit(body)
+        ctx.check_template_trusted(body.chat_template)
+    engine = ctx.host.serving()
+    ids = [(await rendered_off_loop(request, rendered_chat, body, engine.tokenizer, None, engine.max_model_len))[1]
+           for body in bodies]
+    first = bodies[0]
+    limit = first.token_limit()
+    params = first.sampling_params(limit if limit is not None else ctx.room_for(engine, max(ids, key=len)),
+                                   first.chat_logprobs())
+    rid = ctx.request_id(first, "chatcmpl")
+    fanout = await ctx.fanout(engine, ids, params, rid, first)
+    responder = ChatResponder(first, fanout, engine.tokenizer, ctx.model_name, rid, ctx.metrics)
+    return await respond(responder, first, request)
+
+
+async def invocation(ctx: RouteContext, request: Request):
+    """/invocations: a chat request (it has `messages`) or a completion request (it has `prompt`)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, not_json_message(raw, getattr(e, "pos", None), getattr(e, "msg", None))) from None
+    if isinstance(data, dict) and "messages" in data:
+        return await chat_complete(ctx, validated(ChatCompletionRequest, data), request)
+    if isinstance(data, dict) and "prompt" in data:
+        return await complete(ctx, validated(CompletionRequest, data), request)
+    raise APIError(400, "an /invocations body is a chat completion request (with messages) or a completion "
+                        "request (with prompt); this one has neither")
+
+
+INVOCATION_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "description": "a /v1/chat/completions body (with messages) or a /v1/completions body (with "
+                                     "prompt)"}}}}}
+
+
 def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
-    """The two routes on `routes` (the app's own router); their bodies are the functions above."""
+    """The routes on `routes` (the app's own router); their bodies are the functions above."""
 
     @routes.post("/v1/completions", responses={**ERRORS, **streamed(CompletionResponse)})
     async def completions(body: CompletionRequest, request: Request):
@@ -58,3 +133,14 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     @routes.post("/v1/chat/completions", responses={**ERRORS, **streamed(ChatResponse)})
     async def chat(body: ChatCompletionRequest, request: Request):
         return await chat_complete(ctx, body, request)
+
+    @routes.post("/v1/chat/completions/batch", responses={**ERRORS, 200: {"model": ChatResponse}},
+                 summary="vLLM's batch chat: messages is a list of conversations; choice i answers conversation i "
+                         "(no streaming, tools or n)")
+    async def chat_batch(body: BatchChatRequest, request: Request):
+        return await batch_chat_complete(ctx, body, request)
+
+    @routes.post("/invocations", responses={**ERRORS, **streamed(ChatResponse)}, openapi_extra=INVOCATION_BODY,
+                 summary="SageMaker's route (vLLM's): a chat completion or a completion, told apart by its body")
+    async def invocations(request: Request):
+        return await invocation(ctx, request)

@@ -92,6 +92,18 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
                                 "GET /requests lists the ones kept", "not_found_error")
         return {"request_id": request_id, "sequences": found}
 
+    @routes.api_route("/ping", methods=["GET", "POST"], responses={503: {"description": "Not serving, and why"}},
+                      summary="SageMaker's health check (vLLM's route): 200 while the engine serves, else 503 with "
+                              "the reason")
+    async def ping():
+        state = host.health()
+        return JSONResponse({"status": state.status, "reason": state.reason}, status_code=200 if state.ok else 503)
+
+    @routes.get("/load", summary="The generation requests in flight, from arrival to the answer's last byte "
+                                 "(vLLM's route, which routers poll): {\"server_load\": N}")
+    async def load():
+        return {"server_load": ctx.load.in_flight}
+
     @routes.get("/version", responses=ok(Version))
     async def version():
         return {"version": server_version()}

@@ -113,6 +113,15 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    @routes.post("/v1/responses/{response_id}/cancel", responses={**ERRORS, **NOT_STORED},
+                 summary="Cancel a background response (vLLM's and OpenAI's route): background mode is not served, "
+                         "so every stored response is complete, and cancelling one is a 400 that says so")
+    async def cancel_response(response_id: str):
+        kept = _stored(store, response_id)
+        raise APIError(400, f"response {shown(response_id)} is {kept.response.get('status')}: only a background "
+                            "response can be cancelled, and background mode is not served here (a response is "
+                            "answered while its request waits; close the request to stop it)", param="response_id")
+
     @routes.get("/v1/responses/{response_id}/input_items",
                 responses={**ERRORS, **NOT_STORED, 200: {"model": InputItems}},
                 summary="The input items of a stored response (the conversation before its output), a page at a "

@@ -28,7 +28,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)
-        strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+        strs = [tokenizer.token_piece(t) for t in ids] if body.return_token_strs else None  # vocabulary strings
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @routes.post("/detokenize", responses={**ERRORS, **ok(DetokenizeResponse)})

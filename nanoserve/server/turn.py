@@ -10,6 +10,7 @@ the single reply (n = 1) as parser events, then one `TurnEnd`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -109,4 +110,13 @@ async def whole_turn(turn: PreparedTurn, metrics) -> WholeTurn:
             calls[event.index][1] += event.text
         else:
             end = event
-    return WholeTurn("".join(text), [tuple(calls[i]) for i in sorted(calls)], end)
+    kept = [tuple(calls[i]) for i in sorted(calls) if _is_json(calls[i][1])]  # a call cut by max_tokens is none
+    return WholeTurn("".join(text), kept, end)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False

@@ -42,6 +42,8 @@ def call_id() -> str:
 
 
 class NamedCall:
+    forced = True  # the grammar made the reply a call: its message content is "" (vLLM's), never the text
+
     def __init__(self, name: str):
         self.name, self._started = name, False
 
@@ -56,6 +58,8 @@ class NamedCall:
 
 class RequiredCalls:
     """A JSON array of calls, split into its elements as they close (outside strings, at depth 1)."""
+
+    forced = True
 
     def __init__(self):
         self._buffer, self._depth, self._in_string, self._escaped = "", 0, False, False
@@ -96,10 +100,9 @@ class RequiredCalls:
         return [CallStart(index, call_id(), name), Arguments(index, json.dumps(arguments, ensure_ascii=False))]
 
     def finish(self) -> list:
-        """A reply cut short (max_tokens) leaves an element open: its text is content, not a call."""
-        if self._element_start is not None:
-            rest, self._element_start = self._buffer[self._element_start:], None
-            return [Content(rest)]
+        """A reply cut short (max_tokens) leaves an element open: it is no call, and no content either (the
+        reply was forced to be calls; finish_reason says it was cut), as vLLM answers."""
+        self._element_start = None
         return []
 
 
@@ -108,6 +111,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 class HermesCalls:
     """Content with `<tool_call>` blocks; text that may still become a tag's start is held back."""
+
+    forced = False
 
     def __init__(self):
         self._pending, self._inside, self._calls = "", False, 0
@@ -162,6 +167,17 @@ def _partial_tag(text: str) -> int:
 
 
 PARSERS = {"hermes": HermesCalls}
+
+
+def whole_reply(parser, text: str) -> list:
+    """A whole reply's events. A named call's arguments that are not JSON (cut by max_tokens) make no call: a
+    client would otherwise run the function with arguments like '{'."""
+    if isinstance(parser, NamedCall):
+        try:
+            json.loads(text)
+        except ValueError:
+            return []
+    return parser.feed(text) + parser.finish()
 
 
 def joined(events: list) -> tuple[str | None, list[dict]]:

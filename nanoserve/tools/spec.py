@@ -21,6 +21,7 @@ from typing import Any
 
 from nanoserve.errors import RequestError
 from nanoserve.structured.params import StructuredOutputsParams
+from nanoserve.tools.embedded import embedded
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -62,11 +63,11 @@ class ToolRequest:
             return StructuredOutputsParams(json=dict(self.function(self.named).parameters),
                                            disable_additional_properties=True)
         if self.choice == "required":
-            calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name},
-                                                                 "arguments": dict(f.parameters)},
+            arguments, defs = embedded_arguments(self.functions, lambda f: dict(f.parameters))
+            calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": a},
                                 "required": ["name", "arguments"], "additionalProperties": False}
-                               for f in self.functions]}
-            schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+                               for f, a in zip(self.functions, arguments)]}
+            schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1, **defs}
             if not self.parallel:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema, disable_additional_properties=True)
@@ -89,10 +90,10 @@ def hermes_grammar(functions: Sequence[Function], parallel: bool) -> str:
     keys; another's are any object."""
     from nanoserve.structured.schema import closed
 
-    calls = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": f.name},
-        "arguments": closed(dict(f.parameters)) if f.strict else ANY_OBJECT},
-        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]}
+    arguments, defs = embedded_arguments(functions, lambda f: closed(dict(f.parameters)) if f.strict else ANY_OBJECT)
+    calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": a},
+                        "required": ["name", "arguments"], "additionalProperties": False}
+                       for f, a in zip(functions, arguments)], **defs}
     return "\n".join([
         "start: FINAL? | calls",
         f"calls: call{'+' if parallel else ''} FINAL?",
@@ -102,6 +103,17 @@ def hermes_grammar(functions: Sequence[Function], parallel: bool) -> str:
         "WS: /[ \\t\\n]+/",
         "FINAL: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
     ])
+
+
+def embedded_arguments(functions: Sequence[Function], schema_of) -> tuple[list[dict], dict]:
+    """Each function's arguments schema (`schema_of(f)`) ready to nest in one wrapper, and the `$defs` the
+    wrapper's root carries for them ({} when none has definitions or references): tools/embedded.py."""
+    arguments, defs = [], {}
+    for i, f in enumerate(functions):
+        schema, own = embedded(schema_of(f), f"f{i}_")
+        arguments.append(schema)
+        defs.update(own)
+    return arguments, ({"$defs": defs} if defs else {})
 
 
 def tool_request(tools: Sequence[Mapping] | None, tool_choice: Any, parallel_tool_calls: bool | None
