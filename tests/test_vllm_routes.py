@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -143,11 +144,21 @@ def test_batch_chat_answers_each_conversation_as_it_would_alone(server, client):
              for m in conversations]
     assert [c["message"]["content"] for c in batch["choices"]] == [a.choices[0].message.content for a in alone]
     assert batch["usage"]["prompt_tokens"] == sum(a.usage.prompt_tokens for a in alone)
-    for refused in ({"stream": True}, {"n": 2}, {"tools": [WEATHER]}, {"return_token_ids": True}):
+    with httpx.stream("POST", server.url + "/v1/chat/completions/batch", json={**body, "stream": True},
+                      timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    assert [texts[i] for i in range(3)] == [a.choices[0].message.content for a in alone]
+    for refused in ({"n": 2}, {"tools": [WEATHER]}, {"return_token_ids": True}, {"echo": True}):
         r = post(server, "/v1/chat/completions/batch", {**body, **refused})
         assert r.status_code == 400 and next(iter(refused)) in r.json()["error"]["message"], r.text
-    r = post(server, "/v1/chat/completions/batch", {**body, "messages": [ASK, [{"role": "nobody"}]]})
-    assert r.status_code == 400 and "messages.1" in r.json()["error"]["message"], r.text
+    r = post(server, "/v1/chat/completions/batch", {**body, "messages": [ASK, [{"role": 5}]]})
+    assert r.status_code == 400 and "messages.1.0.role" in r.json()["error"]["message"], r.text
+    r = post(server, "/v1/chat/completions/batch", {**body, "messages": [ASK, [{"role": "user"}]]})
+    assert r.status_code == 400 and "conversation 1" in r.json()["error"]["message"], r.text
     assert wait_until(lambda: server.engine.kv.num_used == 0 and not server.engine.has_unfinished())
 
 
@@ -158,25 +169,36 @@ def test_cancelling_a_response_that_is_not_in_the_background_says_so(server, cli
     assert post(server, "/v1/responses/resp_nothing/cancel", {}).status_code == 404
 
 
-def test_load_counts_generation_requests_in_flight_until_their_last_byte(server):
+def test_load_counts_generation_requests_in_flight_until_their_last_byte(server, monkeypatch):
+    step = server.engine.runner.execute
+
+    def paced(sched):  # the tiny model would finish a stream before the count is read
+        time.sleep(0.05)
+        return step(sched)
+
+    monkeypatch.setattr(server.engine.runner, "execute", paced)
     assert httpx.get(server.url + "/load").json() == {"server_load": 0}
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
-    seen, go = [], threading.Event()
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    started, seen = threading.Barrier(3), []
 
     def stream():
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-            next(r.iter_lines())
-            seen.append(httpx.get(server.url + "/load").json()["server_load"])
-            go.set()
-            for _ in r.iter_lines():
+            lines = r.iter_lines()
+            next(lines)
+            started.wait(30)
+            started.wait(30)  # until the count is read
+            for _ in lines:
                 pass
 
     threads = [threading.Thread(target=stream) for _ in range(2)]
     for t in threads:
         t.start()
+    started.wait(30)
+    seen.append(httpx.get(server.url + "/load").json()["server_load"])
+    started.wait(30)
     for t in threads:
         t.join(120)
-    assert max(seen) >= 1 and httpx.get(server.url + "/load").json() == {"server_load": 0}
+    assert seen == [2] and httpx.get(server.url + "/load").json() == {"server_load": 0}
     assert httpx.get(server.url + "/ping").json()["status"] == "ok" and httpx.post(server.url + "/ping").is_success
 
 

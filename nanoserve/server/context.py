@@ -99,15 +99,19 @@ async def compiled(engine, params) -> None:
 
 
 def validated(cls, data, *where):
-    """`data` as request model `cls`, or the 400 a body of that model gets (RequestValidationError, its location
-    prefixed with `where`): for routes that read their body themselves and hand parts of it on."""
+    """`data` as request model `cls`, or the 400 a body of that model gets (RequestValidationError): for routes
+    that read their body themselves and hand parts of it on. `where` says where a field came from: ("messages", 1)
+    names the body's messages[1] for an error in `messages` (a batch's conversation 1)."""
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
+
+    def located(loc: tuple) -> tuple:
+        return ("body", *where, *loc[1:]) if where and loc[:1] == where[:1] else ("body", *loc)
 
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise RequestValidationError([{**err, "loc": ("body", *where, *err["loc"])} for err in e.errors()]) from None
+        raise RequestValidationError([{**err, "loc": located(err["loc"])} for err in e.errors()]) from None
 
 
 def not_json_message(doc: str | bytes | None, pos: int, what: str | None) -> str:

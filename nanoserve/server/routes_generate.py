@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanoserve.errors import NanoserveError
 from nanoserve.server.chat import ChatResponder
 from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
 from nanoserve.server.context import (
@@ -69,8 +70,7 @@ class BatchChatRequest(BaseModel):
 
 
 # what the batch route refuses (vLLM's limits), and why: each asks for something a batch of whole answers lacks
-BATCH_REFUSED = {"stream": "a batch is answered whole; stream each conversation on /v1/chat/completions",
-                 "tools": "tool use is not batched; send each conversation with tools on /v1/chat/completions",
+BATCH_REFUSED = {"tools": "tool use is not batched; send each conversation with tools on /v1/chat/completions",
                  "n": "a batch answers each conversation once (n 1); send n on /v1/chat/completions",
                  "echo": "echo belongs to one conversation; send it on /v1/chat/completions",
                  "prompt_logprobs": "prompt logprobs belong to one conversation; ask on /v1/chat/completions",
@@ -80,10 +80,11 @@ BATCH_REFUSED = {"stream": "a batch is answered whole; stream each conversation 
 
 async def batch_chat_complete(ctx: RouteContext, batch: BatchChatRequest, request: Request):
     """/v1/chat/completions/batch: every conversation rendered and admitted as one request of several prompts;
-    the answer is one chat completion whose choice i answers conversation i."""
+    the answer is one chat completion whose choice i answers conversation i (streamed too, each chunk naming its
+    choice, where vLLM answers whole only)."""
     fields = batch.model_dump(exclude_unset=True)
     for name, why in BATCH_REFUSED.items():
-        if fields.get(name) not in (None, False, 1):
+        if fields.get(name) not in ((None, 1) if name == "n" else (None, False)):
             raise APIError(400, f"{name} is not supported on the batch route: {why}", param=name)
     bodies = [validated(ChatCompletionRequest, {**fields, "messages": conversation}, "messages", i)
               for i, conversation in enumerate(batch.messages)]
@@ -91,8 +92,13 @@ async def batch_chat_complete(ctx: RouteContext, batch: BatchChatRequest, reques
         ctx.admit(body)
         ctx.check_template_trusted(body.chat_template)
     engine = ctx.host.serving()
-    ids = [(await rendered_off_loop(request, rendered_chat, body, engine.tokenizer, None, engine.max_model_len))[1]
-           for body in bodies]
+    ids = []
+    for i, body in enumerate(bodies):
+        try:
+            ids.append((await rendered_off_loop(request, rendered_chat, body, engine.tokenizer, None,
+                                                engine.max_model_len))[1])
+        except NanoserveError as e:
+            raise APIError(400, f"conversation {i}: {e}", param=f"messages.{i}") from None
     first = bodies[0]
     limit = first.token_limit()
     params = first.sampling_params(limit if limit is not None else ctx.room_for(engine, max(ids, key=len)),
@@ -136,7 +142,7 @@ def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
 
     @routes.post("/v1/chat/completions/batch", responses={**ERRORS, 200: {"model": ChatResponse}},
                  summary="vLLM's batch chat: messages is a list of conversations; choice i answers conversation i "
-                         "(no streaming, tools or n)")
+                         "(whole or streamed; no tools or n)")
     async def chat_batch(body: BatchChatRequest, request: Request):
         return await batch_chat_complete(ctx, body, request)
 
