@@ -17,7 +17,7 @@ WITHOUT_KEY = {
     "/health": LIVENESS,
     "/metrics": OPEN,  # aggregates only
     "/version": OPEN,
-    "/ping": LIVENESS,  # SageMaker's health check (vLLM's): /health's liveness answer
+    "/ping": OPEN,  # SageMaker's health check (vLLM's): status and reason, what /health tells anyone
     "/load": OPEN,  # one count: the generation requests in flight
     "/openapi.json": OPEN,  # the API's own description
     "/docs": OPEN,
