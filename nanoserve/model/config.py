@@ -36,6 +36,8 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     torch_dtype: str | None
+    hidden_act: str = "silu"  # the MLP's gate activation: SiLU is what the decoder computes
+    sliding_window: int | None = None  # attention reaches this many tokens back (None: every earlier token)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -68,6 +70,8 @@ class ModelConfig:
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
                 qk_norm=family == "qwen3",
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                hidden_act=str(cfg.get("hidden_act") or "silu"),
+                sliding_window=_sliding_window(cfg, family),
             )
         except KeyError as e:
             raise CheckpointError(
@@ -76,6 +80,10 @@ class ModelConfig:
             ) from None
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"config.json has a bad value ({e}); fix the file") from None
+        for name, (computed, why) in REFUSED_UNLESS.items():
+            if cfg.get(name) not in computed:
+                raise CheckpointError(f"config {name}={cfg.get(name)!r} is not implemented: {why}; nanoserve runs "
+                                      f"checkpoints with {name} {computed[-1]!r}")
         config.check()
         return config
 
@@ -88,12 +96,46 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise CheckpointError(f"config {name} must be positive, got {getattr(self, name)}")
+        if self.hidden_act not in SILU:
+            raise CheckpointError(
+                f"hidden_act {self.hidden_act!r} is not implemented: nanoserve's MLP computes SiLU(gate) * up, so "
+                f"this checkpoint would compute something else; it runs checkpoints whose hidden_act is 'silu'")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise CheckpointError(f"config sliding_window must be positive, got {self.sliding_window}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type")
             if kind not in ("llama3", "default", "linear"):
                 raise CheckpointError(
                     f"rope_scaling type {kind!r} is not supported; supported: llama3, linear, default"
                 )
+
+
+SILU = ("silu", "swish")  # transformers' names for one function
+# Every field of the supported families' transformers configs is one of three kinds (tests/test_model_config_fields.py
+# walks transformers' config classes against them, so a field a new transformers adds fails until it is placed).
+READ = frozenset({  # what ModelConfig reads (and check() holds to what the decoder computes)
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "hidden_act",
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "torch_dtype", "dtype"})
+NOT_THE_MATH = frozenset({  # the tokenizer's ids, training, and transformers' own output switches
+    "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "initializer_range", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
+    "id2label", "label2id", "problem_type", "_name_or_path", "transformers_version",
+    "pretraining_tp"})  # pretraining_tp > 1 slices the same matmuls in transformers: the same function
+REFUSED_UNLESS = {  # field -> (values the decoder computes, what any other value would ask for)
+    "mlp_bias": ((None, False), "the MLP's projections have biases, which nanoserve's MLP does not add"),
+}
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    """The attention window the checkpoint asks for: Mistral's `sliding_window` whenever set; Qwen2/Qwen3 carry one
+    too but use it only with `use_sliding_window` (and then in layers from `max_window_layers` on)."""
+    window = cfg.get("sliding_window")
+    layered = "sliding_attention" in (cfg.get("layer_types") or ())  # transformers 5 names each layer's kind
+    if window is None or (family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False) and not layered):
+        return None
+    return int(window)
 
 
 def _rope_theta(cfg: dict) -> float:

@@ -60,7 +60,8 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.build_pools(self.model, self.cache)
         self.max_model_len = sizing.resolve_max_model_len(
-            config.max_model_len, self.model_config.max_position_embeddings, (self.num_blocks - 1) * config.block_size)
+            config.max_model_len, self.model_config.max_position_embeddings, (self.num_blocks - 1) * config.block_size,
+            self.model_config.sliding_window)
         self.decode_path, self.captured = self.decode_fast_path(self.cache, self.max_model_len)
         if self.captured is not None:
             progress("capturing CUDA graphs")

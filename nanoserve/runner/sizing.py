@@ -97,9 +97,22 @@ def _graph_reserve(runner) -> int:
     return reserve
 
 
-def resolve_max_model_len(wanted: int | None, model_len: int, capacity: int) -> int:
-    """The context length: what was asked (checked against the model and the pool), or all the pool holds up
-    to what the model was trained for."""
+def resolve_max_model_len(wanted: int | None, model_len: int, capacity: int, window: int | None = None) -> int:
+    """The context length: what was asked (checked against the model, its attention window and the pool), or all
+    the pool holds up to what the model was trained for and its window.
+
+    A sliding window is honoured by never letting a sequence outgrow it: within the window, attending to every
+    earlier token (what nanoserve computes) is exactly the window's attention."""
+    if window is not None and window < model_len:
+        if wanted is not None and wanted > window:
+            raise ConfigError(
+                f"max_model_len {wanted} is past this model's sliding_window of {window} tokens: nanoserve attends "
+                f"to every earlier token, which is the window's attention only within it; use --max-model-len "
+                f"{window} or less")
+        if wanted is None:
+            log.warning("max_model_len capped at %d tokens: the model's sliding_window (attention past it is not "
+                        "implemented)", window)
+        model_len = window
     if wanted is not None:
         if wanted > model_len:
             raise ConfigError(

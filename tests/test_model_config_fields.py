@@ -1,0 +1,64 @@
+"""Config fields that change what a model computes are honoured or refused at load, never dropped: a checkpoint
+whose `hidden_act` is not SiLU is refused naming it; a `sliding_window` shorter than the context caps
+max_model_len at the window (where attending to every earlier token is the window's attention) and refuses a
+longer one; Qwen's window counts only with `use_sliding_window`."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import EngineConfig
+from nanoserve.engine import Engine
+from nanoserve.errors import CheckpointError, ConfigError
+from nanoserve.model.config import NOT_THE_MATH, READ, REFUSED_UNLESS, ModelConfig
+
+BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("family", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config"])
+def test_every_field_of_transformers_config_classes_is_read_or_said_to_change_nothing(family):
+    """A field transformers adds to a supported family's config fails here until model/config.py places it."""
+    fields = set(getattr(pytest.importorskip("transformers"), family)().to_dict())
+    unplaced = sorted(fields - READ - NOT_THE_MATH - set(REFUSED_UNLESS))
+    assert not unplaced, f"{family} fields nanoserve neither reads nor refuses: {unplaced}"
+
+
+def test_an_mlp_with_biases_is_refused():
+    with pytest.raises(CheckpointError, match="mlp_bias=True"):
+        ModelConfig.from_hf({**BASE, "mlp_bias": True})
+    assert ModelConfig.from_hf({**BASE, "mlp_bias": False}).hidden_size == 64
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_an_activation_other_than_silu_is_refused_by_name(act):
+    with pytest.raises(CheckpointError, match=f"hidden_act '{act}'"):
+        ModelConfig.from_hf({**BASE, "hidden_act": act})
+    assert ModelConfig.from_hf({**BASE, "hidden_act": "silu"}).hidden_act == "silu"
+    assert ModelConfig.from_hf(BASE).hidden_act == "silu"  # transformers' default for these families
+
+
+def test_qwen_carries_a_window_it_uses_only_when_asked():
+    qwen = {**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}
+    assert ModelConfig.from_hf(qwen).sliding_window is None
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).sliding_window == 64
+    mistral = {**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 64}
+    assert ModelConfig.from_hf(mistral).sliding_window == 64
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).sliding_window is None
+    layered = {**qwen, "layer_types": ["full_attention", "sliding_attention"]}  # transformers 5's form
+    assert ModelConfig.from_hf(layered).sliding_window == 64
+
+
+def test_a_real_checkpoint_with_a_gelu_mlp_does_not_load(tiny_checkpoint):
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
+        Engine(EngineConfig(model=str(tiny_checkpoint("llama", hidden_act="gelu")), max_model_len=64,
+                            kv_cache_gib=0.01))
+
+
+def test_a_sliding_window_caps_the_context_and_refuses_a_longer_one(tiny_checkpoint):
+    path = str(tiny_checkpoint("mistral", sliding_window=48))
+    engine = Engine(EngineConfig(model=path, kv_cache_gib=0.01))
+    assert engine.max_model_len == 48
+    with pytest.raises(ConfigError, match="sliding_window of 48"):
+        Engine(EngineConfig(model=path, max_model_len=64, kv_cache_gib=0.01))
+    assert Engine(EngineConfig(model=path, max_model_len=32, kv_cache_gib=0.01)).max_model_len == 32
