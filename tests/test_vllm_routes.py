@@ -152,9 +152,12 @@ def test_batch_chat_answers_each_conversation_as_it_would_alone(server, client):
         for c in chunk["choices"]:
             texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
     assert [texts[i] for i in range(3)] == [a.choices[0].message.content for a in alone]
-    for refused in ({"n": 2}, {"tools": [WEATHER]}, {"return_token_ids": True}, {"echo": True}):
+    for refused in ({"n": 2}, {"tools": [WEATHER]}, {"return_token_ids": True}, {"echo": True},
+                    {"prompt_logprobs": 0}, {"prompt_logprobs": 1}, {"n": True}):
         r = post(server, "/v1/chat/completions/batch", {**body, **refused})
         assert r.status_code == 400 and next(iter(refused)) in r.json()["error"]["message"], r.text
+    for asks_nothing in ({"n": 1}, {"tools": []}, {"echo": False}, {"prompt_logprobs": None}):
+        assert post(server, "/v1/chat/completions/batch", {**body, **asks_nothing}).status_code == 200
     r = post(server, "/v1/chat/completions/batch", {**body, "messages": [ASK, [{"role": 5}]]})
     assert r.status_code == 400 and "messages.1.0.role" in r.json()["error"]["message"], r.text
     r = post(server, "/v1/chat/completions/batch", {**body, "messages": [ASK, [{"role": "user"}]]})

@@ -76,6 +76,14 @@ BATCH_REFUSED = {"tools": "tool use is not batched; send each conversation with 
                  "prompt_logprobs": "prompt logprobs belong to one conversation; ask on /v1/chat/completions",
                  "return_token_ids": "prompt token ids belong to one conversation; ask on /v1/chat/completions",
                  "return_prompt_text": "a rendered prompt belongs to one conversation; ask on /v1/chat/completions"}
+# the values of each refused field that ask for nothing (prompt_logprobs 0 asks for the prompt's own tokens)
+_ASKS_NOTHING = {"tools": (None, []), "n": (None, 1), "echo": (None, False), "prompt_logprobs": (None,),
+                 "return_token_ids": (None, False), "return_prompt_text": (None, False)}
+
+
+def _same(value, quiet) -> bool:
+    """Equal and of the same type, so 0 is not False and True is not 1."""
+    return type(value) is type(quiet) and value == quiet
 
 
 async def batch_chat_complete(ctx: RouteContext, batch: BatchChatRequest, request: Request):
@@ -84,7 +92,7 @@ async def batch_chat_complete(ctx: RouteContext, batch: BatchChatRequest, reques
     choice, where vLLM answers whole only)."""
     fields = batch.model_dump(exclude_unset=True)
     for name, why in BATCH_REFUSED.items():
-        if fields.get(name) not in ((None, 1) if name == "n" else (None, False)):
+        if not any(_same(fields.get(name), quiet) for quiet in _ASKS_NOTHING[name]):
             raise APIError(400, f"{name} is not supported on the batch route: {why}", param=name)
     bodies = [validated(ChatCompletionRequest, {**fields, "messages": conversation}, "messages", i)
               for i, conversation in enumerate(batch.messages)]
