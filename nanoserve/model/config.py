@@ -6,13 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.errors import CheckpointError
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from nanoserve.models.registry import ARCHITECTURES
 
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -43,13 +37,13 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read an HF config.json dict, refusing architectures the decoder does not implement."""
         archs = cfg.get("architectures") or [_BY_MODEL_TYPE.get(cfg.get("model_type"), "")]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise CheckpointError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; nanoserve runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} checkpoints and llama-architecture GGUF files"
+                f"{', '.join(ARCHITECTURES)} checkpoints and llama-architecture GGUF files"
             )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        family = ARCHITECTURES[arch].family  # how its config is read (nanoserve/models/registry.py)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])

@@ -1,7 +1,7 @@
 """Whether the CPU decoder runs on the fused kernels (nanoserve/kernels/fused.c), and what they served.
 
-They run where they can: the flag on, the model on the CPU with a float32 residual stream and float32 norms, and a
-C compiler to build them with. Anywhere else the eager torch ops run, and `reason` says why, so a flag that did not
+They run where they can: the flag on, the model on the CPU in float32 (its residual stream and norms), and a C
+compiler to build them with. Anywhere else the eager torch ops run, and `reason` says why, so a flag that did not
 take effect is never silent.
 """
 
@@ -40,24 +40,12 @@ def fused_kernels(enabled: bool, device: torch.device):
     return load()
 
 
-def why_not(model) -> str:
-    """Why this model cannot run on the fused decoder kernels ("" when it can)."""
-    stream = model.embed_tokens.weight.dtype
-    if stream != torch.float32:
-        return f"the residual stream is {str(stream).removeprefix('torch.')}; the fused kernels take float32"
-    norms = [m.weight.dtype for name, m in model.named_modules() if name.endswith("layernorm")]
-    if any(dtype != torch.float32 for dtype in norms):
-        return "the norms are not float32"
-    return ""
-
-
-def install_fused(model, kernels, reason: str = "") -> FusedStatus:
-    """Switch `model` onto `kernels` (from fused_kernels; None: `reason` says why there are none) when it can run
-    them; the status says which, and why not."""
+def fused_status(kernels, reason: str, dtype: torch.dtype) -> FusedStatus:
+    """Whether a model of `dtype` runs on `kernels` (from fused_kernels; None: `reason` says why there are none):
+    decided before the model is built, which then holds them in its layers (nanoserve/model/platform.py)."""
     if kernels is None:
         return FusedStatus(False, reason)
-    reason = why_not(model)
-    if reason:
-        return FusedStatus(False, reason)
-    model.use_fused(kernels)
+    if dtype != torch.float32:
+        return FusedStatus(False, f"the residual stream is {str(dtype).removeprefix('torch.')}; the fused kernels "
+                                  "take float32")
     return FusedStatus(True, "", kernels)

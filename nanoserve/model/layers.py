@@ -1,4 +1,6 @@
-"""The decoder's building blocks: norm, rotary embedding, and the fused projections that load by mapping."""
+"""The decoder's building blocks: norm, activation, rotary embedding, and the merged projections that load by
+mapping. A layer that has a fused CPU kernel is given the kernels (or None) when it is built, at load: which code
+runs is decided then, once, from the machine and the model's dtype, and a model's forward is one path."""
 
 from __future__ import annotations
 
@@ -15,12 +17,18 @@ _FUSED_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
 class RMSNorm(FastAttributes, nn.Module):
-    """RMSNorm computed in float32 and cast back, as the reference implementation does."""
+    """RMSNorm computed in float32 and cast back, as the reference implementation does.
 
-    def __init__(self, dim: int, eps: float):
+    A decoder's norms also carry the residual stream (`add_norm`): the previous block's output is added to the
+    stream and the sum normed, in one pass of fused.c when the layer was built with the fused kernels (the stream
+    then float32, added to in place), else as torch's add and norm.
+    """
+
+    def __init__(self, dim: int, eps: float, kernels=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels  # FusedKernels (nanoserve/kernels/fused.py) or None: chosen at load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -29,6 +37,40 @@ class RMSNorm(FastAttributes, nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_norm(self, stream: torch.Tensor, delta: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(stream + delta), stream + delta); delta None: the stream as it is. On the fused kernels the
+        normed rows come in `out_dtype` (the consumer's input dtype, written directly) and the stream is added to
+        in place (a stream it does not own, the embedding's, is copied first); else they come in the stream's
+        dtype and the stream is a new tensor (adding a bfloat16 projection's output promotes it exactly)."""
+        if self.kernels is None:
+            stream = stream if delta is None else stream + delta
+            return self.forward(stream), stream
+        if delta is None and (stream._base is not None or not stream.is_contiguous()):
+            stream = stream.contiguous().clone()
+        return self.kernels.add_norm(stream, self.weight, self.eps, delta, out_dtype), stream
+
+    def add_norm_rows(self, stream: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """norm((stream + delta)[rows]), in the stream's dtype: the last norm, which only the sampled rows need."""
+        if self.kernels is None:
+            return self.forward((stream + delta)[rows])
+        stream = self.kernels.add_(stream, delta.contiguous())
+        return self.kernels.add_norm(stream[rows], self.weight, self.eps, None, stream.dtype)
+
+
+class SiluAndMul(FastAttributes, nn.Module):
+    """silu(gate) * up of a merged gate_up output, in its dtype: fused.c's one pass or torch's ops."""
+
+    def __init__(self, kernels=None):
+        super().__init__()
+        self.kernels = kernels  # chosen at load
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class MergedLinear(FastAttributes, nn.Module):

@@ -13,11 +13,13 @@ import torch
 
 from nanoserve.errors import CheckpointError
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.decoder import CausalLM
+from nanoserve.model.fused import FusedStatus, fused_status
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.layers import MergedLinear, RotaryEmbedding
+from nanoserve.model.platform import Platform
 from nanoserve.model.quant import QuantBlocks, QuantStats, install_quantized, int4_supported, int8_supported
 from nanoserve.model.rows import pad_dense_rows
+from nanoserve.models.registry import model_class
 from nanoserve.parallel.shard import TensorShard, pad_rows
 from nanoserve.tokenizer import Tokenizer
 
@@ -30,10 +32,10 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     name: str
     config: ModelConfig
-    model: CausalLM
+    model: torch.nn.Module  # the registry's class for the architecture (nanoserve/models/)
     tokenizer: Tokenizer
     quant: QuantStats | None = None  # what the quantized seam holds, when linears run packed
-    fused: object | None = None  # FusedStatus (nanoserve/model/fused.py): whether the CPU decoder runs fused
+    fused: FusedStatus | None = None  # whether the CPU decoder runs on the fused kernels, and why not
 
 
 def cache_dir() -> Path:
@@ -84,7 +86,7 @@ DtypeChoice = Callable[[str | None], torch.dtype]
 def load_model(
     path: str | os.PathLike | None, dtype: torch.dtype | DtypeChoice, device: torch.device,
     max_positions: int | None = None, quantization: str = "none", shard: TensorShard | None = None,
-    invariant: bool = False, linear_kernels=None,
+    invariant: bool = False, kernels=None, no_kernels: str = "", group=None,
 ) -> LoadedModel:
     """Load config, weights and tokenizer.
 
@@ -98,8 +100,9 @@ def load_model(
     model's, `LoadedModel.model.config` is the part's.
 
     `invariant` builds the model batch-invariant: kernels chosen by machine, shape and dtype only (see
-    install_quantized and nanoserve/model/rows.py). `linear_kernels` (FusedKernels): 4-bit linears run on its
-    4-bit x 16-bit kernel instead of torch's (see nanoserve/kernels/linear.c).
+    install_quantized and nanoserve/model/rows.py). `kernels` (FusedKernels, or None and `no_kernels` saying why
+    not): a float32 model runs its layers on them and its 4-bit linears on their 4-bit x 16-bit kernel (see
+    nanoserve/kernels/linear.c). `group`: the tensor-parallel group a shard's projections reduce across.
     """
     supported = {"auto": int4_supported, "int4": int4_supported, "int8": int8_supported}
     if quantization != "none" and not supported[quantization](device):
@@ -109,10 +112,11 @@ def load_model(
         quantization = "none"
     p, name = _resolve(path)
     if p.is_file():
-        loaded = _load_gguf(p, dtype, device, max_positions, quantization, shard, invariant, linear_kernels)
+        loaded = _load_gguf(p, dtype, device, max_positions, quantization, shard, invariant,
+                            (kernels, no_kernels, group))
     else:
         loaded = _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard, invariant,
-                              linear_kernels)
+                              (kernels, no_kernels, group))
     if invariant:
         pad_dense_rows(loaded.model, device)
     return loaded
@@ -150,7 +154,7 @@ def peek_config(path: str | os.PathLike | None) -> ModelConfig:
 
 
 def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=None,
-               invariant: bool = False, linear_kernels=None) -> LoadedModel:
+               invariant: bool = False, runs_on=(None, "", None)) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
@@ -164,13 +168,14 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=N
         add_bos_token=ckpt.add_bos_token,
     )
     local = shard.local_config(config) if shard is not None else config
+    platform, fused = _platform(runs_on, dtype, shard, config)
     model, quant = _build(local, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
-                          head_blocks=ckpt.head_blocks, invariant=invariant, linear_kernels=linear_kernels)
-    return LoadedModel(p.stem, config, model, tokenizer, quant)
+                          head_blocks=ckpt.head_blocks, invariant=invariant, platform=platform)
+    return LoadedModel(p.stem, config, model, tokenizer, quant, fused)
 
 
 def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str, shard=None,
-                 invariant: bool = False, linear_kernels=None) -> LoadedModel:
+                 invariant: bool = False, runs_on=(None, "", None)) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -185,9 +190,19 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization:
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
     local = shard.local_config(config) if shard is not None else config
+    platform, fused = _platform(runs_on, dtype, shard, config)
     model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, device, max_positions,
-                          quantization, invariant=invariant, linear_kernels=linear_kernels)
-    return LoadedModel(name, config, model, tokenizer, quant)
+                          quantization, invariant=invariant, platform=platform)
+    return LoadedModel(name, config, model, tokenizer, quant, fused)
+
+
+def _platform(runs_on, dtype: torch.dtype, shard: TensorShard | None,
+              config: ModelConfig) -> tuple[Platform, FusedStatus]:
+    """What the model about to be built runs on: the fused kernels where its dtype allows, and its shard's group."""
+    kernels, no_kernels, group = runs_on
+    fused = fused_status(kernels, no_kernels, dtype)
+    start = shard.vocab_start(config.vocab_size) if shard is not None and group is not None else 0
+    return Platform(fused.kernels, group, start), fused
 
 
 def _safetensors_items(p: Path, shard: TensorShard | None = None,
@@ -226,10 +241,10 @@ def _read_slice(f, key: str, shard: TensorShard, vocab: int) -> torch.Tensor:
 
 def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none",
            head_blocks: QuantBlocks | None = None, invariant: bool = False,
-           linear_kernels=None) -> tuple[CausalLM, QuantStats | None]:
+           platform: Platform = Platform()) -> tuple[torch.nn.Module, QuantStats | None]:
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
-        model = CausalLM(config, positions)
+        model = model_class(config.architecture)(config, positions, platform)
     model.to_empty(device=device).to(dtype)
     # The rotary table is computed, not loaded: rebuild it for real, in float32, on the device.
     model.rope = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling).to(device)
@@ -249,18 +264,18 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         model.lm_head.weight = model.embed_tokens.weight
     if head_blocks is not None:
         kept["lm_head"] = {"weight": head_blocks}
-    kernels = linear_kernels if dtype == torch.float32 else None  # its linears answer in float32
-    quant = install_quantized(model, kept, quantization, invariant, kernels) if quantization != "none" else None
+    quant = install_quantized(model, kept, quantization, invariant, platform.kernels) \
+        if quantization != "none" else None
     return model.eval(), quant
 
 
-def _checkpoint_names(model: CausalLM) -> set[str]:
+def _checkpoint_names(model: torch.nn.Module) -> set[str]:
     """Every weight a complete checkpoint holds, by its checkpoint name (merged projections by shard).
 
     A merged projection counts as loaded only shard by shard: `MergedLinear` starts as uninitialised memory
     (its bias as zeros), so a checkpoint without one k_proj would otherwise run on garbage.
     """
-    fragment_of = {packed: fragment for fragment, packed in CausalLM.PACKED.items()}
+    fragment_of = {packed: fragment for fragment, packed in model.PACKED.items()}
     names = set()
     for name, _ in model.named_parameters(remove_duplicate=False):
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -275,14 +290,14 @@ def _checkpoint_names(model: CausalLM) -> set[str]:
     return names
 
 
-def _load_one(model: CausalLM, params: dict, name: str, tensor, loaded: set[str], kept: dict) -> None:
+def _load_one(model: torch.nn.Module, params: dict, name: str, tensor, loaded: set[str], kept: dict) -> None:
     """Copy one checkpoint tensor into place; quantized blocks are kept aside for install_quantized."""
     key = name.removeprefix("model.")
     if "rotary_emb" in key:
         return
     if key == "lm_head.weight" and model.config.tie_word_embeddings:
         return
-    for fragment, (merged, shard) in CausalLM.PACKED.items():
+    for fragment, (merged, shard) in model.PACKED.items():
         if f".{fragment}." in key:
             module_name, kind = key.rsplit(".", 1)
             module = model.get_submodule(module_name.replace(fragment, merged))

@@ -6,7 +6,7 @@ Megatron's split, as vLLM and SGLang use it for the Llama family:
 - row-parallel (input columns split): o_proj and down_proj, whose partial outputs one all-reduce adds up;
 - replicated: the norms (q/k norms are per head dimension, the same on every rank) and the rotary table.
 
-A rank builds a CausalLM of its local sizes (heads / N, kv heads / N, intermediate / N, vocabulary / N padded up
+A rank builds its model of the local sizes (heads / N, kv heads / N, intermediate / N, vocabulary / N padded up
 to a multiple of N) and loads only its slices, so no rank holds the whole model.
 """
 
@@ -66,7 +66,7 @@ class TensorShard:
     world: int
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The sizes one rank's CausalLM is built with (the global config stays the engine's own)."""
+        """The sizes one rank's model is built with (the global config stays the engine's own)."""
         check_divisible(cfg, self.world)
         n = self.world
         return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,

@@ -104,21 +104,16 @@ def serve(rank: int, world: int, init_method: str, timeout_s: float, key: bytes,
 
 def load_shard(group: TensorGroup, config, device: torch.device):
     """This rank's part of the model, or None when it did not load (rank 0 hears why)."""
-    from nanoserve.model.fused import fused_kernels, install_fused
-    from nanoserve.model.loader import load_model
+    from nanoserve.runner.loading import load_part
 
     shard = TensorShard(group.rank, group.world)
-    kernels, no_kernels = fused_kernels(config.fused_cpu_kernels, device)
     try:
-        loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len, config.quantization,
-                            shard=shard, invariant=config.batch_invariant, linear_kernels=kernels)
+        loaded = load_part(config, device, shard, group)
     except Exception as e:
         group.report_failure(e)
         group.gather_status("load", f"{type(e).__name__}: {e}")
         return None
     group.gather_status("load", None)
-    loaded.model.parallelize(group, shard.vocab_start(loaded.config.vocab_size))
-    loaded.fused = install_fused(loaded.model, kernels, no_kernels)
     return loaded
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
-from nanoserve.model.fused import fused_kernels, install_fused
+from nanoserve.model.fused import fused_kernels
 from nanoserve.model.loader import LoadedModel, load_model, peek_config
 from nanoserve.parallel.driver import ParallelGroup
 from nanoserve.parallel.shard import check_divisible
@@ -16,13 +16,11 @@ def load(config: EngineConfig, device, progress: Callable[[str], None]) -> tuple
     """The loaded model and, with --tensor-parallel-size above 1, the group of ranks it is spread over. A size
     that does not divide the model is refused before any process starts. On the CPU the model runs on the fused
     kernels where it can (nanoserve/model/fused.py), its 4-bit linears packed for them as they load."""
-    kernels, no_kernels = _fused_kernels(config, device, progress)
+    if config.fused_cpu_kernels and device.type == "cpu":
+        progress("fused CPU kernels")  # built on a machine's first start (about two seconds), then cached
     if config.tensor_parallel_size == 1:
         progress("loading weights")
-        loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len,
-                            config.quantization, invariant=config.batch_invariant, linear_kernels=kernels)
-        loaded.fused = install_fused(loaded.model, kernels, no_kernels)
-        return loaded, None
+        return load_part(config, device), None
     shapes = peek_config(config.model)
     check_divisible(shapes, config.tensor_parallel_size)
     progress(f"starting {config.tensor_parallel_size} tensor-parallel ranks")
@@ -30,22 +28,21 @@ def load(config: EngineConfig, device, progress: Callable[[str], None]) -> tuple
     progress("loading weights (every rank its shard)")
     try:
         with group.own_threads():
-            loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len,
-                                config.quantization, shard=group.shard, invariant=config.batch_invariant,
-                                linear_kernels=kernels)
+            loaded = load_part(config, device, group.shard, group.group)
     except Exception as e:
         group.confirm(f"{type(e).__name__}: {e}", "load")  # stops the other ranks, then raises
         raise
     group.confirm(None, "load")
-    loaded.model.parallelize(group.group, vocab_start=0)
-    loaded.fused = install_fused(loaded.model, kernels, no_kernels)
     return loaded, group
 
 
-def _fused_kernels(config: EngineConfig, device, progress: Callable[[str], None]):
-    if config.fused_cpu_kernels and device.type == "cpu":
-        progress("fused CPU kernels")  # built on a machine's first start (about two seconds), then cached
-    return fused_kernels(config.fused_cpu_kernels, device)
+def load_part(config: EngineConfig, device, shard=None, group=None) -> LoadedModel:
+    """The model, or under tensor parallelism one rank's shard of it (every rank loads through here): on the
+    fused CPU kernels where it can run them, its 4-bit linears packed for them as they load."""
+    kernels, no_kernels = fused_kernels(config.fused_cpu_kernels, device)
+    return load_model(config.model, config.torch_dtype, device, config.max_model_len, config.quantization,
+                      shard=shard, invariant=config.batch_invariant, kernels=kernels, no_kernels=no_kernels,
+                      group=group)
 
 
 def not_invariant_reason(config: EngineConfig, model, device) -> str | None:

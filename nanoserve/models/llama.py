@@ -1,9 +1,12 @@
-"""One decoder for the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm)."""
+"""The Llama decoder, which Mistral, Qwen2 (qkv biases) and Qwen3 (per-head q/k norms) share.
+
+One forward: every choice of how to run it (fused CPU kernels or torch's ops, a tensor-parallel reduction) was made
+when it was built, from its Platform (nanoserve/model/platform.py), and lives in its layers.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.attention.dispatch import PagedRead, StepRead
@@ -12,12 +15,13 @@ from nanoserve.kv.cache import KVCache
 from nanoserve.model.attrs import Embedding, FastAttributes, Linear
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope
+from nanoserve.model.platform import EAGER, Platform
 from nanoserve.model.rescore import SHORTLIST, rescore_shortlist
 
 
 class Attention(FastAttributes, nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, platform: Platform):
         super().__init__()
         self.layer = layer
         self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -30,9 +34,8 @@ class Attention(FastAttributes, nn.Module):
         self.q_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.dim**-0.5
-        self.reduce = None  # tensor parallel: sums the row-parallel o_proj's partial outputs across ranks
-
-    fused = None  # FusedKernels when the CPU decoder runs fused (nanoserve/model/fused.py)
+        self.fused = platform.kernels  # rotary + KV write in one pass of fused.c
+        self.reduce = platform.reduce()  # sums the row-parallel o_proj's partial outputs across ranks
 
     def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
         tokens = x.shape[0]
@@ -64,6 +67,9 @@ class Attention(FastAttributes, nn.Module):
 
     def _rotate_and_write_fused(self, qkv: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache):
         """The same in one pass of fused.c: q [tokens, heads, dim] float32 back, k and v only in the cache."""
+        if cache.k.dtype != torch.float32:
+            raise ValueError(f"the fused CPU kernels take a float32 KV cache, not {cache.k.dtype}; run with "
+                             "--no-fused-cpu-kernels")
         k_cache, v_cache = cache.layer_rows(self.layer)
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
@@ -87,53 +93,41 @@ class Attention(FastAttributes, nn.Module):
 
 
 class MLP(FastAttributes, nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, platform: Platform):
         super().__init__()
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
         )
+        self.act = SiluAndMul(platform.kernels)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.reduce = None  # tensor parallel: sums the row-parallel down_proj's partial outputs across ranks
-
-    fused = None  # FusedKernels when the CPU decoder runs fused (nanoserve/model/fused.py)
+        self.reduce = platform.reduce()  # sums the row-parallel down_proj's partial outputs across ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the projections' own dtype throughout: a packed gate_up answers in bfloat16, which the packed down
         projection takes as it is (no round trip through float32 between them)."""
-        gate_up = self.gate_up_proj.forward(x)
-        if self.fused is not None:
-            out = self.down_proj.forward(self.fused.silu_mul(gate_up))
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            out = self.down_proj.forward(F.silu(gate) * up)
+        out = self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))
         return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(FastAttributes, nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, platform: Platform):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, platform.kernels)
+        self.self_attn = Attention(cfg, layer, platform)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, platform.kernels)
+        self.mlp = MLP(cfg, platform)
 
-    def forward(self, x, rope, batch, cache, read):
-        """The residual stream stays in x's dtype: adding a bfloat16 projection's output promotes it exactly."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache, read)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(self, x: torch.Tensor, delta: torch.Tensor | None, rope, batch, cache, read) -> torch.Tensor:
-        """The layer on the fused kernels: x (float32, owned by the forward) takes the previous layer's MLP output
-        `delta` in place as the norm reads it; returns this layer's MLP output for the next layer to add."""
-        fused = self.self_attn.fused
-        h = fused.add_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, delta, self.attn_input_dtype)
+    def forward(self, stream: torch.Tensor, delta: torch.Tensor | None, rope, batch, cache,
+                read) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream with the previous layer's output `delta` added): the
+        next layer's norm adds it, so an add and a norm are one pass where the norm is fused."""
+        h, stream = self.input_layernorm.add_norm(stream, delta, self.self_attn.qkv_proj.input_dtype)
         attn = self.self_attn.forward(h, rope, batch, cache, read)  # forward itself: no hooks to run, 1 us saved
-        h = fused.add_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn,
-                           self.mlp_input_dtype)
-        return self.mlp.forward(h)
+        h, stream = self.post_attention_layernorm.add_norm(stream, attn, self.mlp.gate_up_proj.input_dtype)
+        return self.mlp.forward(h), stream
 
 
-class CausalLM(FastAttributes, nn.Module):
+class LlamaForCausalLM(FastAttributes, nn.Module):
     """Parameter names follow the Hugging Face layout, so checkpoints load by name plus a shard map."""
 
     # checkpoint name fragment -> (module attribute holding the merged weight, shard)
@@ -145,49 +139,20 @@ class CausalLM(FastAttributes, nn.Module):
         "up_proj": ("gate_up_proj", "up_proj"),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, platform: Platform = EAGER):
         super().__init__()
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, platform) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, platform.kernels)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.requires_grad_(False)
-        self.vocab_parallel = None  # tensor parallel: (group, first id) of this rank's slice of the vocabulary
+        self.fused = platform.kernels  # the CPU decoder's fused kernels, or None (torch's ops)
+        self.vocab_parallel = None if platform.group is None else (platform.group, platform.vocab_start)
         self.exact_head: torch.Tensor | None = None  # float32 head weight to rescore a coarse head's shortlist by
-
-    fused = None  # FusedKernels when the CPU decoder runs fused (nanoserve/model/fused.py)
-    fused_attention = None  # (FusedKernels, the attention's output dtype) for a batch-invariant read
-
-    def use_fused(self, kernels) -> None:
-        """Run every layer on the fused CPU kernels (None: eager torch ops again)."""
-        self.fused = kernels
-        o_proj = self.layers[0].self_attn.o_proj
-        self.fused_attention = None if kernels is None else (kernels, o_proj.input_dtype)
-        for layer in self.layers:
-            layer.self_attn.fused = layer.mlp.fused = kernels
-            layer.attn_input_dtype = layer.self_attn.qkv_proj.input_dtype
-            layer.mlp_input_dtype = layer.mlp.gate_up_proj.input_dtype
-
-    def _layers_fused(self, x, rope, batch, cache, read) -> torch.Tensor:
-        if cache.k.dtype != torch.float32 or x.dtype != torch.float32:
-            raise ValueError(f"the fused CPU kernels take a float32 residual and KV cache, not {x.dtype} and "
-                             f"{cache.k.dtype}; run with --no-fused-cpu-kernels")
-        x = x.contiguous().clone() if x._base is not None or not x.is_contiguous() else x  # added to in place
-        delta = None
-        for layer in self.layers:
-            delta = layer.forward_fused(x, delta, rope, batch, cache, read)
-        return self.fused.add_(x, delta.contiguous())
-
-    def parallelize(self, group, vocab_start: int) -> None:
-        """Make this rank's shard a part of the group's model: the row-parallel projections' outputs and the
-        vocabulary-parallel embedding are summed across ranks (the logits are gathered by the caller)."""
-        for layer in self.layers:
-            layer.self_attn.reduce = layer.mlp.reduce = group.reduce
-        self.vocab_parallel = (group, vocab_start)
 
     def forward(self, batch: StepBatch, cache: KVCache, read: PagedRead) -> torch.Tensor:
         """Run the step's tokens and return logits for `batch.logits_indices` only (under tensor parallelism,
@@ -198,17 +163,13 @@ class CausalLM(FastAttributes, nn.Module):
             group, start = self.vocab_parallel
             x = group.embed(self.embed_tokens, batch.input_ids, start)
         rope = self.rope.table(batch.positions, x.dtype)
+        fused_read = None if self.fused is None else (self.fused, self.layers[0].self_attn.o_proj.input_dtype)
         step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache,
-                              self.fused_attention)
-        if self.fused is not None:
-            x = self._layers_fused(x, rope, batch, cache, step_read)
-        else:
-            for layer in self.layers:
-                x = layer(x, rope, batch, cache, step_read)
-        if self.fused is None:
-            hidden = self.norm(x[batch.logits_indices])
-        else:
-            hidden = self.fused.add_norm(x[batch.logits_indices], self.norm.weight, self.norm.eps, None, x.dtype)
+                              fused_read)
+        delta = None
+        for layer in self.layers:
+            delta, x = layer.forward(x, delta, rope, batch, cache, step_read)
+        hidden = self.norm.add_norm_rows(x, delta, batch.logits_indices)
         logits = self.lm_head(hidden).float()
         if self.exact_head is None:
             return logits

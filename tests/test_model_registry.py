@@ -1,0 +1,74 @@
+"""The model seam: an architecture is found through the registry, and a model is built with what this machine runs
+its layers on (nothing is swapped into it afterwards)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from nanoserve.errors import CheckpointError
+from nanoserve.model.loader import load_model
+from nanoserve.models import registry
+from nanoserve.models.llama import LlamaForCausalLM
+
+CPU = torch.device("cpu")
+
+
+def test_every_registered_architecture_resolves_to_its_file_and_class():
+    for arch, entry in registry.ARCHITECTURES.items():
+        cls = registry.model_class(arch)
+        assert cls.__module__ == f"nanoserve.models.{entry.module}" and cls.__name__ == entry.cls
+        assert isinstance(cls.PACKED, dict)
+    for gguf_arch, arch in registry.GGUF_ARCHITECTURES.items():
+        assert arch in registry.ARCHITECTURES, gguf_arch
+
+
+def _renamed(checkpoint, tmp_path, architecture: str):
+    out = tmp_path / "renamed"
+    shutil.copytree(checkpoint, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["architectures"] = [architecture]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_an_architecture_is_a_registry_line(tiny_checkpoint, tmp_path, monkeypatch):
+    """A name the registry lacks is refused naming what runs; one registry line makes it load, as that class."""
+    path = _renamed(tiny_checkpoint("llama"), tmp_path, "SeamTestForCausalLM")
+    with pytest.raises(CheckpointError, match="unsupported architecture.*LlamaForCausalLM"):
+        load_model(path, torch.float32, CPU, max_positions=64)
+    monkeypatch.setitem(registry.ARCHITECTURES, "SeamTestForCausalLM", registry.Entry("llama", "LlamaForCausalLM",
+                                                                                          "llama"))
+    loaded = load_model(path, torch.float32, CPU, max_positions=64)
+    assert type(loaded.model) is LlamaForCausalLM and loaded.config.architecture == "SeamTestForCausalLM"
+    reference = load_model(tiny_checkpoint("llama"), torch.float32, CPU, max_positions=64)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(),
+                                                 reference.model.state_dict().values()))
+
+
+def _layers_kernels(model) -> set:
+    """What the residual norms and the activations were built with (q/k norms run inside the fused rotary)."""
+    return {id(m.kernels) if m.kernels is not None else None for name, m in model.named_modules()
+            if name == "norm" or name.endswith(("layernorm", ".act"))}
+
+
+def test_the_fused_kernels_are_chosen_before_the_model_is_built(tiny_checkpoint):
+    """A float32 model is built on the kernels (every norm and activation holds them); a bfloat16 one is built
+    without, and its status says why; no kernels at all: the reason given is the status's."""
+    from nanoserve.model.fused import fused_kernels
+
+    kernels, why = fused_kernels(True, CPU)
+    if kernels is None:
+        pytest.skip(f"no fused kernels here: {why}")
+    path = tiny_checkpoint("qwen3")
+    fp32 = load_model(path, torch.float32, CPU, max_positions=64, kernels=kernels, no_kernels=why)
+    assert fp32.fused.active and fp32.model.fused is kernels and _layers_kernels(fp32.model) == {id(kernels)}
+    bf16 = load_model(path, torch.bfloat16, CPU, max_positions=64, kernels=kernels, no_kernels=why)
+    assert not bf16.fused.active and "bfloat16" in bf16.fused.reason
+    assert bf16.model.fused is None and _layers_kernels(bf16.model) == {None}
+    off = load_model(path, torch.float32, CPU, max_positions=64, no_kernels="--no-fused-cpu-kernels")
+    assert not off.fused.active and off.fused.reason == "--no-fused-cpu-kernels"
+    assert not any(hasattr(LlamaForCausalLM, name) for name in ("use_fused", "parallelize"))
