@@ -94,6 +94,7 @@ _GGUF_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -103,7 +104,8 @@ def gguf_name(hf_name: str) -> str:
     if hf_name in fixed:
         return fixed[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
-    return f"blk.{i}.{_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
 
 
 def encode(arr: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
@@ -168,7 +170,8 @@ def write_llama_gguf(
     w.add_head_count_kv(c["kv_heads"])
     w.add_rope_freq_base(c["theta"])
     w.add_layer_norm_rms_eps(c["eps"])
-    w.add_rope_dimension_count(c["hidden"] // c["heads"])
+    if not c.get("head_dim"):
+        w.add_rope_dimension_count(c["hidden"] // c["heads"])
     w.add_vocab_size(weights["model.embed_tokens.weight"].shape[0])
     if tokenizer == "gpt2":
         tokens, types, merges = byte_level_vocab()
@@ -202,8 +205,14 @@ def write_llama_gguf(
 
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
+    if c.get("head_dim"):
+        w.add_key_length(c["head_dim"])
+        w.add_value_length(c["head_dim"])
+        w.add_rope_dimension_count(c["head_dim"])
     for name, arr in weights.items():
-        if name.endswith("q_proj.weight"):
+        if arch != "llama":  # llama.cpp's converter permutes the q/k rows of llama models only
+            pass
+        elif name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, c["heads"], c["heads"])
         elif name.endswith("k_proj.weight"):
             arr = llama_cpp_permute(arr, c["heads"], c["kv_heads"])

@@ -331,8 +331,8 @@ def test_refuses_truncated_file(tmp_path, weights):
 
 
 def test_refuses_other_architecture(tmp_path, weights):
-    p = write_llama_gguf(tmp_path / "q.gguf", weights, arch="qwen2")
-    _refused(p, "'qwen2'", "'llama'", "Qwen2", "Qwen3", "Mistral", "directory")
+    p = write_llama_gguf(tmp_path / "g.gguf", weights, arch="gemma2")
+    _refused(p, "'gemma2'", "'llama', 'qwen2', 'qwen3'", "Qwen3", "Mistral", "directory")
 
 
 def test_refuses_unsupported_quant_type(tmp_path, weights):
@@ -351,7 +351,7 @@ def test_refuses_unsupported_tokenizer(tmp_path):
 def test_refuses_extra_tensors(tmp_path, weights):
     bias = np.zeros(64, dtype=np.float32)
     p = write_llama_gguf(tmp_path / "bias.gguf", weights, extra_tensors={"blk.0.attn_q.bias": (bias, None)})
-    _refused(p, "blk.0.attn_q.bias", "only dense llama models")
+    _refused(p, "blk.0.attn_q.bias", "only the dense models")
 
 
 def test_refuses_missing_tensors(tmp_path, weights):

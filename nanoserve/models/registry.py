@@ -25,7 +25,7 @@ ARCHITECTURES = {
 }
 
 # a GGUF file's general.architecture -> the Hugging Face architecture its tensors and metadata describe
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def model_class(architecture: str) -> type:

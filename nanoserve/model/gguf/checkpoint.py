@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from nanoserve.errors import CheckpointError
-from nanoserve.model.gguf.config import hf_config, rope_scaling
+from nanoserve.model.gguf.config import gguf_architecture, hf_config, rope_scaling
 from nanoserve.model.gguf.dequant import SUPPORTED_QUANT_TYPES, dequantize
 from nanoserve.model.gguf.reader import TensorInfo, parse
 from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
@@ -51,17 +51,24 @@ _LAYER_TENSORS = {
 
 
 def _expected_tensors(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """GGUF name -> (HF name, HF shape) for every tensor a dense llama model must have."""
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    """GGUF name -> (HF name, HF shape) for every tensor a dense model of the config must have: Qwen2's qkv
+    biases (attention_bias) and Qwen3's per-head q/k norms included."""
+    h, inter, vocab, dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * dim, cfg["num_key_value_heads"] * dim
     shapes = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
               "ffn_norm": (h,), "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
+    layer = {f"{leaf}.weight": (f"{hf}.weight", shapes[leaf]) for leaf, hf in _LAYER_TENSORS.items()}
+    if cfg["attention_bias"]:
+        layer |= {f"{leaf}.bias": (f"{_LAYER_TENSORS[leaf]}.bias", shapes[leaf][:1]) for leaf in
+                  ("attn_q", "attn_k", "attn_v")}
+    if cfg["model_type"] == "qwen3":
+        layer |= {"attn_q_norm.weight": ("self_attn.q_norm.weight", (dim,)),
+                  "attn_k_norm.weight": ("self_attn.k_norm.weight", (dim,))}
     out = {"token_embd.weight": ("model.embed_tokens.weight", (vocab, h)), "output_norm.weight": ("model.norm.weight", (h,))}
     if not cfg["tie_word_embeddings"]:
         out["output.weight"] = ("lm_head.weight", (vocab, h))
     for i in range(cfg["num_hidden_layers"]):
-        for gguf_leaf, hf_leaf in _LAYER_TENSORS.items():
-            out[f"blk.{i}.{gguf_leaf}.weight"] = (f"model.layers.{i}.{hf_leaf}.weight", shapes[gguf_leaf])
+        out |= {f"blk.{i}.{leaf}": (f"model.layers.{i}.{hf}", shape) for leaf, (hf, shape) in layer.items()}
     return out
 
 
@@ -102,15 +109,10 @@ def _check_is_file(path: Path) -> None:
 
 
 def _read_header(path: Path) -> tuple[dict, dict[str, TensorInfo]]:
-    """The file's metadata and its tensors by name, refused unless it is a llama model in types we dequantize."""
+    """The file's metadata and its tensors by name, refused unless the registry runs its architecture and its
+    types are ones we dequantize."""
     meta, info_list = parse(path)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(
-            f"{path} is a GGUF file of architecture {arch!r}; GGUF files of architecture 'llama' are supported "
-            "(Llama, SmolLM, Mistral in llama layout). For Llama, Mistral, Qwen2 or Qwen3 models pass the Hugging "
-            "Face checkpoint directory (config.json + *.safetensors) instead"
-        )
+    gguf_architecture(meta, path)
     bad = sorted({i.type_name for i in info_list if i.type_name not in SUPPORTED_QUANT_TYPES})
     if bad:
         raise CheckpointError(
@@ -124,17 +126,17 @@ def _read_header(path: Path) -> tuple[dict, dict[str, TensorInfo]]:
 
 
 def _check_tensors(path: Path, infos: dict[str, TensorInfo], expected: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """The file holds exactly the tensors a dense llama model of its config has (rope_freqs aside), in the
+    """The file holds exactly the tensors the dense model of its config has (rope_freqs aside), in the
     shapes that config implies."""
     missing = sorted(set(expected) - set(infos))
     extra = sorted(set(infos) - set(expected) - {"rope_freqs.weight"})
     if missing:
-        raise CheckpointError(f"{path} lacks {len(missing)} tensors of a llama model, e.g. {missing[:3]}; the "
-                              "file is incomplete or not a plain llama model")
+        raise CheckpointError(f"{path} lacks {len(missing)} tensors its architecture's model has, e.g. "
+                              f"{missing[:3]}; the file is incomplete or not a plain dense model")
     if extra:
         raise CheckpointError(
-            f"{path} has tensors a plain llama model does not use, e.g. {extra[:3]} (biases, experts or extra "
-            "norms); only dense llama models without biases are supported"
+            f"{path} has tensors its architecture's model does not use, e.g. {extra[:3]} (biases, experts or "
+            "extra norms); only the dense models of nanoserve/models/ are supported"
         )
     for name, (_, shape) in expected.items():
         if infos[name].shape != shape:
@@ -157,14 +159,15 @@ def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str
     read: dequantized to `dtype`, or with `keep_blocks` a projection's exact blocks. Also the output head's
     blocks when kept (its dense weight is read as well: the embedding's lookup needs it)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = config["model_type"] == "llama"  # llama.cpp's converter permutes q/k rows of llama models only
     tensors: dict[str, torch.Tensor | QuantBlocks] = {}
     head_blocks = None
     head_name = "token_embd.weight" if config["tie_word_embeddings"] else "output.weight"
     cut = (lambda name, t: t) if shard is None else (lambda name, t: shard.take(name, t, config["vocab_size"]))
     for name, (hf_name, _) in expected.items():
         info = infos[name]
-        rope_heads = heads if name.endswith(".attn_q.weight") else kv_heads if name.endswith(
-            ".attn_k.weight") else None
+        rope_heads = None if not permuted else heads if name.endswith(".attn_q.weight") else kv_heads \
+            if name.endswith(".attn_k.weight") else None
         keep = keep_blocks and info.type_name in KEPT_GGUF_TYPES
         if keep and name.startswith("blk."):
             blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)

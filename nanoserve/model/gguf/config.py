@@ -1,4 +1,5 @@
-"""The Hugging Face config.json-shaped dict, rope scaling included, from a llama GGUF file's metadata."""
+"""The Hugging Face config.json-shaped dict, rope scaling included, from a GGUF file's metadata (architectures
+llama, qwen2 and qwen3: nanoserve/models/registry.py's GGUF_ARCHITECTURES)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ import torch
 
 from nanoserve.errors import CheckpointError
 from nanoserve.model.gguf.reader import TensorInfo
+from nanoserve.models.registry import GGUF_ARCHITECTURES
 
-__all__ = ["hf_config", "rope_scaling"]
+__all__ = ["gguf_architecture", "hf_config", "rope_scaling"]
 
 
 def _require(meta: dict, key: str, path: Path) -> Any:
     if key not in meta:
         raise CheckpointError(
-            f"{path} lacks the metadata key {key!r}, which every llama GGUF has; re-convert the model with "
+            f"{path} lacks the metadata key {key!r}, which every GGUF of its architecture has; re-convert the model with "
             "llama.cpp's convert_hf_to_gguf.py"
         )
     return meta[key]
@@ -40,9 +42,10 @@ def rope_scaling(meta: dict, rope_freqs: torch.Tensor | None, head_dim: int, the
     for Llama 3.1+ instead of metadata."""
     if rope_freqs is not None:
         return _llama3_scaling(rope_freqs, head_dim, theta, path)
-    kind = str(meta.get("llama.rope.scaling.type", "none")).lower()
+    arch = meta.get("general.architecture")
+    kind = str(meta.get(f"{arch}.rope.scaling.type", "none")).lower()
     # Older files state linear scaling only as `rope.scale_linear`.
-    factor = float(meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear", 1.0)))
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 1.0)))
     if kind in ("none", "linear"):
         return None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
     raise CheckpointError(
@@ -96,48 +99,66 @@ def _llama3_scaling(rope_freqs: torch.Tensor, head_dim: int, theta: float, path:
     )
 
 
+def gguf_architecture(meta: dict, path: Path) -> str:
+    """The file's general.architecture, refused unless the registry runs it."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path} is a GGUF file of architecture {arch!r}; GGUF files of architecture "
+            f"{', '.join(repr(a) for a in GGUF_ARCHITECTURES)} are supported (Llama, SmolLM, Mistral in llama "
+            "layout, Qwen2/Qwen2.5, Qwen3). For other models pass the Hugging Face checkpoint directory "
+            "(config.json + *.safetensors) if nanoserve runs its architecture"
+        )
+    return str(arch)
+
+
 def hf_config(meta: dict, infos: dict[str, TensorInfo], path: Path, dtype: torch.dtype) -> dict:
-    hidden = int(_require(meta, "llama.embedding_length", path))
-    heads = _single(_require(meta, "llama.attention.head_count", path), "head_count", path)
-    kv_heads = _single(meta.get("llama.attention.head_count_kv", heads), "head_count_kv", path)
+    """The config.json a Hugging Face checkpoint of this file would have. Metadata keys are prefixed with the
+    file's architecture (`llama.`, `qwen2.`, `qwen3.`); Qwen2's qkv biases and Qwen3's q/k norms are read from
+    the tensors the file holds."""
+    arch = gguf_architecture(meta, path)
+    key = f"{arch}.".__add__
+    hidden = int(_require(meta, key("embedding_length"), path))
+    heads = _single(_require(meta, key("attention.head_count"), path), "head_count", path)
+    kv_heads = _single(meta.get(key("attention.head_count_kv"), heads), "head_count_kv", path)
     if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
         raise CheckpointError(
             f"{path} states {heads} attention heads and {kv_heads} kv heads; heads must be a positive multiple "
             "of kv heads, so the file is corrupt"
         )
-    head_dim = int(meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or hidden // heads)
-    rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
+    head_dim = int(meta.get(key("attention.key_length")) or meta.get(key("rope.dimension_count")) or hidden // heads)
+    rope_dim = int(meta.get(key("rope.dimension_count"), head_dim))
     if rope_dim != head_dim:
         raise CheckpointError(
             f"{path} rotates {rope_dim} of {head_dim} head dimensions (partial rotary); only full-head rotary "
-            "llama models are supported"
+            f"{arch} models are supported"
         )
-    if int(meta.get("llama.expert_count", 0) or 0) > 0:
+    if int(meta.get(key("expert_count"), 0) or 0) > 0:
         raise CheckpointError(
-            f"{path} is a mixture-of-experts model in the llama layout (e.g. Mixtral); only dense llama models "
+            f"{path} is a mixture-of-experts model in the {arch} layout (e.g. Mixtral); only dense {arch} models "
             "are supported"
         )
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    vocab = int(meta.get("llama.vocab_size") or len(tokens) or infos["token_embd.weight"].shape[0])
+    vocab = int(meta.get(key("vocab_size")) or len(tokens) or infos["token_embd.weight"].shape[0])
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": _single(_require(meta, "llama.feed_forward_length", path), "feed_forward_length", path),
-        "num_hidden_layers": int(_require(meta, "llama.block_count", path)),
+        "intermediate_size": _single(_require(meta, key("feed_forward_length"), path), "feed_forward_length", path),
+        "num_hidden_layers": int(_require(meta, key("block_count"), path)),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(_require(meta, "llama.attention.layer_norm_rms_epsilon", path)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_require(meta, "llama.context_length", path)),
+        "rms_norm_eps": float(_require(meta, key("attention.layer_norm_rms_epsilon"), path)),
+        "rope_theta": float(meta.get(key("rope.freq_base"), 10000.0)),
+        "max_position_embeddings": int(_require(meta, key("context_length"), path)),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in infos,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "rope_scaling": None,  # filled in by load_gguf once rope_freqs (if any) is read
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": arch == "qwen2",  # Qwen2's qkv biases; llama.cpp permutes a llama file's, so those are refused
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
