@@ -72,3 +72,16 @@ def test_the_fused_kernels_are_chosen_before_the_model_is_built(tiny_checkpoint)
     off = load_model(path, torch.float32, CPU, max_positions=64, no_kernels="--no-fused-cpu-kernels")
     assert not off.fused.active and off.fused.reason == "--no-fused-cpu-kernels"
     assert not any(hasattr(LlamaForCausalLM, name) for name in ("use_fused", "parallelize"))
+
+
+def test_dense_linears_are_built_with_their_row_multiple(tiny_checkpoint):
+    """A batch-invariant model's dense matmuls pad their calls to the multiple measured for their dtype here,
+    given as they are built; a model that is not batch-invariant pads nothing."""
+    from nanoserve.invariance import linear_row_multiple
+
+    path = tiny_checkpoint("qwen2")
+    expected = linear_row_multiple(torch.float32, "cpu") or 1
+    for invariant, multiple in ((True, expected), (False, 1)):
+        model = load_model(path, torch.float32, CPU, max_positions=64, invariant=invariant).model
+        linears = [m for m in model.modules() if hasattr(m, "matmul_dtype")]
+        assert len(linears) == 2 * 4 + 1 and {m.row_multiple for m in linears} == {multiple}, invariant

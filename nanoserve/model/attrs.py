@@ -76,9 +76,11 @@ class FastAttributes:
 
 class Linear(FastAttributes, nn.Linear):
     """nn.Linear with FastAttributes (the dense projections and the output head), its rows padded to
-    `row_multiple` (nanoserve/model/rows.py)."""
+    `row_multiple` (nanoserve/model/rows.py), given when it is built."""
 
-    row_multiple = 1
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, row_multiple: int = 1, **kwargs):
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.row_multiple = row_multiple
 
     @property
     def matmul_dtype(self):

@@ -80,8 +80,9 @@ class MergedLinear(FastAttributes, nn.Module):
     counts the projection loaded only when every shard in `offsets` (and each bias shard) has arrived.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, row_multiple: int = 1):
         super().__init__()
+        self.row_multiple = row_multiple  # rows of a call are padded to this (nanoserve/model/rows.py)
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, rows in shards.items():
@@ -100,8 +101,6 @@ class MergedLinear(FastAttributes, nn.Module):
             expected = tuple(target[lo:hi].shape)
             raise ValueError(f"{shard}.{kind} has shape {tuple(tensor.shape)}, expected {expected}")
         target.data[lo:hi].copy_(tensor)
-
-    row_multiple = 1  # rows of a call are padded to this (nanoserve/model/rows.py); set at load
 
     @property
     def matmul_dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.layers import MergedLinear, RotaryEmbedding
 from nanoserve.model.platform import Platform
 from nanoserve.model.quant import QuantBlocks, QuantStats, install_quantized, int4_supported, int8_supported
-from nanoserve.model.rows import pad_dense_rows
+from nanoserve.model.rows import row_multiples
 from nanoserve.models.registry import model_class
 from nanoserve.parallel.shard import TensorShard, pad_rows
 from nanoserve.tokenizer import Tokenizer
@@ -113,12 +113,10 @@ def load_model(
     p, name = _resolve(path)
     if p.is_file():
         loaded = _load_gguf(p, dtype, device, max_positions, quantization, shard, invariant,
-                            (kernels, no_kernels, group))
+                            (kernels, no_kernels, group, device))
     else:
         loaded = _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard, invariant,
-                              (kernels, no_kernels, group))
-    if invariant:
-        pad_dense_rows(loaded.model, device)
+                              (kernels, no_kernels, group, device))
     return loaded
 
 
@@ -154,7 +152,7 @@ def peek_config(path: str | os.PathLike | None) -> ModelConfig:
 
 
 def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=None,
-               invariant: bool = False, runs_on=(None, "", None)) -> LoadedModel:
+               invariant: bool = False, runs_on=(None, "", None, torch.device("cpu"))) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
@@ -168,14 +166,14 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=N
         add_bos_token=ckpt.add_bos_token,
     )
     local = shard.local_config(config) if shard is not None else config
-    platform, fused = _platform(runs_on, dtype, shard, config)
+    platform, fused = _platform(runs_on, dtype, shard, config, invariant)
     model, quant = _build(local, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
                           head_blocks=ckpt.head_blocks, invariant=invariant, platform=platform)
     return LoadedModel(p.stem, config, model, tokenizer, quant, fused)
 
 
 def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str, shard=None,
-                 invariant: bool = False, runs_on=(None, "", None)) -> LoadedModel:
+                 invariant: bool = False, runs_on=(None, "", None, torch.device("cpu"))) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -190,19 +188,21 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization:
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
     local = shard.local_config(config) if shard is not None else config
-    platform, fused = _platform(runs_on, dtype, shard, config)
+    platform, fused = _platform(runs_on, dtype, shard, config, invariant)
     model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, device, max_positions,
                           quantization, invariant=invariant, platform=platform)
     return LoadedModel(name, config, model, tokenizer, quant, fused)
 
 
-def _platform(runs_on, dtype: torch.dtype, shard: TensorShard | None,
-              config: ModelConfig) -> tuple[Platform, FusedStatus]:
-    """What the model about to be built runs on: the fused kernels where its dtype allows, and its shard's group."""
-    kernels, no_kernels, group = runs_on
+def _platform(runs_on, dtype: torch.dtype, shard: TensorShard | None, config: ModelConfig,
+              invariant: bool) -> tuple[Platform, FusedStatus]:
+    """What the model about to be built runs on: the fused kernels where its dtype allows, its shard's group, and
+    (batch-invariant) the row multiples of its dense matmuls and of a bfloat16 head."""
+    kernels, no_kernels, group, device = runs_on
     fused = fused_status(kernels, no_kernels, dtype)
     start = shard.vocab_start(config.vocab_size) if shard is not None and group is not None else 0
-    return Platform(fused.kernels, group, start), fused
+    rows = row_multiples({dtype, torch.bfloat16}, device, invariant)
+    return Platform(fused.kernels, group, start, dtype, rows), fused
 
 
 def _safetensors_items(p: Path, shard: TensorShard | None = None,
@@ -264,8 +264,8 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         model.lm_head.weight = model.embed_tokens.weight
     if head_blocks is not None:
         kept["lm_head"] = {"weight": head_blocks}
-    quant = install_quantized(model, kept, quantization, invariant, platform.kernels) \
-        if quantization != "none" else None
+    quant = install_quantized(model, kept, quantization, invariant, platform.kernels,
+                              platform.row_multiple(torch.bfloat16)) if quantization != "none" else None
     return model.eval(), quant
 
 

@@ -21,18 +21,12 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(F.pad(x, (0, 0, 0, extra)), weight, bias)[:rows]
 
 
-def pad_dense_rows(model: torch.nn.Module, device: torch.device) -> list[str]:
-    """Set each dense linear's row multiple to the one its dtype needs here; returns the dtypes that have none
-    (their matmuls are not row-invariant on this machine, whatever the padding)."""
+def row_multiples(dtypes, device: torch.device, invariant: bool) -> dict[torch.dtype, int]:
+    """dtype -> the row multiple its dense matmuls are padded to here: measured for a batch-invariant model (a
+    dtype none holds for gets 1, and nanoserve/invariance.py reports it), 1 otherwise. Measured before a model is
+    built: its linears are given theirs as they are constructed (on the meta device, where nothing can run)."""
+    if not invariant:
+        return {}
     from nanoserve.invariance import linear_row_multiple
 
-    lacking = []
-    for module in model.modules():
-        dtype = getattr(module, "matmul_dtype", None)
-        if dtype is None:
-            continue
-        multiple = linear_row_multiple(dtype, device.type)
-        if multiple is None:
-            lacking.append(str(dtype).removeprefix("torch."))
-        module.row_multiple = multiple or 1
-    return sorted(set(lacking))
+    return {dtype: linear_row_multiple(dtype, device.type) or 1 for dtype in dtypes}

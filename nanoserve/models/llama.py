@@ -28,9 +28,9 @@ class Attention(FastAttributes, nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size,
             {"q_proj": self.heads * self.dim, "k_proj": self.kv_heads * self.dim, "v_proj": self.kv_heads * self.dim},
-            bias=cfg.attention_bias,
+            bias=cfg.attention_bias, row_multiple=platform.row_multiple(),
         )
-        self.o_proj = Linear(self.heads * self.dim, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.heads * self.dim, cfg.hidden_size, bias=False, row_multiple=platform.row_multiple())
         self.q_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.dim**-0.5
@@ -96,10 +96,12 @@ class MLP(FastAttributes, nn.Module):
     def __init__(self, cfg: ModelConfig, platform: Platform):
         super().__init__()
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+            cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
+            row_multiple=platform.row_multiple(),
         )
         self.act = SiluAndMul(platform.kernels)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False,
+                                row_multiple=platform.row_multiple())
         self.reduce = platform.reduce()  # sums the row-parallel down_proj's partial outputs across ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +147,7 @@ class LlamaForCausalLM(FastAttributes, nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, platform) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, platform.kernels)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, row_multiple=platform.row_multiple())
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

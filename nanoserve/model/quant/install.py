@@ -63,13 +63,14 @@ def dense_crossover(linear: PackedLinear, weight: torch.Tensor, repeats: int = 5
 _HEADS: dict[tuple, dict[str, float]] = {}  # (shape, dtype, threads, forms) -> seconds a row, once a process
 
 
-def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str, kernels=None) -> dict:
+def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str, kernels=None,
+               bf16_rows: int = 1) -> dict:
     """The forms the output head can take, each a builder: a bfloat16 copy; the file's own blocks when the head
     (or the embedding it is tied to) came quantized (int8g32 for Q8_0, int4 for Q4); and int8 per row, which
     re-rounds the weight, only when --quantization int4 / int8 asked for lossy weights. With `kernels` the file's
     8-bit blocks run on the fused library's 8-bit kernel (q8x16) where it is vectorized, else on its 4-bit kernel as
-    two planes."""
-    forms = {"bfloat16": lambda: BF16Linear(weight)}
+    two planes. `bf16_rows`: the bfloat16 copy's row multiple (nanoserve/model/rows.py)."""
+    forms = {"bfloat16": lambda: BF16Linear(weight, bf16_rows)}
     if blocks is not None and not int4_packable(*blocks.shape):
         blocks = None
     if isinstance(blocks, Int8Blocks) and kernels is not None and kernels.q8_vectorized:
@@ -210,12 +211,12 @@ def _packed_form(module: nn.Module, shards: dict[str, QuantBlocks], names: list[
 
 
 def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
-                  invariant: bool, kernels=None) -> tuple[str, dict[str, float], int]:
+                  invariant: bool, kernels=None, bf16_rows: int = 1) -> tuple[str, dict[str, float], int]:
     """Put the output head in its fastest form (kept for the machine under `invariant`). Returns the form's name
     (the model's dtype when the head stays as loaded), the microseconds behind the choice, and the bytes the new
     form holds (0 when it stays)."""
     weight = model.lm_head.weight
-    forms = head_forms(weight, blocks, mode, kernels)
+    forms = head_forms(weight, blocks, mode, kernels, bf16_rows)
     head, head_us = _kept_head(weight, forms) if invariant else _timed_head(weight, forms)
     if head == "own":
         return str(weight.dtype).removeprefix("torch."), head_us, 0
@@ -226,7 +227,7 @@ def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
 
 
 def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str,
-                      invariant: bool = False, kernels=None) -> QuantStats | None:
+                      invariant: bool = False, kernels=None, bf16_rows: int = 1) -> QuantStats | None:
     """Swap the decoder's linears for packed ones. Each whose weights arrived as blocks (`kept`: module path ->
     shard -> blocks) runs on them: 4-bit blocks as an Int4Linear, GGUF Q8_0 as an Int8GroupLinear. Under mode
     "int4" or "int8" every other decoder linear is quantized at load to that format. A merged projection whose
@@ -237,7 +238,8 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
     `invariant` (batch invariance): every call runs the packed kernel whatever its rows (a dense copy for wide
     calls would give a row other numbers beside many rows than alone), and the head's form is timed once per
     machine and kept (nanoserve/kernel_table.py), not timed at each load. `kernels` (FusedKernels): 4-bit linears
-    run on its 4-bit x 16-bit kernel (Q4Linear) instead of torch's int4 one."""
+    run on its 4-bit x 16-bit kernel (Q4Linear) instead of torch's int4 one. `bf16_rows`: the row multiple of a
+    bfloat16 head (nanoserve/model/rows.py)."""
     calls = {"int4": 0, "q4x16": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
@@ -264,7 +266,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
     if not formats:
         return None
     head, head_us, head_bytes = _install_head(model, kept.get("lm_head", {}).get("weight"), mode, invariant,
-                                              kernels)
+                                              kernels, bf16_rows)
     rescored = 0 if getattr(model, "exact_head", None) is None else SHORTLIST
     return QuantStats(formats, packed, dense + head_bytes, crossover, calls, served_rows, head, head_us, rescored)
 

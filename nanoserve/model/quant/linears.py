@@ -238,10 +238,10 @@ class BF16Linear(FastAttributes, nn.Module):
     where it measured fastest for one row (see fastest_head)."""
 
     matmul_dtype = ACT
-    row_multiple = 1  # rows of a call are padded to this (nanoserve/model/rows.py); set at load
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, row_multiple: int = 1):
         super().__init__()
+        self.row_multiple = row_multiple  # rows of a call are padded to this (nanoserve/model/rows.py)
         self.register_buffer("weight_bf16", weight.detach().to(ACT).contiguous())
         self.out_features, self.in_features = weight.shape
 
