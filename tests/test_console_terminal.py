@@ -121,7 +121,9 @@ def test_the_installed_console_attaches_to_two_servers(tiny_server):
         host = tiny_server.url.removeprefix("http://")
         assert f"{host} ok" in screen
         term.wait_for("127.0.0.1:9 DOWN", 10)
-        assert "KV cache" in term.text() and "max_model_len 128" in term.text()
+        # the first server's panels come with its first snapshot, which may land after the tab bar: wait for them
+        term.wait_for("KV cache", 30)
+        term.wait_for("max_model_len 128", 30)
         term.press("]")
         term.wait_for("(2 of 2", 10)
         assert "unreachable" in term.text()
