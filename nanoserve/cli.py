@@ -197,12 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (it is rendered on the server, so "
                             "by default such requests are refused)")
-    serve.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=True,
-                       help="usage.prompt_tokens_details.cached_tokens in every response (vLLM's flag; on by "
-                            "default here, since clients read cached_tokens)")
+    serve.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+                       help="usage.prompt_tokens_details.cached_tokens in every completion and chat completion "
+                            "(0 while the prefix cache is off), as vLLM's flag does; off by default, as there")
     serve.add_argument("--enable-force-include-usage", action="store_true",
-                       help="every streamed completion and chat completion ends with its usage chunk, as if it "
-                            "sent stream_options.include_usage (vLLM's flag)")
+                       help="every streamed completion and chat completion carries its usage so far on every "
+                            "chunk and ends with a usage chunk, as if it sent stream_options include_usage and "
+                            "continuous_usage_stats (vLLM's flag)")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens as 'token_id:N' on every request, as if each sent "
                             "return_tokens_as_token_ids (vLLM's flag)")

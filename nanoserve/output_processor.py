@@ -181,7 +181,7 @@ class OutputProcessor:
                                  req.max_tokens, req.params.n)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_tuple, [completion], done, delta, delta_ids, metrics,
-            prompt_logprobs, first.num_cached_tokens, req.error,
+            prompt_logprobs, first.num_cached_tokens, req.error, first.num_cache_written_tokens,
         )
 
     # ---- observation ----------------------------------------------------------------------------------

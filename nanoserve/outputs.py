@@ -182,6 +182,7 @@ class RequestOutput:
     prompt_logprobs: LogprobSequence | None = None  # None first, then one dict per prompt token
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None: caching off)
     error: str | None = None  # finish_reason "error": what in the request failed it (its grammar), for its caller
+    num_cache_written_tokens: int | None = None  # prompt tokens it put into the prefix cache (None: caching off)
 
     @property
     def usage(self) -> dict:

@@ -54,6 +54,8 @@ class Request:
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt (vLLM's)
     matcher: object | None = None  # its structured output's grammar state (nanoserve.structured.Matcher)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (usage)
+    # its prompt's blocks it put into the prefix cache, index -> tokens (Anthropic's cache_creation_input_tokens)
+    cache_written: dict[int, int] = field(default_factory=dict)
     streamed: bool = True  # someone sees its tokens as they come (a stream): the step-time budget protects it
     spec_draft_tokens: int = 0  # tokens drafted for it (speculative decoding), and of those, kept
     spec_accepted_tokens: int = 0
@@ -64,6 +66,14 @@ class Request:
     # Never repeats in a process: a client may reuse a finished request's id, so anything keyed across steps
     # (a decode row, a table row) is keyed on this, not on request_id.
     serial: int = field(default_factory=lambda: next(_serials))
+
+    @property
+    def num_cache_written_tokens(self) -> int | None:
+        """Prompt tokens this request wrote into the prefix cache, None while caching is off; never more than
+        the prompt tokens it did not find there (a block written again after an eviction counts once)."""
+        if self.num_cached_tokens is None:
+            return None
+        return min(sum(self.cache_written.values()), len(self.prompt_ids) - self.num_cached_tokens)
 
     @property
     def text(self) -> str:

@@ -18,7 +18,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far away", "1 2 3 
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_checkpoint):
-    with tiny_server_running(tiny_checkpoint("llama"), data_parallel=DataParallel(2)) as s:
+    with tiny_server_running(tiny_checkpoint("llama"), data_parallel=DataParallel(2), prompt_tokens_details=True) as s:
         yield s
 
 

@@ -4,6 +4,8 @@ count_tokens, and errors in Anthropic's shape. The same conversation gives the c
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 
@@ -49,7 +51,34 @@ def test_a_whole_message_is_the_chat_routes_text_with_anthropics_stop_reason_and
     usage = message.usage
     assert usage.output_tokens == 7
     counted = client.messages.count_tokens(model="tiny", system="You are terse.", messages=conversation)
-    assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens > 0
+    cached = usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert usage.input_tokens + cached == counted.input_tokens > 0
+
+
+def _streamed_usage(client, text: str) -> tuple[int, object]:
+    """(message_start's input_tokens, message_delta's usage) of a streamed one-token reply to `text`."""
+    start, usage = None, None
+    for event in client.messages.create(model="tiny", max_tokens=1, stream=True, extra_body=GREEDY,
+                                        messages=[{"role": "user", "content": text}]):
+        if event.type == "message_start":
+            start = event.message.usage.input_tokens
+        elif event.type == "message_delta":
+            usage = event.usage
+    return start, usage
+
+
+def test_cache_usage_says_what_a_prompt_wrote_into_the_prefix_cache_and_what_it_read(server, client):
+    """Anthropic's three input counts add up to the prompt: a cold prompt writes its full blocks into the
+    prefix cache (cache_creation_input_tokens), the same prompt again reads them (cache_read_input_tokens)."""
+    text = f"Cache sentinel {uuid.uuid4().hex}. " * 6 + "Answer with one word."
+    block = server.engine.config.block_size
+    prompt, cold = _streamed_usage(client, text)
+    assert cold.cache_read_input_tokens == 0 and cold.cache_creation_input_tokens == prompt // block * block > 0
+    assert cold.input_tokens == prompt - cold.cache_creation_input_tokens
+    again, warm = _streamed_usage(client, text)
+    assert again == prompt and warm.cache_creation_input_tokens == 0  # its blocks are named already
+    assert warm.cache_read_input_tokens == (prompt - 1) // block * block > 0  # the last token is always computed
+    assert warm.input_tokens + warm.cache_read_input_tokens == prompt
 
 
 def test_a_stream_gives_the_same_text_in_anthropics_events(server, client):

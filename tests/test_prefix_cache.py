@@ -195,7 +195,8 @@ def test_usage_reports_cached_tokens_and_reset_is_an_operator_route(ckpt):
     from nanoserve import EngineConfig
     from nanoserve.server.serve import Server
 
-    s = Server(EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01), port=0, api_key="k").start()
+    s = Server(EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01), port=0, api_key="k",
+               prompt_tokens_details=True).start()
     auth = {"Authorization": "Bearer k"}
     try:
         body = {"prompt": SYSTEM, "max_tokens": 2}
@@ -263,7 +264,7 @@ def test_the_server_honours_cache_salt(ckpt):
     from nanoserve import EngineConfig
     from nanoserve.server.serve import Server
 
-    s = Server(EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01), port=0).start()
+    s = Server(EngineConfig(model=str(ckpt), max_model_len=256, kv_cache_gib=0.01), port=0, prompt_tokens_details=True).start()
     try:
         def cached(salt):
             body = {"prompt": SYSTEM, "max_tokens": 2, **({"cache_salt": salt} if salt else {})}

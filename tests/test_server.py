@@ -197,6 +197,14 @@ def test_api_key_is_required_when_set(tiny_checkpoint):
         s.stop()
 
 
+def _admission_rejections(s) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
+    return {x.labels["reason"]: x.value for x in families["vllm:admission_rejections"].samples
+            if x.name == "vllm:admission_rejections_total"}
+
+
 def test_full_waiting_queue_is_503_and_the_server_recovers(tiny_checkpoint):
     config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=128, kv_cache_gib=0.01,
                           max_num_seqs=1, max_num_batched_tokens=16)
@@ -206,9 +214,11 @@ def test_full_waiting_queue_is_503_and_the_server_recovers(tiny_checkpoint):
         with httpx.stream("POST", s.url + "/v1/completions", json=body) as running, \
                 httpx.stream("POST", s.url + "/v1/completions", json=body):
             assert running.status_code == 200
+            assert _admission_rejections(s) == {"max_waiting": 0}
             assert wait_until(lambda: health(s)["scheduler"]["waiting"] == 1), health(s)["scheduler"]
             full = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert full.status_code == 503 and "queue is full" in full.json()["error"]["message"]
+            assert _admission_rejections(s) == {"max_waiting": 1}  # vLLM's counter, labelled with our limit
         assert wait_until(lambda: health(s)["scheduler"]["running"] == 0 and health(s)["scheduler"]["waiting"] == 0)
         ok = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200

@@ -109,7 +109,7 @@ CHAT = {
     "return_prompt_text": (True, CHANGES, {}),
 }
 # continuous_usage_stats refines include_usage (vLLM's rule), so alone it would do nothing: it is refused;
-# with include_usage it puts usage on every chunk (tests/test_vllm_conformance.py)
+# with include_usage it puts usage on every chunk, with include_usage: false none (tests/test_vllm_conformance.py)
 STREAM_OPTIONS = {"include_usage": (True, CHANGES, {}), "continuous_usage_stats": (True, REFUSED, {})}
 MESSAGE = {
     "role": ("system", CHANGES, {}),

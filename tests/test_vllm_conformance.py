@@ -27,8 +27,9 @@ def server(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def open_server(tiny_checkpoint):
-    """--max-logprobs -1 (no limit) and --no-enable-prompt-tokens-details."""
-    with tiny_server_running(tiny_checkpoint("llama"), {"max_logprobs": -1}, prompt_tokens_details=False) as s:
+    """--max-logprobs -1 (no limit), --enable-prompt-tokens-details and --no-enable-prefix-caching."""
+    with tiny_server_running(tiny_checkpoint("llama"), {"max_logprobs": -1, "enable_prefix_caching": False},
+                             prompt_tokens_details=True) as s:
         yield s
 
 
@@ -133,6 +134,8 @@ def test_usage_is_streamed_only_with_include_usage(server):
         assert not any("usage" in c for c in stream(server, path, body))
         refused(post(server, path, {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}}),
                 "include_usage")
+        quiet = stream(server, path, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+        assert quiet and not any(c.get("usage") for c in quiet)  # vLLM's rule: usage only where it is asked for
         last = stream(server, path, {**body, "stream_options": {"include_usage": True}})
         assert [("usage" in c) for c in last] == [False] * (len(last) - 1) + [True]
 
@@ -163,11 +166,17 @@ def test_a_wrong_type_names_what_the_field_takes(server):
     refused(post(server, "/v1/completions", {**COMPLETION, "logprobs": "2"}), 'logprobs: must be an integer')
 
 
-def test_prompt_tokens_details_follow_their_flag(server, open_server):
-    assert "prompt_tokens_details" in post(server, "/v1/completions", COMPLETION).json()["usage"]
-    assert "prompt_tokens_details" not in post(open_server, "/v1/completions", COMPLETION).json()["usage"]
-    last = stream(open_server, "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}})[-1]
+def test_prompt_tokens_details_follow_their_flag_alone(server, open_server):
+    """vLLM's rule: without --enable-prompt-tokens-details no details; with it, cached_tokens in every usage,
+    0 while the prefix cache is off (never a missing field that reads as 'not measured')."""
+    assert "prompt_tokens_details" not in post(server, "/v1/completions", COMPLETION).json()["usage"]
+    last = stream(server, "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}})[-1]
     assert "prompt_tokens_details" not in last["usage"]
+    for _ in range(2):  # the second would find the first's blocks, were the cache on
+        usage = post(open_server, "/v1/completions", COMPLETION).json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    last = stream(open_server, "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}})[-1]
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_return_prompt_text_is_what_the_template_rendered(server):

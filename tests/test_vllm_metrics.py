@@ -18,6 +18,7 @@ EXPECTED = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_c
             "vllm:prefix_cache_usage_perc", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
             "vllm:iteration_tokens_total", "vllm:cache_config_info", "vllm:request_success_total",
+            "vllm:admission_rejections_total",
             *[f"vllm:{name}_{part}" for name in (
                 "request_prompt_tokens", "request_generation_tokens", "request_params_n", "request_params_max_tokens",
                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",

@@ -225,7 +225,11 @@ def test_force_include_usage_and_token_ids_as_names_are_server_wide(tiny_checkpo
     with tiny_server_running(tiny_checkpoint("llama"), force_include_usage=True,
                              return_tokens_as_token_ids=True) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        chunks = list(client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, stream=True))
+        chunks = list(client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, stream=True,
+                                                     stream_options={"include_usage": False}))
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        # vLLM's flag is continuous usage: every chunk says the usage so far, whatever the request asked
+        assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert [c.usage.completion_tokens for c in chunks] == sorted(c.usage.completion_tokens for c in chunks)
         done = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, logprobs=1)
         assert all(t.startswith("token_id:") for t in done.choices[0].logprobs.tokens)

@@ -154,11 +154,14 @@ class KVManager:
             return
         root = self._root_of(req)
         names = self._chain(req).extend(req.tokens, full, bs, root, self.hash_fn)
+        prompt_blocks = len(req.prompt_ids) // bs
         for i in range(named, full):
             block = req.blocks[i]
             parent = req.blocks[i - 1] if i else None
             if self._pool.cache_full_block(block, names[i], req.tokens(i * bs, (i + 1) * bs), parent, root):
                 self._pending.append(block)
+                if i < prompt_blocks:
+                    req.cache_written[i] = bs
         self._named[req.serial] = full
 
     def record_events(self, log) -> None:

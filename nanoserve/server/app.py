@@ -53,7 +53,7 @@ ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, rout
 
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              prompt_tokens_details: bool = True, body_timeout: float = BODY_TIMEOUT_S,
+              prompt_tokens_details: bool = False, body_timeout: float = BODY_TIMEOUT_S,
               force_include_usage: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
     a template is code the server renders, so without it such a request is refused. `tool_call_parser` names

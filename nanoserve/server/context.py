@@ -151,8 +151,8 @@ class RouteContext:
     metrics: Metrics
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None
-    prompt_tokens_details: bool = True
-    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
+    prompt_tokens_details: bool = False
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: usage on every chunk of a stream
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's default
     load: LoadTracker = field(default_factory=LoadTracker)  # generation requests in flight (GET /load)
 
@@ -177,10 +177,8 @@ class RouteContext:
         if self.return_tokens_as_token_ids and hasattr(body, "return_tokens_as_token_ids"):
             body.return_tokens_as_token_ids = True
         if self.force_include_usage and getattr(body, "stream", False) and hasattr(body, "stream_options"):
-            if body.stream_options is None:
-                body.stream_options = StreamOptions(include_usage=True)
-            else:
-                body.stream_options.include_usage = True
+            # vLLM's flag: usage so far on every chunk, whatever the request's stream_options say
+            body.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
     @staticmethod
     def request_id(body, prefix: str) -> str:

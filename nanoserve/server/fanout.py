@@ -34,13 +34,14 @@ class Choice:
 
 class Fanout:
     def __init__(self, host: EngineHost, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                 cached_details: bool = True):
-        """`cached_details` off: usage leaves out prompt_tokens_details (--no-enable-prompt-tokens-details)."""
+                 cached_details: bool = False):
+        """`cached_details`: OpenAI usage carries prompt_tokens_details (--enable-prompt-tokens-details)."""
         self.host, self.prompts, self.params, self.request_id = host, prompts, params, request_id
         self.cached_details = cached_details
         self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
         self.prompt_logprobs: list = [None] * len(prompts)  # per prompt, once its prefill is done
         self.cached_tokens: list[int | None] = [None] * len(prompts)  # per prompt, from the prefix cache
+        self.written_tokens: list[int | None] = [None] * len(prompts)  # per prompt, into the prefix cache
         self._streams: list = []
 
     def engine_id(self, prompt: int) -> str:
@@ -73,16 +74,26 @@ class Fanout:
                     self.prompt_logprobs[p] = out.prompt_logprobs
                 if out.num_cached_tokens is not None:
                     self.cached_tokens[p] = out.num_cached_tokens
+                if out.num_cache_written_tokens is not None:
+                    self.written_tokens[p] = out.num_cache_written_tokens
                 yield choice, out
         finally:
             await self.close()
 
-    def usage_counts(self) -> tuple[int, int, int | None]:
-        """(prompt tokens, completion tokens, prompt tokens served from the prefix cache, None while caching is
-        off) so far: each prompt counted once, every choice's tokens."""
+    def token_counts(self) -> tuple[int, int, int | None, int | None]:
+        """(prompt tokens, completion tokens, prompt tokens served from the prefix cache, prompt tokens written into
+        it) so far, the last two None while caching is off: each prompt counted once, every choice's tokens."""
         completion = sum(len(c.completion.token_ids) for c in self.choices if c.completion is not None)
-        known = [c for c in self.cached_tokens if c is not None]
-        return sum(len(ids) for ids in self.prompts), completion, sum(known) if known and self.cached_details else None
+        cached = [c for c in self.cached_tokens if c is not None]
+        written = [w for w in self.written_tokens if w is not None]
+        return (sum(len(ids) for ids in self.prompts), completion, sum(cached) if cached else None,
+                sum(written) if written else None)
+
+    def usage_counts(self) -> tuple[int, int, int | None]:
+        """(prompt tokens, completion tokens, cached_tokens for OpenAI's usage.prompt_tokens_details): the last is
+        None unless --enable-prompt-tokens-details, and 0 under it while the prefix cache is off, as vLLM says."""
+        prompt, completion, cached, _ = self.token_counts()
+        return prompt, completion, (cached or 0) if self.cached_details else None
 
     def new_token_ids(self, choice: Choice) -> list[int]:
         """The generated ids of `choice` not yet streamed (return_token_ids), marked as streamed."""

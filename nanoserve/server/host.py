@@ -28,7 +28,7 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.collector import OutputCollector, relay
 from nanoserve.server.health import FailureLog, Health, bounded
-from nanoserve.server.refusals import Refusals
+from nanoserve.server.refusals import ADMISSION_LIMIT, Refusals
 from nanoserve.stats import EngineStats
 from nanoserve.tracing import TraceOrigin, current_origin
 
@@ -242,6 +242,7 @@ class EngineHost:
             if not self.running or self._stop.is_set():
                 raise HostStopped(self.load_error or "the engine is not running; wait for the restart to finish")
             if bounded and self.max_waiting is not None and self._commands.qsize() >= self.max_waiting:
+                self.refusals.rejected_at_admission(ADMISSION_LIMIT)
                 raise QueueFull(f"{self._commands.qsize()} requests are already waiting to be admitted; "
                                 "retry shortly")
             self._commands.put(cmd)
@@ -451,6 +452,7 @@ class EngineHost:
                 continue
             waiting = self.engine.scheduler_stats().waiting
             if self.max_waiting is not None and waiting >= self.max_waiting:
+                self.refusals.rejected_at_admission(ADMISSION_LIMIT)
                 cmd.accepted.set_exception(QueueFull(f"the waiting queue is full ({waiting} requests, the limit "
                                                      f"is {self.max_waiting}); retry shortly"))
                 continue

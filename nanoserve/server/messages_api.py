@@ -32,9 +32,12 @@ def stop_of(end: TurnEnd) -> tuple[str, str | None]:
     return ("max_tokens" if end.finish_reason == "length" else "end_turn"), None
 
 
-def usage_of(prompt: int, output: int, cached: int | None) -> dict:
-    return {"input_tokens": prompt - (cached or 0), "output_tokens": output,
-            "cache_read_input_tokens": cached or 0, "cache_creation_input_tokens": 0}
+def usage_of(prompt: int, output: int, cached: int | None, written: int | None = None) -> dict:
+    """Anthropic's usage: input_tokens are the prompt tokens neither read from nor written into the prefix cache,
+    so the three input counts add up to the prompt."""
+    read, created = cached or 0, written or 0
+    return {"input_tokens": prompt - read - created, "output_tokens": output,
+            "cache_read_input_tokens": read, "cache_creation_input_tokens": created}
 
 
 def tool_input(arguments: str) -> dict | None:
@@ -66,7 +69,7 @@ class MessagesResponder:
                 content.append({"type": "tool_use", "id": _tool_use_id(start.id), "name": start.name, "input": data})
         if joined.strip() or not content:
             content.insert(0, {"type": "text", "text": joined})
-        return self._message(content, stop_of(end), usage_of(end.prompt_tokens, end.output_tokens, end.cached_tokens))
+        return self._message(content, stop_of(end), usage_of(end.prompt_tokens, end.output_tokens, end.cached_tokens, end.written_tokens))
 
     def stream(self) -> StreamingResponse:
         return anthropic_sse(self._events())
@@ -82,7 +85,8 @@ class MessagesResponder:
                     yield block
                 stop = stop_of(event)
                 yield {"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-                       "usage": usage_of(event.prompt_tokens, event.output_tokens, event.cached_tokens)}
+                       "usage": usage_of(event.prompt_tokens, event.output_tokens, event.cached_tokens,
+                                         event.written_tokens)}
                 yield {"type": "message_stop"}
                 return
             for block in blocks.add(event):

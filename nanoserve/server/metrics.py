@@ -60,7 +60,7 @@ class _SnapshotCollector:
             refused.add_metric([self.model, status], n)
         yield refused
         yield from self._speculative(s.features.get("speculative"), counter)
-        yield from vllm_families(self.model, self.engines())
+        yield from vllm_families(self.model, self.engines(), (s.features.get("refusals") or {}).get("admission"))
         for section, values in sorted(s.features.items()):  # optional features (inputs, buckets, capture)
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

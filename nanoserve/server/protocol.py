@@ -219,10 +219,12 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options only apply to a streamed response; send stream: true too"
         if self.stream_options is not None and self.stream_options.continuous_usage_stats \
-                and not self.stream_options.include_usage:
+                and "include_usage" not in self.stream_options.model_fields_set:
+            # vLLM's rule: usage on every chunk only of a stream that reports usage. Said with include_usage: false
+            # that is a stream without usage, as asked; said alone it would silently give none.
             return "stream_options.continuous_usage_stats", ("continuous_usage_stats puts usage on every chunk of a "
                                                              "stream that reports usage; send include_usage: true "
-                                                             "too")
+                                                             "too (include_usage: false streams no usage)")
         given = [name for name in ("response_format", "structured_outputs", *GUIDED) if self._asks(name)]
         if len(given) > 1:
             return given[1], (f"{' and '.join(given)} each constrain the output; send one of them")

@@ -17,6 +17,9 @@ from collections import deque
 from nanoserve.windows import CAP, WINDOWS
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")  # the routes whose refusals are counted
+# the reason vllm:admission_rejections_total gives a request that --max-waiting turned away (vLLM's own limits,
+# max_num_queued_reqs and max_num_queued_tokens, count differently, so the label names the limit that did it)
+ADMISSION_LIMIT = "max_waiting"
 
 
 class Refusals:
@@ -24,6 +27,7 @@ class Refusals:
         self._lock = threading.Lock()  # the event loop adds, any thread reads
         self._times: deque[float] = deque(maxlen=CAP)
         self.by_status: dict[int, int] = {}
+        self.by_admission_limit: dict[str, int] = {}  # the queue limit that turned a request away (vLLM's reason)
         self._started = time.monotonic()
 
     def refused(self, status: int, now: float | None = None) -> None:
@@ -35,17 +39,22 @@ class Refusals:
             while self._times and self._times[0] < horizon:
                 self._times.popleft()
 
+    def rejected_at_admission(self, limit: str) -> None:
+        """A request the engine's queue limit turned away (its 503 is also counted by status, as it goes out)."""
+        with self._lock:
+            self.by_admission_limit[limit] = self.by_admission_limit.get(limit, 0) + 1
+
     def snapshot(self, now: float | None = None) -> dict:
         """Totals by status, and refusals per second over each window (over the uptime while it is shorter)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            times, by_status = list(self._times), dict(self.by_status)
+            times, by_status, admission = list(self._times), dict(self.by_status), dict(self.by_admission_limit)
         per_s = {}
         for name, length in WINDOWS.items():
             span = max(min(length, now - self._started), 1e-9)
             per_s[name] = round((len(times) - bisect.bisect_left(times, now - length)) / span, 3)
         return {"total": sum(by_status.values()), "by_status": {str(k): v for k, v in sorted(by_status.items())},
-                "per_s": per_s}
+                "per_s": per_s, "admission": admission}
 
 
 class CountRefusals:

@@ -31,7 +31,7 @@ class Server:
                  progress=None, trust_request_chat_template: bool = False, shutdown_timeout: float = 10.0,
                  tool_call_parser: str | None = None,
                  limit_concurrency: int | None = 1000, header_timeout: float = 15.0,
-                 prompt_tokens_details: bool = True, data_parallel: DataParallel | None = None,
+                 prompt_tokens_details: bool = False, data_parallel: DataParallel | None = None,
                  body_timeout: float = BODY_TIMEOUT_S, force_include_usage: bool = False,
                  return_tokens_as_token_ids: bool = False):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases.

@@ -46,7 +46,8 @@ class TurnEnd:
     called_tools: bool
     prompt_tokens: int
     output_tokens: int
-    cached_tokens: int | None
+    cached_tokens: int | None  # prompt tokens read from the prefix cache (None: caching off)
+    written_tokens: int | None = None  # prompt tokens written into the prefix cache (None: caching off)
 
 
 async def prepare_turn(ctx: RouteContext, body: ChatCompletionRequest, prefix: str,
@@ -85,8 +86,8 @@ async def turn_events(turn: PreparedTurn, metrics) -> AsyncIterator[Content | Ca
             yield event
         if c.finish_reason is not None:
             metrics.observe(out)
-            prompt, made, cached = turn.fanout.usage_counts()
-            yield TurnEnd(c.finish_reason, c.stop_reason, called, prompt, made, cached)
+            prompt, made, cached, written = turn.fanout.token_counts()
+            yield TurnEnd(c.finish_reason, c.stop_reason, called, prompt, made, cached, written)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from nanoserve.server.refusals import ADMISSION_LIMIT
 from nanoserve.stats import EngineStats
 
 V = "vllm:"
@@ -38,8 +39,9 @@ HISTOGRAM_DOCS = {
 }
 
 
-def vllm_families(model: str, engines: list[tuple[str, EngineStats]]):
-    """Every vllm: metric family over the engines' snapshots ((engine index, stats) each)."""
+def vllm_families(model: str, engines: list[tuple[str, EngineStats]], admission: dict[str, int] | None = None):
+    """Every vllm: metric family over the engines' snapshots ((engine index, stats) each), and the server's
+    admission rejections by the limit that made them (`admission`, counted in front of the engines)."""
     def gauge(name, doc, value):
         g = GaugeMetricFamily(V + name, doc, labels=LABELS)
         for engine, s in engines:
@@ -75,6 +77,7 @@ def vllm_families(model: str, engines: list[tuple[str, EngineStats]]):
     yield counter("generation_tokens", "Number of generation tokens processed.",
                   lambda s: s.vllm_counts.get("generation_tokens", 0))
     yield _request_success(model, engines)
+    yield _admission_rejections(model, admission or {})
     yield from _histograms(model, engines)
     info = _cache_config_info(model, engines)
     if info is not None:
@@ -92,6 +95,16 @@ def _waiting_by_reason(model, engines) -> GaugeMetricFamily:
         g.add_metric([model, engine, "capacity"], s.scheduler.waiting)
         g.add_metric([model, engine, "deferred"], 0)
     return g
+
+
+def _admission_rejections(model, admission: dict[str, int]) -> CounterMetricFamily:
+    """Requests a queue limit turned away (503) before any engine saw them: one series per limit that exists
+    here (--max-waiting), counted as they happen."""
+    c = CounterMetricFamily(V + "admission_rejections", "Number of admission attempts rejected by a queue limit, "
+                            "by reason.", labels=["model_name", "reason"])
+    for reason, n in {ADMISSION_LIMIT: 0, **admission}.items():
+        c.add_metric([model, reason], n)
+    return c
 
 
 def _request_success(model, engines) -> CounterMetricFamily:
