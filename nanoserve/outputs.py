@@ -43,7 +43,7 @@ class LogprobSequence(Sequence):
 
     def _convert(self, e: TokenLogprobs) -> dict[int, Logprob]:
         out = {e.token_id: Logprob(e.logprob, e.rank, self._text(e.token_id))}
-        for rank, (token, lp) in enumerate(e.top, start=1):
+        for token, lp, rank in e.ranked_top():
             out.setdefault(token, Logprob(lp, rank, self._text(token)))
         return out
 

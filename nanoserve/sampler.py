@@ -62,6 +62,12 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first; the i-th has rank i + 1
     rank: int = 1
+    top_ranks: tuple[int, ...] | None = None  # each alternative's rank, when `top` is not the top (logprob_token_ids)
+
+    def ranked_top(self) -> list[tuple[int, float, int]]:
+        """(token id, logprob, rank) of each alternative."""
+        ranks = self.top_ranks or range(1, len(self.top) + 1)
+        return [(t, lp, r) for (t, lp), r in zip(self.top, ranks)]
 
 
 @dataclass
@@ -375,13 +381,33 @@ class Sampler:
         logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: list[int]
     ) -> list[TokenLogprobs | None]:
         """Logprobs from the raw logits' log_softmax (vLLM's default), before any penalty or filter."""
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        idx = torch.tensor(wanted, device=logits.device)
-        entries = token_logprobs(logits[idx], [token_ids[i] for i in wanted], [rows[i].params.logprobs for i in wanted])
         result: list[TokenLogprobs | None] = [None] * len(rows)
-        for i, entry in zip(wanted, entries, strict=True):
-            result[i] = entry
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        explicit = [i for i in wanted if rows[i].params.logprob_token_ids]
+        natural = [i for i in wanted if not rows[i].params.logprob_token_ids]
+        if natural:
+            idx = torch.tensor(natural, device=logits.device)
+            entries = token_logprobs(logits[idx], [token_ids[i] for i in natural],
+                                     [rows[i].params.logprobs for i in natural])
+            for i, entry in zip(natural, entries, strict=True):
+                result[i] = entry
+        for i in explicit:
+            result[i] = chosen_ids_logprobs(logits[i], token_ids[i], rows[i].params.logprob_token_ids)
         return result
+
+
+def chosen_ids_logprobs(logits: torch.Tensor, chosen: int, ids: Sequence[int]) -> TokenLogprobs:
+    """One row's logprobs of the sampled token and, as its alternatives, of exactly `ids` (vLLM's
+    logprob_token_ids, which scorers use to read a fixed label set): the sampled token first when it is not one of
+    them, then `ids` in the order asked, each with its true rank."""
+    lsm = logits.float().log_softmax(dim=-1)
+    listed = ([chosen] if chosen not in ids else []) + list(ids)
+    picked = lsm[torch.tensor(listed, device=logits.device)]
+    ranks = ((lsm[None, :] > picked[:, None]).sum(dim=-1) + 1).tolist()
+    lps = picked.tolist()
+    own = listed.index(chosen)
+    return TokenLogprobs(token_id=chosen, logprob=lps[own], top=tuple(zip(listed, lps)), rank=ranks[own],
+                         top_ranks=tuple(ranks))
 
 
 def token_logprobs(logits: torch.Tensor, chosen: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprobs]:

@@ -21,6 +21,7 @@ __all__ = ["MAX_LOGPROBS", "MAX_N", "SamplingParams", "SamplingParamsError", "St
 # vLLM treats temperatures below this as greedy: dividing by them overflows float32.
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # the engine's default --max-logprobs (vLLM's): alternatives a request may ask for
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_N = 128  # completions per request; each is a sequence with its own KV blocks
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 
@@ -86,7 +87,9 @@ class SamplingParams:
     for it. `logprobs=N` returns the sampled token's logprob and the top N alternatives
     (0: the sampled token only; -1: the whole vocabulary, as vLLM), computed from the raw model
     logits; `prompt_logprobs=N` does the same for every prompt token after the first. The engine
-    holds N to its max_logprobs (20 unless started otherwise).
+    holds N to its max_logprobs (20 unless started otherwise). `logprob_token_ids` (vLLM's, up to 128 ids)
+    replaces the top N: each position's alternatives are exactly those ids (and the sampled token), with their
+    true ranks, which is how a scorer reads a fixed label set; it needs logprobs set.
     `n` completions share the prompt; with a seed, completion i draws with seed + i (vLLM's
     rule), so each is reproducible and they differ from one another.
     `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits before the pick,
@@ -119,6 +122,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logprob_token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         # The order is part of the contract: a request with several bad values is told about the same one
@@ -227,6 +231,16 @@ class SamplingParams:
                 _fail(name, f"{name} must be >= 0, -1 (the whole vocabulary) or None, got {value}; 0 returns only "
                             "the token's own logprob")
             setattr(self, name, value)
+        ids = self._normalise_ids("logprob_token_ids", self.logprob_token_ids)
+        self.logprob_token_ids = tuple(dict.fromkeys(ids)) if ids else None  # each id once, in the order asked
+        if self.logprob_token_ids is None:
+            return
+        if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            _fail("logprob_token_ids", f"logprob_token_ids lists {len(self.logprob_token_ids)} ids; at most "
+                                       f"{MAX_LOGPROB_TOKEN_IDS} are scored (logprobs -1 gives the whole vocabulary)")
+        if self.logprobs is None:
+            _fail("logprob_token_ids", "logprob_token_ids are scored at each generated position as its logprobs' "
+                                       "alternatives, so they need logprobs set too")
 
     def _check_token_constraints(self) -> None:
         """detokenize (which stop strings need), then what biases or limits the pick: logit_bias,
@@ -327,7 +341,8 @@ class SamplingParams:
         produce are refused, and logprobs -1 becomes its vocabulary; logprobs past `max_logprobs` (-1: no limit)
         are refused, as vLLM's --max-logprobs does."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logprob_token_ids", self.logprob_token_ids or ())):
             bad = [i for i in ids if i >= vocab_size]
             if bad:
                 raise SamplingParamsError(
@@ -338,6 +353,9 @@ class SamplingParams:
         resolved = {}
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(self, name)
+            if name == "logprobs" and self.logprob_token_ids:  # the ids replace the top N (vLLM's precedence)
+                resolved[name] = 0
+                continue
             wanted = vocab_size if asked == -1 else asked
             if wanted is not None and max_logprobs != -1 and wanted > max_logprobs:
                 what = f"{name} -1 asks for the whole vocabulary ({vocab_size} tokens)" if asked == -1 else \

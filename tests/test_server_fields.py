@@ -82,6 +82,7 @@ COMPLETION = {
     "prompt": ("A different prompt", CHANGES, {}),
     "max_tokens": (3, CHANGES, {}),
     "logprobs": (1, CHANGES, {}),
+    "logprob_token_ids": ([5, 6], CHANGES, {"logprobs": 1}),
     "echo": (True, CHANGES, {}),
     "add_special_tokens": (False, CHANGES, {}),
     "return_tokens_as_token_ids": (True, CHANGES, {"logprobs": 1}),
@@ -93,6 +94,7 @@ CHAT = {
     "max_completion_tokens": (3, CHANGES, {"max_tokens": None}),
     "logprobs": (True, CHANGES, {}),
     "top_logprobs": (2, CHANGES, {"logprobs": True}),
+    "logprob_token_ids": ([5, 6], CHANGES, {"logprobs": True}),
     "add_generation_prompt": (False, CHANGES, {}),
     "continue_final_message": (True, CHANGES, {"add_generation_prompt": False, "messages": [
         {"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "I like"}]}),

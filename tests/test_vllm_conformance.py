@@ -194,3 +194,45 @@ def test_session_id_is_kept_with_the_request(server):
             if rows:
                 break
     assert rows and rows[0]["session_id"] == "agent-7"
+
+
+def _ids_of(entries) -> dict[int, float]:
+    return {int(e.token.removeprefix("token_id:")): e.logprob for e in entries}
+
+
+def test_logprob_token_ids_score_exactly_those_ids_with_the_whole_vocabularys_numbers(open_server):
+    """vLLM's logprob_token_ids, driven by the openai SDK: each generated position's alternatives are the asked
+    ids and the sampled token, in place of the top N, with the numbers logprobs over the whole vocabulary gives."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=open_server.url + "/v1", api_key="none", max_retries=0)
+    asked = [17, 3, 40]
+    base = dict(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0, logprobs=True)
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    whole = client.chat.completions.create(**base, top_logprobs=-1, extra_body=extra).choices[0].logprobs.content
+    picked = client.chat.completions.create(**base, top_logprobs=5, extra_body={**extra, "logprob_token_ids": asked})
+    positions = picked.choices[0].logprobs.content
+    assert len(positions) == len(whole) == 4
+    for p, w in zip(positions, whole):
+        sampled, full, got = int(p.token.removeprefix("token_id:")), _ids_of(w.top_logprobs), _ids_of(p.top_logprobs)
+        assert p.token == w.token and p.logprob == w.logprob
+        assert list(got) == ([sampled] if sampled not in asked else []) + asked  # the top 5 are not asked for
+        assert got == {t: full[t] for t in got}
+    streamed = client.chat.completions.create(**base, stream=True, extra_body={**extra, "logprob_token_ids": asked})
+    seen = [_ids_of(c.top_logprobs) for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+            for c in chunk.choices[0].logprobs.content]
+    assert seen == [_ids_of(p.top_logprobs) for p in positions]
+    legacy = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2, temperature=0,
+                                       logprobs=0, extra_body={**extra, "logprob_token_ids": asked})
+    for sampled, top in zip(legacy.choices[0].logprobs.tokens, legacy.choices[0].logprobs.top_logprobs):
+        assert set(top) == {sampled, *(f"token_id:{t}" for t in asked)}
+
+
+def test_logprob_token_ids_are_refused_where_they_would_score_nothing(server):
+    asked = {"logprob_token_ids": [3, 5]}
+    refused(post(server, "/v1/chat/completions", {**CHAT, **asked}), "logprob_token_ids", "logprobs")
+    refused(post(server, "/v1/completions", {**COMPLETION, **asked, "logprobs": 1, "echo": True, "max_tokens": 0}),
+            "max_tokens 0")
+    refused(post(server, "/v1/completions", {**COMPLETION, "logprobs": 0, "logprob_token_ids": [10 ** 7]}),
+            "outside this model's vocabulary")
+    refused(post(server, "/v1/completions", {**COMPLETION, "logprobs": 0, "logprob_token_ids": list(range(129))}),
+            "at most 128")

@@ -152,7 +152,15 @@ def test_batch_chat_answers_each_conversation_as_it_would_alone(server, client):
         for c in chunk["choices"]:
             texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
     assert [texts[i] for i in range(3)] == [a.choices[0].message.content for a in alone]
-    for refused in ({"n": 2}, {"tools": [WEATHER]}, {"return_token_ids": True}, {"echo": True},
+    ids = post(server, "/v1/chat/completions/batch", {**body, "return_token_ids": True, "logprobs": True,
+                                                      "return_tokens_as_token_ids": False}).json()
+    # vLLM's batch answer: each choice its generated ids, no one prompt's ids; logprobs name real tokens
+    assert ids["prompt_token_ids"] is None
+    for choice, a in zip(ids["choices"], alone):
+        assert len(choice["token_ids"]) == a.usage.completion_tokens
+        assert "".join(e["token"] for e in choice["logprobs"]["content"]) == a.choices[0].message.content
+        assert not any(e["token"].startswith("token_id:") for e in choice["logprobs"]["content"])
+    for refused in ({"n": 2}, {"tools": [WEATHER]}, {"echo": True},
                     {"prompt_logprobs": 0}, {"prompt_logprobs": 1}, {"n": True}):
         r = post(server, "/v1/chat/completions/batch", {**body, **refused})
         assert r.status_code == 400 and next(iter(refused)) in r.json()["error"]["message"], r.text

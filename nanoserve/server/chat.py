@@ -75,9 +75,10 @@ class ChatResponder:
             yield {**self.base, "choices": [], "usage": usage(*self.fanout.usage_counts())}
 
     def _prompt_fields(self) -> dict:
-        """vLLM's top-level prompt fields, on the whole response or the first chunk."""
+        """vLLM's top-level prompt fields, on the whole response or the first chunk. A batch's prompts are one per
+        conversation, so it has none there (as vLLM's batch route: its choices carry their token ids)."""
         fields = {}
-        if self.body.return_token_ids:
+        if self.body.return_token_ids and len(self.fanout.prompts) == 1:
             fields["prompt_token_ids"] = list(self.fanout.prompts[0])
         if self.body.return_prompt_text:
             fields["prompt_text"] = self.prompt_text
@@ -91,7 +92,7 @@ class ChatResponder:
         options = self.body.stream_options
         if options is not None and options.include_usage and options.continuous_usage_stats:
             generated = len(choice.completion.token_ids) if choice.completion is not None else 0
-            chunk["usage"] = usage(len(self.fanout.prompts[0]), generated)
+            chunk["usage"] = usage(len(self.fanout.prompts[choice.prompt]), generated)
         return chunk
 
     def _new_logprobs(self, choice: Choice) -> dict | None:

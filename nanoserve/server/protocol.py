@@ -60,8 +60,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "vllm_xargs": ((None,), "extra engine arguments per request are not supported"),
     # vLLM 0.33's newer fields (tests/vllm_request_fields.json)
     "watermarking": ((None, False), "watermarking is not supported"),
-    "logprob_token_ids": ((None,), "logprobs of chosen token ids are not supported; use logprobs (the top N), or "
-                                   "-1 for the whole vocabulary on a server started with --max-logprobs -1"),
     "return_weight_versions": ((None, False), "this server's weights never change while it serves, so there are "
                                               "no weight versions to return"),
     "routed_experts_prompt_start": ((None, 0), "routed-expert data belongs to mixture-of-experts models, which "
@@ -181,6 +179,9 @@ class _Request(BaseModel):
     guided_whitespace_pattern: str | None = None
     # vLLM's: the request shares cached blocks only with requests of the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_USER_CHARS)
+    # vLLM's: each generated position's alternatives are exactly these ids (a scorer's label set), in place of the
+    # top N; needs logprobs
+    logprob_token_ids: list[StrictInt] | None = None
     # UNSUPPORTED fields, declared so the schema names them and their refusal is documented
     suffix: Any = None
     use_beam_search: Any = None
@@ -193,7 +194,6 @@ class _Request(BaseModel):
     prompt_embeds: Any = None
     vllm_xargs: Any = None
     watermarking: Any = None
-    logprob_token_ids: Any = None
     return_weight_versions: Any = None
     routed_experts_prompt_start: Any = None
     return_token_offsets: Any = None
@@ -216,6 +216,9 @@ class _Request(BaseModel):
         for name, (idle, why) in self.unsupported.items():
             if getattr(self, name, None) not in idle:
                 return name, f"{name} is not supported: {why}"
+        if self.logprob_token_ids and self.token_limit() == 0:
+            return "logprob_token_ids", ("logprob_token_ids are scored at generated positions, and max_tokens 0 "
+                                         "generates none; use prompt_logprobs for the prompt")
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options only apply to a streamed response; send stream: true too"
         if self.stream_options is not None and self.stream_options.continuous_usage_stats \
@@ -267,7 +270,7 @@ class _Request(BaseModel):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            structured_outputs=self.constraint(),
+            structured_outputs=self.constraint(), logprob_token_ids=self.logprob_token_ids or None,
         )
 
 

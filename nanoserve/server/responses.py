@@ -63,7 +63,7 @@ def prompt_logprobs_json(entries: Sequence[TokenLogprobs | None], name: TokenTex
             out.append(None)
             continue
         d = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": name(e.token_id)}}
-        for rank, (t, lp) in enumerate(e.top, start=1):
+        for t, lp, rank in e.ranked_top():
             d.setdefault(str(t), {"logprob": _lp(lp), "rank": rank, "decoded_token": name(t)})
         out.append(d)
     return out

@@ -74,11 +74,10 @@ BATCH_REFUSED = {"tools": "tool use is not batched; send each conversation with 
                  "n": "a batch answers each conversation once (n 1); send n on /v1/chat/completions",
                  "echo": "echo belongs to one conversation; send it on /v1/chat/completions",
                  "prompt_logprobs": "prompt logprobs belong to one conversation; ask on /v1/chat/completions",
-                 "return_token_ids": "prompt token ids belong to one conversation; ask on /v1/chat/completions",
                  "return_prompt_text": "a rendered prompt belongs to one conversation; ask on /v1/chat/completions"}
 # the values of each refused field that ask for nothing (prompt_logprobs 0 asks for the prompt's own tokens)
 _ASKS_NOTHING = {"tools": (None, []), "n": (None, 1), "echo": (None, False), "prompt_logprobs": (None,),
-                 "return_token_ids": (None, False), "return_prompt_text": (None, False)}
+                 "return_prompt_text": (None, False)}
 
 
 def _same(value, quiet) -> bool:
