@@ -142,8 +142,45 @@ def test_a_function_call_round_trip_with_function_call_output(client):
     assert done and events[-1].response.output[-1].arguments == done[-1].arguments
 
 
+def _chat_logprobs(client, text: str, max_tokens: int, top: int) -> list:
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], temperature=0,
+                                          max_tokens=max_tokens, logprobs=True, top_logprobs=top,
+                                          extra_body={"ignore_eos": True})
+    return [e.model_dump() for e in chat.choices[0].logprobs.content]
+
+
+def _plain(entries) -> list:
+    """Logprob entries as plain dicts (the delta events' own type has no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
+
+
+def test_output_text_logprobs_are_the_chat_routes_whole_and_streamed(client):
+    """include ["message.output_text.logprobs"] with top_logprobs: the output text's tokens with their
+    alternatives, the numbers the chat route gives the same conversation; every streamed delta carries its own."""
+    asked = dict(model="tiny", input="Say hello.", max_output_tokens=5, top_logprobs=3,
+                 include=["message.output_text.logprobs"], **GREEDY)
+    want = _chat_logprobs(client, "Say hello.", 5, 3)
+    whole = client.responses.create(**asked)
+    part = whole.output[0].content[0]
+    assert [e.model_dump() for e in part.logprobs] == want and whole.top_logprobs == 3
+    assert "".join(e["token"] for e in want) == part.text and all(len(e["top_logprobs"]) == 3 for e in want)
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas and all(e.logprobs for e in deltas)
+    assert _plain([lp.model_dump() for e in deltas for lp in e.logprobs]) == _plain(want)
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.model_dump() for lp in done.logprobs] == want
+    plain = client.responses.create(model="tiny", input="Say hello.", max_output_tokens=5, **GREEDY)
+    assert plain.output[0].content[0].logprobs == []  # not asked for, not computed
+
+
 def test_what_this_server_cannot_do_is_refused_with_the_reason(server, client):
-    for kwargs, says in ((dict(tools=[{"type": "web_search"}]), "not run by this server"),
+    for kwargs, says in ((dict(include=["reasoning.encrypted_content"]), "'reasoning.encrypted_content' is not"),
+                         (dict(top_logprobs=2), "send that too"),
+                         (dict(include=["message.output_text.logprobs"], tools=[WEATHER]), "tool_choice 'none'"),
+                         (dict(tools=[{"type": "web_search"}]), "not run by this server"),
                          (dict(reasoning={"effort": "high"}), "does not reason"),
                          (dict(background=True), "background mode"),
                          (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),

@@ -34,13 +34,15 @@ RESPONSES_HONOURED = {**SAMPLING, "instructions": "Be brief.", "stop": ["zz"], "
                       "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],
                       # vLLM's chat fields on its Responses request, honoured as the chat route honours them
                       "logit_bias": {"5": 1.0}, "skip_special_tokens": False, "include_stop_str_in_output": True,
-                      "structured_outputs": {"choice": ["yes", "no"]}}
+                      "structured_outputs": {"choice": ["yes", "no"]},
+                      "include": ["message.output_text.logprobs"]}  # logprobs computed: the params change
 # declared, and accepted as they ask for nothing to change: the prefix cache is always on, one tier, no reasoning
 ASK_NOTHING = {"/v1/messages": {"cache_control": {"type": "ephemeral"}, "thinking": {"type": "disabled"},
                                 "stream": False},
                "/v1/responses": {"prompt_cache_key": "k", "reasoning": {"effort": "none"}, "store": True,
                                  "metadata": {"tag": "x"}, "parallel_tool_calls": True, "stream": False,
-                                 "prompt_cache_options": {"mode": "implicit"}, "include_reasoning": True}}
+                                 "prompt_cache_options": {"mode": "implicit"}, "include_reasoning": True,
+                                 "include": [], "top_logprobs": 0}}
 # vLLM's fields that the chat request refuses unless they ask for nothing, on both turn APIs
 VLLM_REFUSED = {"mm_payload": "none", "return_mm_kwargs": True, "watermarking": True, "kv_transfer_params": {"a": 1},
                 "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}}
@@ -49,7 +51,8 @@ REFUSED = {"/v1/messages": {"container": "c", "mcp_servers": [{"url": "x"}], "co
                             "thinking": {"type": "enabled", "budget_tokens": 1024},
                             "output_config": {"effort": "high"}, **VLLM_REFUSED},
            "/v1/responses": {"background": True, "conversation": "conv_1", "prompt": {"id": "p"},
-                             "include": ["message.output_text.logprobs"], "max_tool_calls": 2, "top_logprobs": 2,
+                             "include": ["reasoning.encrypted_content"], "max_tool_calls": 2,
+                             "top_logprobs": 2,  # without include it counts alternatives of nothing
                              "truncation": "auto", "service_tier": "flex", "context_management": [{"type": "x"}],
                              "prompt_cache_retention": "24h", "reasoning": {"effort": "high"},
                              "stream_options": {"include_obfuscation": True},

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
+from nanoserve.server.responses import chat_logprobs, token_namer
 from nanoserve.server.responses_protocol import ResponsesRequest, item_id
 from nanoserve.server.turn import PreparedTurn, TurnEnd, turn_events, whole_turn
 from nanoserve.tools.parsers import CallStart, Content
@@ -26,8 +27,26 @@ def usage_of(end: TurnEnd) -> dict:
             "total_tokens": end.prompt_tokens + end.output_tokens}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+class OutputLogprobs:
+    """The reply's token logprobs in the Responses shape (include ["message.output_text.logprobs"]): all of them
+    for the output text, and those not yet sent for each streamed delta."""
+
+    def __init__(self, turn: PreparedTurn):
+        self.choice = turn.fanout.choices[0]
+        self.name = token_namer(turn.tokenizer, bool(turn.body.return_tokens_as_token_ids))
+        self.sent = 0
+
+    def every(self) -> list[dict]:
+        return chat_logprobs(self.choice.completion.logprobs.entries(), self.name)["content"]
+
+    def fresh(self) -> list[dict]:
+        entries = self.choice.completion.logprobs.entries(self.sent)
+        self.sent += len(entries)
+        return chat_logprobs(entries, self.name)["content"]
 
 
 class ResponsesResponder:
@@ -40,6 +59,7 @@ class ResponsesResponder:
         self.body, self.turn, self.model, self.metrics, self.done = body, turn, model, metrics, done
         self.id = item_id("resp")
         self.created = int(time.time())
+        self.logprobs = OutputLogprobs(turn) if body.wants_logprobs() else None
 
     def response(self, status: str, output: list[dict], end: TurnEnd | None) -> dict:
         """The response object as it stands (in_progress while streaming, then completed or incomplete)."""
@@ -55,7 +75,7 @@ class ResponsesResponder:
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": body.store is not False, "temperature": chat.temperature, "text": text,
             "tool_choice": _tool_choice(body.tool_choice), "tools": tools, "top_p": chat.top_p,
-            "truncation": "disabled", "usage": usage_of(end) if end is not None else None, "user": body.user,
+            "top_logprobs": body.top_logprobs, "truncation": "disabled", "usage": usage_of(end) if end is not None else None, "user": body.user,
             "metadata": body.metadata or {}, "background": False,
         }
 
@@ -78,7 +98,8 @@ class ResponsesResponder:
     async def whole(self) -> dict:
         reply = await whole_turn(self.turn, self.metrics)
         status = "incomplete" if reply.end.finish_reason == "length" else "completed"
-        output = [_message_item(item_id("msg"), status, [text_part(reply.text)])] \
+        logprobs = self.logprobs.every() if self.logprobs is not None else None
+        output = [_message_item(item_id("msg"), status, [text_part(reply.text, logprobs)])] \
             if reply.text or not reply.calls else []
         output += [{**_call_item(start), "arguments": arguments, "status": "completed"}
                    for start, arguments in reply.calls]
@@ -94,12 +115,13 @@ class ResponsesResponder:
         async for event in turn_events(self.turn, self.metrics):
             if isinstance(event, TurnEnd):
                 status = "incomplete" if event.finish_reason == "length" else "completed"
-                for out in items.close(status):
+                for out in items.close(status, self.logprobs.every() if self.logprobs is not None else None):
                     yield out
                 response = self._finished(items.output, event)
                 yield {"type": f"response.{status}", "response": response}
                 return
-            for out in items.add(event):
+            fresh = self.logprobs.fresh() if self.logprobs is not None and isinstance(event, Content) else None
+            for out in items.add(event, fresh):
                 yield out
 
 
@@ -115,12 +137,14 @@ class _OutputItems:
     def index(self) -> int:
         return len(self.output)
 
-    def add(self, event) -> list[dict]:
+    def add(self, event, logprobs: list[dict] | None = None) -> list[dict]:
+        """The events that stream `event`; a text delta carries the logprobs of its tokens when asked for."""
         if isinstance(event, Content):
             out = [] if self.open is not None and self.open["type"] == "message" else self._open_message()
             self.text += event.text
             return out + [{"type": "response.output_text.delta", "item_id": self.open["id"],
-                           "output_index": self.index, "content_index": 0, "delta": event.text, "logprobs": []}]
+                           "output_index": self.index, "content_index": 0, "delta": event.text,
+                           "logprobs": logprobs or []}]
         if isinstance(event, CallStart):
             out = self.close("completed") if self.open is not None else []
             self.open = {**_call_item(event), "status": "in_progress"}
@@ -138,9 +162,9 @@ class _OutputItems:
                       {"type": "response.content_part.added", "item_id": self.open["id"], "output_index": self.index,
                        "content_index": 0, "part": text_part("")}]
 
-    def close(self, status: str) -> list[dict]:
-        """End the open item (a message's text, a call's arguments), or open and end an empty message when the
-        reply had nothing at all."""
+    def close(self, status: str, logprobs: list[dict] | None = None) -> list[dict]:
+        """End the open item (a message's text, with all its tokens' `logprobs` when asked for; a call's
+        arguments), or open and end an empty message when the reply had nothing at all."""
         item = self.open
         if item is None and self.output:
             return []
@@ -148,10 +172,10 @@ class _OutputItems:
         item, index = self.open, self.index
         self.open = None
         if item["type"] == "message":
-            part = text_part(self.text)
+            part = text_part(self.text, logprobs)
             done = _message_item(item["id"], status, [part])
             out += [{"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
-                     "content_index": 0, "text": self.text, "logprobs": []},
+                     "content_index": 0, "text": self.text, "logprobs": logprobs or []},
                     {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
                      "content_index": 0, "part": part}]
         else:

@@ -29,10 +29,7 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "background": ((None, False), "background mode is not built; send the request and read its stream"),
     "conversation": ((None,), "the Conversations API is not served; chain turns with previous_response_id"),
     "prompt": ((None,), "stored prompt templates are not served; send the instructions and input"),
-    "include": ((None, []), "no extra output data is produced (no reasoning, no tool sources, no logprobs); send "
-                            "include [] or none"),
     "max_tool_calls": ((None,), "a limit on built-in tool calls applies to tools this server does not run"),
-    "top_logprobs": ((None, 0), "logprobs are not returned on this route; use /v1/chat/completions with logprobs"),
     "truncation": ((None, "disabled"), "the conversation is never cut to fit: a prompt over the context is refused; "
                                        "send truncation 'disabled' or none"),
     "service_tier": ((None, "auto", "default"), "there is one service tier here; send 'auto' or none"),
@@ -53,6 +50,8 @@ CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_pen
                "mm_processor_kwargs", "media_io_kwargs", "mm_payload", "return_mm_kwargs", "vllm_xargs",
                "watermarking")
 METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 64, 512  # OpenAI's bounds for metadata
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` that has something to add here
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs
 RESPONSES_UNSUPPORTED_TOOLS = "built-in tools (web search, file search, computer use, code interpreter, ...)"
 
 
@@ -136,9 +135,9 @@ class ResponsesRequest(BaseModel):
     background: Any = None
     conversation: Any = None
     prompt: Any = None
-    include: Any = None
+    include: list[str] | None = None  # OUTPUT_LOGPROBS only: nothing else is produced here
     max_tool_calls: Any = None
-    top_logprobs: Any = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     truncation: Any = None
     service_tier: Any = None
     context_management: Any = None
@@ -185,6 +184,9 @@ class ResponsesRequest(BaseModel):
         for name, (idle, why) in self.unsupported.items():
             if getattr(self, name, None) not in idle:
                 return name, f"{name} is not supported: {why}"
+        refused = self._logprobs_refusal()
+        if refused is not None:
+            return refused
         reasoning = self.reasoning
         if reasoning is not None and (reasoning.effort not in (None, "none") or reasoning.summary is not None
                                       or reasoning.generate_summary is not None):
@@ -202,6 +204,25 @@ class ResponsesRequest(BaseModel):
                                                           "padded against length side channels here; send false")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             return "temperature", f"temperature must be in [0, 2], got {self.temperature}"
+        return None
+
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    def _logprobs_refusal(self) -> tuple[str, str] | None:
+        """include names only the output text's logprobs; top_logprobs counts their alternatives, so it needs
+        them; and they are given of a text reply, not of one whose tokens are partly tool calls."""
+        for value in self.include or ():
+            if value != OUTPUT_LOGPROBS:
+                return "include", (f"include {value!r} is not supported: no reasoning, tool sources, images or "
+                                   f"encrypted content are produced here; {OUTPUT_LOGPROBS!r} is the one it takes")
+        if self.top_logprobs and not self.wants_logprobs():
+            return "top_logprobs", (f"top_logprobs counts the alternatives of the output text's logprobs, which come "
+                                    f"with include [{OUTPUT_LOGPROBS!r}]; send that too")
+        if self.wants_logprobs() and self.tools and self.tool_choice != "none":
+            return "include", ("the output text's logprobs are given for a text reply, and with tools the reply's "
+                               "tokens may be calls: send tool_choice 'none', or ask /v1/chat/completions with "
+                               "logprobs")
         return None
 
     def tool_fields(self) -> dict:
@@ -247,6 +268,8 @@ class ResponsesRequest(BaseModel):
             fields["user"] = user
         if self.request_id is not None:
             fields["request_id"] = self.request_id
+        if self.wants_logprobs():
+            fields |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         form = self.text.format if self.text is not None else None
         if form is not None and form.type == "json_object":
             fields["response_format"] = {"type": "json_object"}
