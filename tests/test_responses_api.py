@@ -11,7 +11,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from tests.helpers import tiny_server_running
+from tests.helpers import tiny_server_running, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -65,7 +65,7 @@ def test_a_response_is_the_chat_routes_text_and_is_stored(server, client):
     assert oldest.data[0].content[0].text == "One."
     streamed = httpx.get(f"{server.url}/v1/responses/{chained.id}", params={"stream": "true"},
                          headers={"Authorization": "Bearer sk-test"})
-    assert streamed.status_code == 400 and "'stream' is not supported" in streamed.json()["error"]["message"]
+    assert streamed.status_code == 400 and "not streamed in the background" in streamed.json()["error"]["message"]
     client.responses.delete(response.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
@@ -182,7 +182,7 @@ def test_what_this_server_cannot_do_is_refused_with_the_reason(server, client):
                          (dict(include=["message.output_text.logprobs"], tools=[WEATHER]), "tool_choice 'none'"),
                          (dict(tools=[{"type": "web_search"}]), "not run by this server"),
                          (dict(reasoning={"effort": "high"}), "does not reason"),
-                         (dict(background=True), "background mode"),
+                         (dict(background=True, store=False), "background needs store"),
                          (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
                           "text only"),
                          (dict(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), "reasoning item")):
@@ -190,3 +190,56 @@ def test_what_this_server_cannot_do_is_refused_with_the_reason(server, client):
             client.responses.create(**{"model": "tiny", "input": "hi", "max_output_tokens": 2, **kwargs})
     assert httpx.get(f"{server.url}/v1/responses/resp_missing").status_code == 401  # behind the key
 
+
+
+def _settled(client, response_id: str, timeout: float = 30.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > end:
+            return response
+        time.sleep(0.02)
+
+
+def test_a_background_response_is_queued_then_read_back_with_the_foreground_text(server, client):
+    asked = dict(model="tiny", input="Name a colour.", max_output_tokens=6, **GREEDY)
+    foreground = client.responses.create(**asked)
+    queued = client.responses.create(**asked, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _settled(client, queued.id)
+    assert done.status == "incomplete" and done.background is True and done.output_text == foreground.output_text
+    assert done.usage.output_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="still queued or in progress"):
+        client.responses.cancel(done.id)
+    assert wait_until(lambda: server.engine.kv.num_used == 0 and not server.engine.has_unfinished())
+
+
+def test_cancelling_a_background_response_aborts_its_request(server, client):
+    """A long reply cancelled while it runs: stored cancelled, its engine request gone, its blocks free."""
+    for _ in range(5):  # a reply that finished before the cancel arrived is tried again
+        running = client.responses.create(model="tiny", input="Tell a long story.", max_output_tokens=200,
+                                           background=True, **GREEDY)
+        try:
+            cancelled = client.responses.cancel(running.id)
+        except openai.BadRequestError:
+            continue
+        assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+        assert wait_until(lambda: server.engine.kv.num_used == 0 and not server.engine.has_unfinished())
+        return
+    pytest.fail("every background response finished before its cancel arrived")
+
+
+def test_a_background_stream_is_read_again_from_any_event(server, client):
+    asked = dict(model="tiny", input="Say hello.", max_output_tokens=5, background=True, stream=True, **GREEDY)
+    events = list(client.responses.create(**asked))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete" and events[-1].response.background is True
+    response_id = events[0].response.id
+    again = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[3:]]
+    assert client.responses.retrieve(response_id).output_text == events[-1].response.output_text
+    r = httpx.get(f"{server.url}/v1/responses/{response_id}", params={"stream": "true", "include": "x"},
+                  headers={"Authorization": "Bearer sk-test"})
+    assert r.status_code == 400 and "include" in r.json()["error"]["message"]

@@ -42,7 +42,7 @@ ASK_NOTHING = {"/v1/messages": {"cache_control": {"type": "ephemeral"}, "thinkin
                "/v1/responses": {"prompt_cache_key": "k", "reasoning": {"effort": "none"}, "store": True,
                                  "metadata": {"tag": "x"}, "parallel_tool_calls": True, "stream": False,
                                  "prompt_cache_options": {"mode": "implicit"}, "include_reasoning": True,
-                                 "include": [], "top_logprobs": 0}}
+                                 "include": [], "top_logprobs": 0, "background": False}}
 # vLLM's fields that the chat request refuses unless they ask for nothing, on both turn APIs
 VLLM_REFUSED = {"mm_payload": "none", "return_mm_kwargs": True, "watermarking": True, "kv_transfer_params": {"a": 1},
                 "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}}
@@ -50,7 +50,7 @@ REFUSED = {"/v1/messages": {"container": "c", "mcp_servers": [{"url": "x"}], "co
                             "speed": "fast", "service_tier": "priority",
                             "thinking": {"type": "enabled", "budget_tokens": 1024},
                             "output_config": {"effort": "high"}, **VLLM_REFUSED},
-           "/v1/responses": {"background": True, "conversation": "conv_1", "prompt": {"id": "p"},
+           "/v1/responses": {"conversation": "conv_1", "prompt": {"id": "p"},
                              "include": ["reasoning.encrypted_content"], "max_tool_calls": 2,
                              "top_logprobs": 2,  # without include it counts alternatives of nothing
                              "truncation": "auto", "service_tier": "flex", "context_management": [{"type": "x"}],

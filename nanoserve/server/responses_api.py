@@ -76,7 +76,7 @@ class ResponsesResponder:
             "store": body.store is not False, "temperature": chat.temperature, "text": text,
             "tool_choice": _tool_choice(body.tool_choice), "tools": tools, "top_p": chat.top_p,
             "top_logprobs": body.top_logprobs, "truncation": "disabled", "usage": usage_of(end) if end is not None else None, "user": body.user,
-            "metadata": body.metadata or {}, "background": False,
+            "metadata": body.metadata or {}, "background": bool(body.background),
         }
 
     def _finished(self, output: list[dict], end: TurnEnd) -> dict:
@@ -106,9 +106,10 @@ class ResponsesResponder:
         return self._finished(output, reply.end)
 
     def stream(self) -> StreamingResponse:
-        return responses_sse(self._events())
+        return responses_sse(self.events())
 
-    async def _events(self) -> AsyncIterator[dict]:
+    async def events(self) -> AsyncIterator[dict]:
+        """The response's events, not yet numbered (responses_sse, or a background stream's log, numbers them)."""
         yield {"type": "response.created", "response": self.response("in_progress", [], None)}
         yield {"type": "response.in_progress", "response": self.response("in_progress", [], None)}
         items = _OutputItems()

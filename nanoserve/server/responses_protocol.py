@@ -3,7 +3,7 @@ turn API shares (turn.py).
 
 Each field is honoured or refused with a 400 that says why. `input` is a string or a list of items (messages with
 text parts, `function_call`, `function_call_output`); with `previous_response_id` the stored conversation comes
-first. Built-in tools, reasoning, background mode, stored prompts and conversations are refused with the reason.
+first. Built-in tools, reasoning, stored prompts and conversations are refused with the reason.
 Fields of newer SDKs that ask nothing of a local server are not declared: one warning names them.
 """
 
@@ -26,7 +26,6 @@ from nanoserve.server.protocol import (
 
 # name -> (values that ask for nothing, why any other value is refused and what to do instead)
 RESPONSES_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "background": ((None, False), "background mode is not built; send the request and read its stream"),
     "conversation": ((None,), "the Conversations API is not served; chain turns with previous_response_id"),
     "prompt": ((None,), "stored prompt templates are not served; send the instructions and input"),
     "max_tool_calls": ((None,), "a limit on built-in tool calls applies to tools this server does not run"),
@@ -132,7 +131,7 @@ class ResponsesRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_USER_CHARS)
     session_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     chat_template_kwargs: dict[str, Any] | None = None
-    background: Any = None
+    background: StrictBool | None = None  # answered at once, queued; read back with GET, stopped with cancel
     conversation: Any = None
     prompt: Any = None
     include: list[str] | None = None  # OUTPUT_LOGPROBS only: nothing else is produced here
@@ -184,6 +183,9 @@ class ResponsesRequest(BaseModel):
         for name, (idle, why) in self.unsupported.items():
             if getattr(self, name, None) not in idle:
                 return name, f"{name} is not supported: {why}"
+        if self.background and self.store is False:
+            return "background", ("background needs store: a background response is read back with GET "
+                                  "/v1/responses/{id}; send store true (the default)")
         refused = self._logprobs_refusal()
         if refused is not None:
             return refused

@@ -1,5 +1,6 @@
-"""OpenAI's Responses API: POST /v1/responses (a whole response or its event stream), GET and DELETE
-/v1/responses/{id} (the stored ones, response_store.py), GET /v1/responses/{id}/input_items.
+"""OpenAI's Responses API: POST /v1/responses (a whole response or its event stream, or either in the background:
+background.py), GET and DELETE /v1/responses/{id} (the stored ones, response_store.py; a background stream read
+again), POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items.
 
 The request is translated into the chat request the other turn APIs share (responses_protocol.py, turn.py), so the
 prompt, tools, structured outputs (text.format), the prefix cache and disconnect handling are the chat route's.
@@ -10,9 +11,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from nanoserve.errors import shown
+from nanoserve.server.background import ACTIVE, BackgroundRuns, sse_of
 from nanoserve.server.context import APIError, RouteContext
 from nanoserve.server.disconnect import unless_disconnected
 from nanoserve.server.openapi import ERRORS
@@ -66,7 +69,8 @@ def _stored(store: ResponseStore, response_id: str) -> Stored:
     return kept
 
 
-async def create(ctx: RouteContext, store: ResponseStore, body: ResponsesRequest, request: Request):
+async def create(ctx: RouteContext, runs: BackgroundRuns, body: ResponsesRequest, request: Request):
+    store = runs.store
     ctx.admit(body)
     prior = None if body.previous_response_id is None else _stored(store, body.previous_response_id)
     history = prior.conversation if prior is not None else []
@@ -83,44 +87,99 @@ async def create(ctx: RouteContext, store: ResponseStore, body: ResponsesRequest
     turn = await prepare_turn(ctx, chat, "resp", request)
     owner = body.user or body.safety_identifier or ""
 
+    def keep(response: dict, output: list[dict]) -> bool:
+        return store.put(response, asked + output, owner, asked_bytes + json_size(output))
+
     def done(response: dict, output: list[dict]) -> bool:
         if body.store is False:
             return False
-        return store.put(response, asked + output, owner, asked_bytes + json_size(output))
+        kept = keep(response, output)
+        if not kept and body.background:  # its queued state must not stand for it
+            keep(_failed(response, f"the response is larger than the store keeps ({store.max_entry_bytes:,} "
+                                   "bytes with its conversation)"), [])
+        return kept
 
     responder = ResponsesResponder(body, turn, ctx.model_name, ctx.metrics, done)
+    if body.background:
+        return _in_background(runs, responder, keep, bool(body.stream))
     return responder.stream() if body.stream else await unless_disconnected(request, responder.whole())
+
+
+def _failed(response: dict, why: str) -> dict:
+    return {**response, "status": "failed", "output": [], "error": {"code": "server_error", "message": why}}
+
+
+def _in_background(runs: BackgroundRuns, responder: ResponsesResponder, keep, streamed: bool):
+    """Store the response queued and run it as a task; answer the queued response, or the stream's events."""
+    queued = responder.response("queued", [], None)
+    keep(queued, [])
+
+    def failed(why: str) -> None:
+        keep(_failed(responder.response("failed", [], None), why), [])
+
+    if streamed:
+        keep(responder.response("in_progress", [], None), [])
+        log = runs.start_stream(responder.id, responder.events(), failed)
+        return StreamingResponse(sse_of(log.read()), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def whole():
+        keep(responder.response("in_progress", [], None), [])
+        await responder.whole()
+
+    runs.start_whole(responder.id, whole, failed)
+    return queued
 
 
 def add_routes(routes: APIRouter, ctx: RouteContext) -> None:
     store = ResponseStore()  # the app's: an engine restart keeps it
+    runs = BackgroundRuns(store)
 
     @routes.post("/v1/responses", responses={**ERRORS, **STREAMED},
                  summary="OpenAI's Responses API: a reply to the input (and a stored conversation), whole or streamed")
     async def responses(body: ResponsesRequest, request: Request):
-        return await create(ctx, store, body, request)
+        return await create(ctx, runs, body, request)
 
-    @routes.get("/v1/responses/{response_id}", responses={**ERRORS, **NOT_STORED, 200: {"model": Response}},
-                summary="A stored response")
-    async def get_response(response_id: str, request: Request):
-        _only_query(request, ())
-        return _stored(store, response_id).response
+    @routes.get("/v1/responses/{response_id}", responses={**ERRORS, **NOT_STORED, **STREAMED},
+                summary="A stored response as it stands (a background one while it runs); with stream=true, a "
+                        "background stream's events again, all or those after starting_after")
+    async def get_response(response_id: str, request: Request, stream: bool = False,
+                           starting_after: int | None = Query(default=None, ge=0)):
+        _only_query(request, ("stream", "starting_after"))
+        kept = _stored(store, response_id)
+        if not stream:
+            if starting_after is not None:
+                raise APIError(400, "starting_after picks up a stream: send stream=true too", param="starting_after")
+            return kept.response
+        log = runs.logs.get(response_id)
+        if log is None:
+            raise APIError(400, f"response {shown(response_id)} was not streamed in the background, so it has no "
+                                "events kept to stream again; read it whole (without stream)", param="stream")
+        return StreamingResponse(sse_of(log.read(starting_after)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @routes.delete("/v1/responses/{response_id}", responses={**ERRORS, **NOT_STORED, 200: {"model": Deleted}},
                    summary="Forget a stored response")
     async def delete_response(response_id: str):
         _stored(store, response_id)
+        await runs.cancel(response_id)  # a background one still running stops: nobody could read it
         store.delete(response_id)
+        runs.logs.pop(response_id, None)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @routes.post("/v1/responses/{response_id}/cancel", responses={**ERRORS, **NOT_STORED},
-                 summary="Cancel a background response (vLLM's and OpenAI's route): background mode is not served, "
-                         "so every stored response is complete, and cancelling one is a 400 that says so")
+                 summary="Cancel a background response while it is queued or in progress: its request is aborted "
+                         "and it is stored cancelled")
     async def cancel_response(response_id: str):
         kept = _stored(store, response_id)
-        raise APIError(400, f"response {shown(response_id)} is {kept.response.get('status')}: only a background "
-                            "response can be cancelled, and background mode is not served here (a response is "
-                            "answered while its request waits; close the request to stop it)", param="response_id")
+        if kept.response.get("status") not in ACTIVE or not await runs.cancel(response_id):
+            kept = _stored(store, response_id)  # as it stands now (it may have just finished)
+            raise APIError(400, f"response {shown(response_id)} is {kept.response.get('status')}: only a background "
+                                "response still queued or in progress can be cancelled (one answered in the "
+                                "foreground is stopped by closing its request)", param="response_id")
+        cancelled = {**kept.response, "status": "cancelled"}
+        store.put(cancelled, kept.conversation, kept.owner, kept.conversation_bytes)
+        return cancelled
 
     @routes.get("/v1/responses/{response_id}/input_items",
                 responses={**ERRORS, **NOT_STORED, 200: {"model": InputItems}},
