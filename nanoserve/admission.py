@@ -91,7 +91,7 @@ class Admission:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(
-                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); "
+                    f"prompt token id {bad[0]} is out of vocabulary (this model's ids are [0, {self.vocab_size})); "
                     "encode the prompt with this model's tokenizer"
                 )
         else:

@@ -308,12 +308,18 @@ class SamplingParams:
         if not isinstance(bias, dict):
             raise SamplingParamsError("logit_bias", f"logit_bias must be a dict {{token id: bias}}, got "
                                                     f"{_type_name(bias)}; pass e.g. {{'1234': -100}}")
+        def token_of(key):
+            return int(key) if isinstance(key, str) and key.strip().isdigit() else key
+
+        bad = [key for key in bias if _not_int(token_of(key)) or token_of(key) < 0]
+        if bad:
+            names = ", ".join(shown(key) for key in bad)
+            raise SamplingParamsError("logit_bias", f"logit_bias key{'s' if len(bad) > 1 else ''} {names} "
+                                                    f"{'are' if len(bad) > 1 else 'is'} not a token id; use ids from "
+                                                    "this model's tokenizer, e.g. {'1234': -100}")
         out = {}
         for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-            if _not_int(token) or token < 0:
-                raise SamplingParamsError("logit_bias", f"logit_bias key {shown(key)} is not a token id; use ids from "
-                                                        "this model's tokenizer, e.g. {'1234': -100}")
+            token = token_of(key)
             value = _as_float("logit_bias", value, f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise SamplingParamsError("logit_bias", f"logit_bias[{key!r}] is {value}; biases must be in "

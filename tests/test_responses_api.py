@@ -79,7 +79,7 @@ def test_previous_response_id_continues_the_stored_conversation(client):
             {"role": "user", "content": "And more."}]
     assert second.previous_response_id == first.id and second.output_text == _chat_text(client, chat, 5)
     unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False, **GREEDY)
-    with pytest.raises(openai.NotFoundError, match="no stored response"):
+    with pytest.raises(openai.NotFoundError, match="not found"):
         client.responses.create(model="tiny", input="x", previous_response_id=unstored.id, max_output_tokens=2)
 
 

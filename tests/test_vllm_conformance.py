@@ -236,3 +236,12 @@ def test_logprob_token_ids_are_refused_where_they_would_score_nothing(server):
             "outside this model's vocabulary")
     refused(post(server, "/v1/completions", {**COMPLETION, "logprobs": 0, "logprob_token_ids": list(range(129))}),
             "at most 128")
+
+
+def test_bad_input_is_named_whole(server):
+    """Every bad logit_bias key at once, a missing prompt by name, vLLM's 'out of vocabulary'."""
+    refused(post(server, "/v1/completions", {**COMPLETION, "logit_bias": {"bad1": 1, "7": 1, "bad2": 1}}),
+            "'bad1'", "'bad2'")
+    refused(post(server, "/v1/completions", {**COMPLETION, "prompt": None}), "prompt must be given and non-empty")
+    refused(post(server, "/v1/completions", {**COMPLETION, "prompt": [1, 10 ** 8]}), "out of vocabulary")
+    refused(post(server, "/v1/completions", {**COMPLETION, "prompt": ""}), "prompt")

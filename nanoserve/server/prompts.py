@@ -42,8 +42,8 @@ def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer, vocab_size
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise PromptError("prompt", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
-                                            "encode the prompt with this model's tokenizer")
+                raise PromptError("prompt", f"prompt token id {bad[0]} is out of vocabulary (this model's ids are "
+                                            f"[0, {vocab_size})); encode the prompt with this model's tokenizer")
         ids = truncated(ids, body, max_model_len)
         if not ids:
             raise PromptError("prompt", f"prompt {i} encodes to no tokens; send at least one token")

@@ -291,7 +291,10 @@ class CompletionRequest(_Request):
     def _prompt_shape(cls, data: Any) -> Any:
         """Name the accepted shapes, and never read true/false as a token id."""
         prompt = data.get("prompt") if isinstance(data, dict) else None
-        if prompt is None or isinstance(prompt, str):
+        if prompt is None and isinstance(data, dict):
+            raise ValueError(f"prompt must be given and non-empty: {PROMPT_SHAPES} (prompt_embeds are not "
+                             "supported)")
+        if isinstance(prompt, str):
             return data
         if not isinstance(prompt, list) or not prompt:
             raise ValueError(f"prompt must be {PROMPT_SHAPES}; got {'an empty list' if prompt == [] else shown(prompt)}")

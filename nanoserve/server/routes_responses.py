@@ -63,7 +63,7 @@ NOT_STORED = {404: {**ERRORS[404], "description": "No such response is stored (n
 def _stored(store: ResponseStore, response_id: str) -> Stored:
     kept = store.get(response_id)
     if kept is None:
-        raise APIError(404, f"no stored response {shown(response_id)}: responses are kept in memory for an hour, "
+        raise APIError(404, f"response {shown(response_id)} not found: responses are kept in memory for an hour, "
                             f"within the store's bounds ({store.max_kept:,} responses, {store.max_bytes // 2**20} "
                             "MiB), and only with store true", "not_found_error", "response_id")
     return kept
