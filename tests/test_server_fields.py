@@ -76,6 +76,8 @@ COMMON = {
     "guided_choice": (["yes", "no"], CHANGES, {}),
     "guided_grammar": ('start: "yes" | "no"', CHANGES, {}),
     "guided_whitespace_pattern": ("", REFUSED, {}),  # alone it shapes nothing; with guided_json see below
+    "use_beam_search": (True, CHANGES, {"n": 2}),  # n beams, ranked (tests/test_beam_search.py)
+    "length_penalty": (2.0, REFUSED, {}),  # it ranks beams: alone it asks for nothing
 }
 COMPLETION = {
     **COMMON,

@@ -48,8 +48,6 @@ MAX_ID_CHARS = 200
 # name -> (values that ask for nothing, why any other value is refused and what to do instead)
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "suffix (text inserted after the completion) is not supported; append it yourself"),
-    "use_beam_search": ((None, False), "beam search is not supported; use n with sampling, or greedy decoding"),
-    "length_penalty": ((None, 1.0), "length_penalty applies to beam search, which is not supported"),
     "spaces_between_special_tokens": ((None, True), "special tokens are always decoded with their spaces"),
     "logits_processors": ((None,), "custom logits processors are not supported; use logit_bias, "
                                    "allowed_token_ids or bad_words"),
@@ -182,10 +180,11 @@ class _Request(BaseModel):
     # vLLM's: each generated position's alternatives are exactly these ids (a scorer's label set), in place of the
     # top N; needs logprobs
     logprob_token_ids: list[StrictInt] | None = None
+    # vLLM's beam search (server/beam.py): n beams, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: StrictBool = False
+    length_penalty: Number = 1.0
     # UNSUPPORTED fields, declared so the schema names them and their refusal is documented
     suffix: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
     spaces_between_special_tokens: Any = None
     logits_processors: Any = None
     priority: Any = None
@@ -216,6 +215,10 @@ class _Request(BaseModel):
         for name, (idle, why) in self.unsupported.items():
             if getattr(self, name, None) not in idle:
                 return name, f"{name} is not supported: {why}"
+        if self.use_beam_search:
+            return self._beam_refusal()
+        if self.length_penalty != 1:
+            return "length_penalty", "length_penalty ranks the beams of a beam search; send use_beam_search true too"
         if self.logprob_token_ids and self.token_limit() == 0:
             return "logprob_token_ids", ("logprob_token_ids are scored at generated positions, and max_tokens 0 "
                                          "generates none; use prompt_logprobs for the prompt")
@@ -245,6 +248,13 @@ class _Request(BaseModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
 
+    def _beam_refusal(self) -> tuple[str, str] | None:
+        for name, quiet in BEAM_QUIET.items():
+            if name in self.model_fields_set and getattr(self, name, None) not in quiet:
+                return name, (f"{name} does not apply to beam search, which ranks beams by the model's raw "
+                              "logprobs and answers whole; leave it out, or drop use_beam_search")
+        return None
+
     def _asks(self, name: str) -> bool:
         value = getattr(self, name)
         return value is not None and not (name == "response_format" and value.type == "text")
@@ -272,6 +282,17 @@ class _Request(BaseModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             structured_outputs=self.constraint(), logprob_token_ids=self.logprob_token_ids or None,
         )
+
+
+# the fields a beam search has no use for (it ranks beams by raw logprobs and answers whole), with the values that
+# ask nothing of it; set to anything else, each is refused by name
+BEAM_QUIET = {"temperature": (0, 1), "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,),
+              "presence_penalty": (0,), "frequency_penalty": (0,), "seed": (None,), "min_tokens": (0,),
+              "stop": (None, []), "logit_bias": (None, {}), "bad_words": (None, []), "prompt_logprobs": (None,),
+              "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "stream": (False,),
+              "response_format": (None,), "structured_outputs": (None,), "guided_json": (None,),
+              "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "tools": (None, []),
+              "logprob_token_ids": (None, []), "stream_options": (None,)}
 
 
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.errors import NanoserveError
+from nanoserve.server.beam import chat_with_beams, complete_with_beams
 from nanoserve.server.chat import ChatResponder
 from nanoserve.server.completions import CompletionResponder, engine_max_tokens, prompt_logprobs_wanted
 from nanoserve.server.context import (
@@ -36,6 +37,8 @@ from nanoserve.server.turn import prepare_turn
 async def complete(ctx: RouteContext, body: CompletionRequest, request: Request):
     """/v1/completions: one or more prompts (text or token ids), each sampled n times."""
     ctx.admit(body)
+    if body.use_beam_search:
+        return await complete_with_beams(ctx, body, request)
     if body.max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens 0 generates nothing; it is only meaningful with echo (to score the "
                             "prompt); send max_tokens >= 1", param="max_tokens")
@@ -56,6 +59,9 @@ async def complete(ctx: RouteContext, body: CompletionRequest, request: Request)
 
 async def chat_complete(ctx: RouteContext, body: ChatCompletionRequest, request: Request):
     """/v1/chat/completions: the messages rendered with the chat template; tool calls read by the turn's parser."""
+    if body.use_beam_search:
+        ctx.admit(body)
+        return await chat_with_beams(ctx, body, request)
     turn = await prepare_turn(ctx, body, "chatcmpl", request)
     responder = ChatResponder(body, turn.fanout, turn.tokenizer, ctx.model_name, turn.rid, ctx.metrics, turn.parser,
                               turn.prompt_text)
