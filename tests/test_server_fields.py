@@ -78,6 +78,7 @@ COMMON = {
     "guided_whitespace_pattern": ("", REFUSED, {}),  # alone it shapes nothing; with guided_json see below
     "use_beam_search": (True, CHANGES, {"n": 2}),  # n beams, ranked (tests/test_beam_search.py)
     "length_penalty": (2.0, REFUSED, {}),  # it ranks beams: alone it asks for nothing
+    "kv_transfer_params": ({"do_remote_prefill": True}, REFUSED, {}),  # no KV connector
 }
 COMPLETION = {
     **COMMON,
@@ -97,6 +98,7 @@ CHAT = {
     "logprobs": (True, CHANGES, {}),
     "top_logprobs": (2, CHANGES, {"logprobs": True}),
     "logprob_token_ids": ([5, 6], CHANGES, {"logprobs": True}),
+    "kv_transfer_params": ({"prompt_token_ids": [1, 5, 6]}, CHANGES, {}),  # a prompt a router tokenized
     "add_generation_prompt": (False, CHANGES, {}),
     "continue_final_message": (True, CHANGES, {"add_generation_prompt": False, "messages": [
         {"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "I like"}]}),

@@ -245,3 +245,21 @@ def test_bad_input_is_named_whole(server):
     refused(post(server, "/v1/completions", {**COMPLETION, "prompt": None}), "prompt must be given and non-empty")
     refused(post(server, "/v1/completions", {**COMPLETION, "prompt": [1, 10 ** 8]}), "out of vocabulary")
     refused(post(server, "/v1/completions", {**COMPLETION, "prompt": ""}), "prompt")
+
+
+def test_a_chat_prompt_a_router_already_tokenized_is_used_verbatim(server):
+    """vLLM's kv_transfer_params.prompt_token_ids (the decode stage of a split prefill, or a router that
+    tokenized): the ids are the prompt, whatever the messages say; KV transfer itself is refused."""
+    ids = {"return_token_ids": True, "max_tokens": 4}
+    baseline = post(server, "/v1/chat/completions", {**CHAT, **ids}).json()
+    forwarded = post(server, "/v1/chat/completions", {
+        **CHAT, **ids, "messages": [{"role": "user", "content": "unrelated"}],
+        "kv_transfer_params": {"prompt_token_ids": baseline["prompt_token_ids"]}}).json()
+    assert forwarded["prompt_token_ids"] == baseline["prompt_token_ids"]
+    assert forwarded["choices"][0]["token_ids"] == baseline["choices"][0]["token_ids"]
+    refused(post(server, "/v1/chat/completions", {**CHAT, "kv_transfer_params": {"do_remote_prefill": True}}),
+            "do_remote_prefill", "no KV connector")
+    refused(post(server, "/v1/chat/completions", {**CHAT, "kv_transfer_params": {"prompt_token_ids": [1, 10 ** 9]}}),
+            "out of vocabulary")
+    refused(post(server, "/v1/completions", {**COMPLETION, "kv_transfer_params": {"prompt_token_ids": [1]}}),
+            "send the ids as the prompt")

@@ -71,7 +71,11 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRe
 
 def rendered_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolRequest | None = None,
                   max_model_len: int | None = None) -> tuple[str, list[int]]:
-    """(the prompt text the template rendered, its token ids after any truncation)."""
+    """(the prompt text the template rendered, its token ids after any truncation); a prompt a router already
+    rendered (kv_transfer_params.prompt_token_ids) is taken as it is."""
+    forwarded = body.forwarded_prompt_ids()
+    if forwarded is not None:
+        return tokenizer.decode(forwarded, skip_special_tokens=False), list(forwarded)
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     _check_tool_results(messages)
     variables = dict(body.chat_template_kwargs or {})

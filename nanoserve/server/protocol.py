@@ -52,7 +52,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "logits_processors": ((None,), "custom logits processors are not supported; use logit_bias, "
                                    "allowed_token_ids or bad_words"),
     "priority": ((None, 0), "request priorities are not supported; requests are served in arrival order"),
-    "kv_transfer_params": ((None,), "KV transfer between servers is not supported"),
     "mm_processor_kwargs": ((None,), TEXT_ONLY),
     "prompt_embeds": ((None,), "prompt embeddings are not supported; send text or token ids"),
     "vllm_xargs": ((None,), "extra engine arguments per request are not supported"),
@@ -188,7 +187,8 @@ class _Request(BaseModel):
     spaces_between_special_tokens: Any = None
     logits_processors: Any = None
     priority: Any = None
-    kv_transfer_params: Any = None
+    # vLLM's: of its keys only prompt_token_ids (a chat prompt a router already rendered) means anything here
+    kv_transfer_params: dict[str, Any] | None = None
     mm_processor_kwargs: Any = None
     prompt_embeds: Any = None
     vllm_xargs: Any = None
@@ -215,6 +215,9 @@ class _Request(BaseModel):
         for name, (idle, why) in self.unsupported.items():
             if getattr(self, name, None) not in idle:
                 return name, f"{name} is not supported: {why}"
+        refused = self._kv_transfer_refusal()
+        if refused is not None:
+            return refused
         if self.use_beam_search:
             return self._beam_refusal()
         if self.length_penalty != 1:
@@ -247,6 +250,29 @@ class _Request(BaseModel):
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
+
+    def forwarded_prompt_ids(self) -> list[int] | None:
+        """kv_transfer_params' prompt_token_ids: the chat prompt as a router (or a prefill stage) already
+        tokenized it, used verbatim in place of rendering the messages, as vLLM does."""
+        return (self.kv_transfer_params or {}).get("prompt_token_ids")
+
+    def _kv_transfer_refusal(self) -> tuple[str, str] | None:
+        params = self.kv_transfer_params or {}
+        other = sorted(set(params) - {"prompt_token_ids"})
+        if other:
+            return "kv_transfer_params", (f"kv_transfer_params {', '.join(other)} ask for KV transfer between "
+                                          "servers, and no KV connector is built here (a prefill server's blocks "
+                                          "cannot be taken up); prompt_token_ids is the one key it takes")
+        ids = params.get("prompt_token_ids")
+        if ids is None:
+            return None
+        if not isinstance(self, ChatCompletionRequest):
+            return "kv_transfer_params", ("kv_transfer_params.prompt_token_ids stands in for a rendered chat "
+                                          "prompt; on /v1/completions send the ids as the prompt")
+        if not isinstance(ids, list) or not ids or any(type(i) is not int or i < 0 for i in ids):
+            return "kv_transfer_params", ("kv_transfer_params.prompt_token_ids must be a non-empty list of token "
+                                          "ids (integers >= 0)")
+        return None
 
     def _beam_refusal(self) -> tuple[str, str] | None:
         for name, quiet in BEAM_QUIET.items():
