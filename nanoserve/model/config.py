@@ -58,7 +58,7 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(_rope_theta(cfg)),
-                rope_scaling=_rope_scaling(cfg),
+                rope_scaling=_resolved(_rope_scaling(cfg), int(cfg.get("max_position_embeddings", 2048))),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
@@ -98,13 +98,19 @@ class ModelConfig:
             raise CheckpointError(f"config sliding_window must be positive, got {self.sliding_window}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type")
-            if kind not in ("llama3", "default", "linear"):
+            if kind == "dynamic":
                 raise CheckpointError(
-                    f"rope_scaling type {kind!r} is not supported; supported: llama3, linear, default"
+                    "rope_scaling type 'dynamic' is not implemented: its frequencies change with the sequence's "
+                    "length, so a token's numbers would depend on how long its sequence had grown (prefill and "
+                    "decode would disagree); nanoserve runs llama3, linear, yarn, longrope and default rope")
+            if kind not in ROPE_KINDS:
+                raise CheckpointError(
+                    f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_KINDS)}"
                 )
 
 
 SILU = ("silu", "swish")  # transformers' names for one function
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 # Every field of the supported families' transformers configs is one of three kinds (tests/test_model_config_fields.py
 # walks transformers' config classes against them, so a field a new transformers adds fails until it is placed).
 READ = frozenset({  # what ModelConfig reads (and check() holds to what the decoder computes)
@@ -130,6 +136,16 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
     if window is None or (family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False) and not layered):
         return None
     return int(window)
+
+
+def _resolved(scaling: dict | None, max_positions: int) -> dict | None:
+    """YaRN and LongRoPE as transformers fills them in: the original context defaults to the model's, and the
+    factor to how far the model's context reaches past it."""
+    if not scaling or (scaling.get("rope_type") or scaling.get("type")) not in ("yarn", "longrope"):
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / original
+    return {**scaling, "original_max_position_embeddings": original, "factor": factor}
 
 
 def _rope_theta(cfg: dict) -> float:

@@ -115,14 +115,19 @@ class MergedLinear(FastAttributes, nn.Module):
         return linear_rows(x, self.weight, self.bias, self.row_multiple)
 
 
+def rope_kind(scaling: dict | None) -> str:
+    return "default" if not scaling else (scaling.get("rope_type") or scaling.get("type") or "default")
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, with llama3 or linear scaling applied as the reference does."""
+    """Inverse frequencies, with llama3, linear or yarn scaling applied as the reference does (longrope has two
+    sets: rope_long_short)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type") or scaling.get("type")
+    kind = rope_kind(scaling)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -138,6 +143,60 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return inv_freq
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: each frequency interpolated (divided by factor), extrapolated (kept), or ramped between the two by
+    how many turns it makes over the original context (beta_fast / beta_slow)."""
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(turns: float) -> float:
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolated = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN and LongRoPE multiply cos and sin by (1 for the others)."""
+    kind = rope_kind(scaling)
+    if kind not in ("yarn", "longrope"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if kind == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def rope_angles(head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """[positions, head_dim / 2] rotation angles. LongRoPE rotates positions within the original context by its
+    short factors and those past it by its long ones (vLLM's per-position rule: a position's angle never depends
+    on how long its sequence is)."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    if rope_kind(scaling) != "longrope":
+        return torch.outer(positions, rope_inv_freq(head_dim, theta, scaling))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** shape)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta ** shape)
+    within = (positions < float(scaling["original_max_position_embeddings"]))[:, None]
+    return torch.where(within, torch.outer(positions, short), torch.outer(positions, long))
+
+
 class RotaryEmbedding(FastAttributes, nn.Module):
     """Neox-style rotary embedding over a precomputed cos/sin table indexed by position.
 
@@ -147,12 +206,12 @@ class RotaryEmbedding(FastAttributes, nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        freqs = rope_angles(head_dim, max_positions, theta, scaling)
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
+        scale = rope_attention_factor(scaling)
+        sin = emb.sin() * scale
         sin[:, : head_dim // 2].neg_()
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
