@@ -83,6 +83,19 @@ def default_model_path() -> Path:
 DtypeChoice = Callable[[str | None], torch.dtype]
 
 
+@dataclass(frozen=True)
+class RunsOn:
+    """What a model will run on, known before its checkpoint is read: the device, the fused kernels (or why there
+    are none), the tensor-parallel group a shard reduces across, and whether its kernels must be batch-invariant.
+    The loader turns it and the checkpoint's dtype into the model's Platform."""
+
+    device: torch.device = torch.device("cpu")
+    kernels: object = None  # FusedKernels
+    no_kernels: str = ""
+    group: object = None
+    invariant: bool = False
+
+
 def load_model(
     path: str | os.PathLike | None, dtype: torch.dtype | DtypeChoice, device: torch.device,
     max_positions: int | None = None, quantization: str = "none", shard: TensorShard | None = None,
@@ -111,13 +124,10 @@ def load_model(
                                   "here; use --quantization none (or auto, which falls back to dense weights)")
         quantization = "none"
     p, name = _resolve(path)
+    runs_on = RunsOn(device, kernels, no_kernels, group, invariant)
     if p.is_file():
-        loaded = _load_gguf(p, dtype, device, max_positions, quantization, shard, invariant,
-                            (kernels, no_kernels, group, device))
-    else:
-        loaded = _load_hf_dir(p, dtype, device, max_positions, name or p.name, quantization, shard, invariant,
-                              (kernels, no_kernels, group, device))
-    return loaded
+        return _load_gguf(p, dtype, max_positions, quantization, shard, runs_on)
+    return _load_hf_dir(p, dtype, max_positions, name or p.name, quantization, shard, runs_on)
 
 
 def _resolve(path) -> tuple[Path, str | None]:
@@ -151,8 +161,8 @@ def peek_config(path: str | os.PathLike | None) -> ModelConfig:
         raise CheckpointError(f"{p}/config.json cannot be read ({e}); pass a complete checkpoint directory") from None
 
 
-def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=None,
-               invariant: bool = False, runs_on=(None, "", None, torch.device("cpu"))) -> LoadedModel:
+def _load_gguf(p: Path, dtype, max_positions, quantization: str, shard: TensorShard | None,
+               runs_on: RunsOn) -> LoadedModel:
     from nanoserve.model.gguf import load_gguf
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
@@ -166,14 +176,14 @@ def _load_gguf(p: Path, dtype, device, max_positions, quantization: str, shard=N
         add_bos_token=ckpt.add_bos_token,
     )
     local = shard.local_config(config) if shard is not None else config
-    platform, fused = _platform(runs_on, dtype, shard, config, invariant)
-    model, quant = _build(local, iter(ckpt.tensors.items()), dtype, device, max_positions, quantization,
-                          head_blocks=ckpt.head_blocks, invariant=invariant, platform=platform)
+    platform, fused = _platform(runs_on, dtype, shard, config)
+    model, quant = _build(local, iter(ckpt.tensors.items()), dtype, runs_on.device, max_positions, quantization,
+                          head_blocks=ckpt.head_blocks, invariant=runs_on.invariant, platform=platform)
     return LoadedModel(p.stem, config, model, tokenizer, quant, fused)
 
 
-def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization: str, shard=None,
-                 invariant: bool = False, runs_on=(None, "", None, torch.device("cpu"))) -> LoadedModel:
+def _load_hf_dir(p: Path, dtype, max_positions, name: str, quantization: str, shard: TensorShard | None,
+                 runs_on: RunsOn) -> LoadedModel:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(
@@ -188,20 +198,20 @@ def _load_hf_dir(p: Path, dtype, device, max_positions, name: str, quantization:
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
     local = shard.local_config(config) if shard is not None else config
-    platform, fused = _platform(runs_on, dtype, shard, config, invariant)
-    model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, device, max_positions,
-                          quantization, invariant=invariant, platform=platform)
+    platform, fused = _platform(runs_on, dtype, shard, config)
+    model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, runs_on.device,
+                          max_positions, quantization, invariant=runs_on.invariant, platform=platform)
     return LoadedModel(name, config, model, tokenizer, quant, fused)
 
 
-def _platform(runs_on, dtype: torch.dtype, shard: TensorShard | None, config: ModelConfig,
-              invariant: bool) -> tuple[Platform, FusedStatus]:
+def _platform(runs_on: RunsOn, dtype: torch.dtype, shard: TensorShard | None,
+              config: ModelConfig) -> tuple[Platform, FusedStatus]:
     """What the model about to be built runs on: the fused kernels where its dtype allows, its shard's group, and
     (batch-invariant) the row multiples of its dense matmuls and of a bfloat16 head."""
-    kernels, no_kernels, group, device = runs_on
-    fused = fused_status(kernels, no_kernels, dtype)
+    fused = fused_status(runs_on.kernels, runs_on.no_kernels, dtype)
+    group = runs_on.group
     start = shard.vocab_start(config.vocab_size) if shard is not None and group is not None else 0
-    rows = row_multiples({dtype, torch.bfloat16}, device, invariant)
+    rows = row_multiples({dtype, torch.bfloat16}, runs_on.device, runs_on.invariant)
     return Platform(fused.kernels, group, start, dtype, rows), fused
 
 
