@@ -1,5 +1,6 @@
 """Config fields that change what a model computes are honoured or refused at load, never dropped: a checkpoint
-whose `hidden_act` is not SiLU is refused naming it; a `sliding_window` shorter than the context caps
+whose `hidden_act` is SiLU or GELU (exact or tanh) computes it, as transformers does on the same weights, and
+any other is refused naming it; a `sliding_window` shorter than the context caps
 max_model_len at the window (where attending to every earlier token is the window's attention) and refuses a
 longer one; Qwen's window counts only with `use_sliding_window`."""
 
@@ -30,8 +31,8 @@ def test_an_mlp_with_biases_is_refused():
     assert ModelConfig.from_hf({**BASE, "mlp_bias": False}).hidden_size == 64
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
-def test_an_activation_other_than_silu_is_refused_by_name(act):
+@pytest.mark.parametrize("act", ["relu", "gelu_fast", "silu_and_more"])
+def test_an_activation_the_mlp_does_not_compute_is_refused_by_name(act):
     with pytest.raises(CheckpointError, match=f"hidden_act '{act}'"):
         ModelConfig.from_hf({**BASE, "hidden_act": act})
     assert ModelConfig.from_hf({**BASE, "hidden_act": "silu"}).hidden_act == "silu"
@@ -49,9 +50,27 @@ def test_qwen_carries_a_window_it_uses_only_when_asked():
     assert ModelConfig.from_hf(layered).sliding_window == 64
 
 
-def test_a_real_checkpoint_with_a_gelu_mlp_does_not_load(tiny_checkpoint):
-    with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
-        Engine(EngineConfig(model=str(tiny_checkpoint("llama", hidden_act="gelu")), max_model_len=64,
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "gelu_new"])
+def test_a_gelu_mlp_computes_transformers_logits(tiny_checkpoint, act):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from nanoserve import LLM, SamplingParams
+
+    path = str(tiny_checkpoint("llama", hidden_act=act))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    llm = LLM(model=path, max_model_len=64, kv_cache_gib=0.01)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    got = [e[t].logprob for e, t in zip(out[0].prompt_logprobs[1:], prompt[1:])]
+    ref = [want[i, t].item() for i, t in enumerate(prompt[1:])]
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-3
+
+
+def test_a_real_checkpoint_with_another_activation_does_not_load(tiny_checkpoint):
+    with pytest.raises(CheckpointError, match="hidden_act 'relu'"):
+        Engine(EngineConfig(model=str(tiny_checkpoint("llama", hidden_act="relu")), max_model_len=64,
                             kv_cache_gib=0.01))
 
 

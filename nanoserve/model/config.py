@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.errors import CheckpointError
+from nanoserve.model.layers import ACTIVATIONS
 from nanoserve.models.registry import ARCHITECTURES
 
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -30,7 +31,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     torch_dtype: str | None
-    hidden_act: str = "silu"  # the MLP's gate activation: SiLU is what the decoder computes
+    hidden_act: str = "silu"  # the MLP's gate activation (nanoserve.model.layers.ACTIVATIONS)
     sliding_window: int | None = None  # attention reaches this many tokens back (None: every earlier token)
 
     @classmethod
@@ -90,10 +91,10 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise CheckpointError(f"config {name} must be positive, got {getattr(self, name)}")
-        if self.hidden_act not in SILU:
+        if self.hidden_act not in ACTIVATIONS:
             raise CheckpointError(
-                f"hidden_act {self.hidden_act!r} is not implemented: nanoserve's MLP computes SiLU(gate) * up, so "
-                f"this checkpoint would compute something else; it runs checkpoints whose hidden_act is 'silu'")
+                f"hidden_act {self.hidden_act!r} is not implemented: nanoserve's MLP computes act(gate) * up with "
+                f"act one of {', '.join(ACTIVATIONS)}, so this checkpoint would compute something else")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise CheckpointError(f"config sliding_window must be positive, got {self.sliding_window}")
         if self.rope_scaling is not None:
@@ -109,7 +110,6 @@ class ModelConfig:
                 )
 
 
-SILU = ("silu", "swish")  # transformers' names for one function
 ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 # Every field of the supported families' transformers configs is one of three kinds (tests/test_model_config_fields.py
 # walks transformers' config classes against them, so a field a new transformers adds fails until it is placed).

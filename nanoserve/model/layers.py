@@ -73,6 +73,31 @@ class SiluAndMul(FastAttributes, nn.Module):
         return F.silu(gate) * up
 
 
+class GeluAndMul(FastAttributes, nn.Module):
+    """gelu(gate) * up of a merged gate_up output: the exact erf GELU, or its tanh approximation (transformers'
+    gelu_pytorch_tanh and gelu_new compute the same function). No fused kernel: torch's ops on every machine."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+# hidden_act (transformers' names) -> the gated activation layer that computes it, chosen once at load
+ACTIVATIONS = {"silu": lambda kernels: SiluAndMul(kernels), "swish": lambda kernels: SiluAndMul(kernels),
+               "gelu": lambda kernels: GeluAndMul("none"),
+               "gelu_pytorch_tanh": lambda kernels: GeluAndMul("tanh"),
+               "gelu_new": lambda kernels: GeluAndMul("tanh")}
+
+
+def act_and_mul(hidden_act: str, kernels=None) -> nn.Module:
+    """The MLP's gated activation for `hidden_act` (ModelConfig.check refuses the ones not in ACTIVATIONS)."""
+    return ACTIVATIONS[hidden_act](kernels)
+
+
 class MergedLinear(FastAttributes, nn.Module):
     """Several checkpoint projections stored as one weight, so a step runs one larger matmul.
 

@@ -15,7 +15,7 @@ from nanoserve.kv.cache import KVCache
 from nanoserve.model.attrs import Embedding, FastAttributes, Linear
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope
+from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, act_and_mul, apply_rope
 from nanoserve.model.platform import EAGER, Platform
 from nanoserve.model.rescore import SHORTLIST, rescore_shortlist
 
@@ -99,7 +99,7 @@ class MLP(FastAttributes, nn.Module):
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
             row_multiple=platform.row_multiple(),
         )
-        self.act = SiluAndMul(platform.kernels)
+        self.act = act_and_mul(cfg.hidden_act, platform.kernels)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False,
                                 row_multiple=platform.row_multiple())
         self.reduce = platform.reduce()  # sums the row-parallel down_proj's partial outputs across ranks
