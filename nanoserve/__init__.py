@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from nanoserve import triton_env as _triton_env  # noqa: F401  (first: it sets TRITON_INTERPRET)
 
 if TYPE_CHECKING:
+    from nanoserve.beam_search import BeamSearchParams
     from nanoserve.config import EngineConfig
     from nanoserve.engine import Engine
     from nanoserve.llm import LLM
@@ -27,9 +28,10 @@ _PUBLIC = {
     "StructuredOutputsParams": "nanoserve.structured.params",
     "RequestOutput": "nanoserve.outputs",
     "CompletionOutput": "nanoserve.outputs",
+    "BeamSearchParams": "nanoserve.beam_search",
 }
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "BeamSearchParams"]
 __version__ = "0.1.0"
 
 

@@ -1,4 +1,4 @@
-"""LLM: the offline API, shaped like vLLM's so scripts carry over (generate, chat, get_tokenizer)."""
+"""LLM: the offline API, shaped like vLLM's so scripts carry over (generate, chat, beam_search, get_tokenizer)."""
 
 from __future__ import annotations
 
@@ -94,6 +94,32 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params, use_tqdm: bool = False) -> list:
+        """vLLM's offline beam search (nanoserve.beam_search): per prompt, a BeamSearchOutput whose `sequences`
+        are the `beam_width` best beams, best first, each with the prompt's tokens and its own, and their text."""
+        import asyncio
+
+        from nanoserve.beam_search import BeamSearchOutput, BeamSearchSequence, beam_search
+
+        ends = set(self.engine.tokenizer.eos_token_ids)
+        outputs = []
+        for i, prompt in enumerate(_as_prompt_list(prompts)):
+            text_or_ids, _ = _prompt_input(prompt, i)
+            ids = self.engine.tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
+            beams = asyncio.run(beam_search(self._beam_step, ids, params, ends))
+            outputs.append(BeamSearchOutput([BeamSearchSequence(
+                ids + b.tokens, b.logprobs, b.cum_logprob,
+                self.engine.tokenizer.decode(ids + b.tokens, skip_special_tokens=params.skip_special_tokens),
+                b.finish_reason, b.stop_reason) for b in beams]))
+        return outputs
+
+    async def _beam_step(self, prompts: list[list[int]], alternatives: int, allowed) -> list:
+        """One token of every beam, with the logprobs the search reads (run to its end here: this is offline)."""
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False,
+                                logprobs=alternatives, logprob_token_ids=allowed)
+        done = self.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [out.outputs[0].logprobs.entries()[0] for out in done]
 
     @staticmethod
     def _params_for(n: int, sampling_params) -> list[SamplingParams]:

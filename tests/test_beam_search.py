@@ -29,14 +29,35 @@ def server(ckpt):
         yield s
 
 
-def test_the_beams_are_transformers_beams_on_the_same_weights(server, ckpt):
-    """No end token within reach (its logit masked in both): the n best sequences of 4 tokens, best first."""
+@pytest.fixture(scope="module")
+def transformers_beams(ckpt) -> list[list[int]]:
+    """transformers' 3 best beams of 4 tokens after PROMPT, best first (no end token: min_new_tokens masks it)."""
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([PROMPT]), num_beams=3, num_return_sequences=3, max_new_tokens=4,
                              min_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    want = [seq[len(PROMPT):].tolist() for seq in out.sequences]
+    return [seq[len(PROMPT):].tolist() for seq in out.sequences]
+
+
+def test_the_offline_beams_are_transformers_beams(ckpt, transformers_beams):
+    from nanoserve import LLM, BeamSearchParams
+
+    llm = LLM(model=str(ckpt), max_model_len=128, kv_cache_gib=0.01)
+    (out,) = llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=3, max_tokens=4,
+                                                                              ignore_eos=True))
+    assert [s.tokens[len(PROMPT):] for s in out.sequences] == transformers_beams
+    assert [s.tokens[:len(PROMPT)] for s in out.sequences] == [PROMPT] * 3  # vLLM's: the prompt's tokens first
+    scores = [s.cum_logprob for s in out.sequences]
+    assert scores == sorted(scores, reverse=True) and all(len(s.logprobs) == 4 for s in out.sequences)
+    assert out.sequences[0].text == llm.get_tokenizer().decode(out.sequences[0].tokens)
+    with pytest.raises(Exception, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=3, temperature=0.7)
+
+
+def test_the_beams_are_transformers_beams_on_the_same_weights(server, transformers_beams):
+    """No end token within reach: the n best sequences of 4 tokens, best first, over the openai SDK."""
+    want = transformers_beams
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=3, temperature=0,
@@ -80,7 +101,7 @@ def test_the_ranking_divides_by_length_and_an_end_token_finishes_a_beam():
     lp = math.log
     table = {(): {5: lp(0.6), end: lp(0.4)}, (5,): {6: lp(0.5), 7: lp(0.5)}, (5, 6): {8: lp(1.0)},
              (5, 7): {8: lp(1.0)}}
-    params = BeamSearchParams(width=2, max_tokens=3, length_penalty=1.0)
+    params = BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=1.0)
     best = asyncio.run(beam_search(_scripted(table), [0], params, {end}))
     # [end] scores log 0.4 / 1 = -0.92; [5, 6, 8] scores log 0.3 / 3 = -0.40: the long one wins per token
     assert [(b.tokens, b.finish_reason) for b in best] == [([5, 6, 8], "length"), ([5, 7, 8], "length")]

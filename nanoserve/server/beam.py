@@ -36,8 +36,9 @@ def search_params(body, engine, prompt_len: int) -> BeamSearchParams:
     if body.allowed_token_ids is None and max_logprobs != -1 and 2 * body.n > max_logprobs:
         raise APIError(400, f"a beam search of width {body.n} reads the top {2 * body.n} logprobs a step, past this "
                             f"server's --max-logprobs {max_logprobs}; send n <= {max_logprobs // 2}", param="n")
-    return BeamSearchParams(body.n, max_tokens, body.ignore_eos, body.length_penalty or 1.0,
-                            body.include_stop_str_in_output, tuple(body.allowed_token_ids or ()) or None)
+    return BeamSearchParams(body.n, max_tokens, body.ignore_eos, 0.0, body.length_penalty or 1.0,
+                            body.include_stop_str_in_output, body.skip_special_tokens,
+                            tuple(body.allowed_token_ids or ()) or None)
 
 
 class EngineSteps:
