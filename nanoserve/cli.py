@@ -145,7 +145,8 @@ def cmd_serve(args) -> int:
                     header_timeout=args.header_timeout, body_timeout=args.body_timeout, tool_call_parser=args.tool_call_parser,
                     prompt_tokens_details=args.enable_prompt_tokens_details, data_parallel=data_parallel,
                     force_include_usage=args.enable_force_include_usage,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    per_request_metrics=args.enable_per_request_metrics)
     server.run()
     return 0
 
@@ -204,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every streamed completion and chat completion carries its usage so far on every "
                             "chunk and ends with a usage chunk, as if it sent stream_options include_usage and "
                             "continuous_usage_stats (vLLM's flag)")
+    serve.add_argument("--enable-per-request-metrics", action="store_true",
+                       help="a one-sequence completion or chat completion carries vLLM's timing object `metrics` "
+                            "(time to first token, generation, queue, mean inter-token latency, tokens per "
+                            "second), whole or on a stream's final usage chunk (vLLM's flag)")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens as 'token_id:N' on every request, as if each sent "
                             "return_tokens_as_token_ids (vLLM's flag)")

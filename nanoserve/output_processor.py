@@ -178,7 +178,7 @@ class OutputProcessor:
             prompt_logprobs = LogprobSequence(first.prompt_logprobs, text)
         metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.num_preemptions,
                                  req.spec_draft_tokens, req.spec_accepted_tokens, req.first_scheduled_time,
-                                 req.max_tokens, req.params.n)
+                                 req.max_tokens, req.params.n, req.last_token_time)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_tuple, [completion], done, delta, delta_ids, metrics,
             prompt_logprobs, first.num_cached_tokens, req.error, first.num_cache_written_tokens,

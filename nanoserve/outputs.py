@@ -164,6 +164,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None  # its queue time ends here (None: never scheduled, aborted waiting)
     max_tokens: int | None = None  # what it could generate (params.max_tokens, or what the context left)
     n: int = 1  # its request's n
+    last_token_time: float | None = None  # its latest token's
 
 
 @dataclass(frozen=True)

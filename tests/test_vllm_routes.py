@@ -241,3 +241,27 @@ def test_force_include_usage_and_token_ids_as_names_are_server_wide(tiny_checkpo
         assert [c.usage.completion_tokens for c in chunks] == sorted(c.usage.completion_tokens for c in chunks)
         done = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, logprobs=1)
         assert all(t.startswith("token_id:") for t in done.choices[0].logprobs.tokens)
+
+
+def test_per_request_metrics_time_one_sequence_whole_and_on_the_final_usage_chunk(tiny_checkpoint):
+    """vLLM's --enable-per-request-metrics, read through the openai SDK as vLLM's own test reads it."""
+    with tiny_server_running(tiny_checkpoint("llama"), per_request_metrics=True) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        whole = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4,
+                                               extra_body={"min_tokens": 4})
+        timing = whole.model_extra["metrics"]
+        assert set(timing) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                               "tokens_per_second"} and all(v >= 0 for v in timing.values())
+        assert timing["mean_itl_ms"] == pytest.approx(timing["generation_time_ms"] / 3)
+        chunks = list(client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert all("metrics" not in (c.model_extra or {}) for c in chunks[:-1])
+        last = chunks[-1].model_extra["metrics"]
+        assert "mean_itl_ms" not in last and last["tokens_per_second"] > 0  # one token: no gap between tokens
+        legacy = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+        assert legacy.model_extra["metrics"]["generation_time_ms"] >= 0
+        two = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, n=2)
+        assert "metrics" not in two.model_extra  # two sequences: no one request to time (as vLLM)
+    with tiny_server_running(tiny_checkpoint("llama")) as s:  # off by default
+        assert "metrics" not in httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi",
+                                                                           "max_tokens": 2}).json()

@@ -54,14 +54,16 @@ ROUTE_MODULES = (routes_ops, routes_models, routes_tokens, routes_generate, rout
 def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
               prompt_tokens_details: bool = False, body_timeout: float = BODY_TIMEOUT_S,
-              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
+              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
+              per_request_metrics: bool = False) -> FastAPI:
     """`trust_request_chat_template`: a chat request may bring its own template (vLLM's flag of that name);
     a template is code the server renders, so without it such a request is refused. `tool_call_parser` names
     the format tool_choice 'auto' reads calls in, when the chat template's own is not the one to use.
     `prompt_tokens_details` off leaves usage.prompt_tokens_details (cached tokens) out, as vLLM does without
     --enable-prompt-tokens-details. The waiting queue's limit is the host's (EngineHost(max_waiting=...)): it
     is checked on the engine thread, where it cannot race. A request's whole body must arrive within
-    `body_timeout` seconds (guard.py)."""
+    `body_timeout` seconds (guard.py). `per_request_metrics`: vLLM's timing object on one-sequence answers
+    (server/request_timing.py)."""
     app = FastAPI(title="nanoserve", version=server_version())
     load = LoadTracker()
     app.add_middleware(ServerLoad, tracker=load, named=lambda: _load_figures(host))  # inside the guard
@@ -72,7 +74,7 @@ def build_app(host: EngineHost, model_name: str, api_key: str | None = None, max
     app.add_middleware(CountRefusals, refusals=host.refusals)  # added last: outermost, it sees the guard's answers
     ctx = RouteContext(host, model_name, Metrics(host.stats, model_name, host.engine_stats), trust_request_chat_template,
                        tool_call_parser, prompt_tokens_details, force_include_usage, return_tokens_as_token_ids,
-                       load)
+                       load, per_request_metrics)
     install_openapi(app, lambda: host.serving().max_model_len)
     _install_error_handlers(app)
     for module in ROUTE_MODULES:

@@ -33,7 +33,7 @@ class ChatResponder:
                 "choices": [self._choice_json(c) for c in self.fanout.choices], "usage": usage(*self.fanout.usage_counts()),
                 "service_tier": None, "system_fingerprint": None, "prompt_logprobs": None, "prompt_token_ids": None,
                 "kv_transfer_params": None,  # vLLM's fields, null when not asked for (clients read them)
-                **self._prompt_fields()}
+                **self._prompt_fields(), **self.fanout.timing_field()}
         if self.body.prompt_logprobs is not None:
             scored = self.fanout.prompt_logprobs[0]
             body["prompt_logprobs"] = prompt_logprobs_json(scored.entries(), self.name) if scored else None
@@ -72,7 +72,8 @@ class ChatResponder:
                 yield self._chunk(choice, {}, self._new_logprobs(choice), reason)
         options = self.body.stream_options
         if options is not None and options.include_usage:
-            yield {**self.base, "choices": [], "usage": usage(*self.fanout.usage_counts())}
+            yield {**self.base, "choices": [], "usage": usage(*self.fanout.usage_counts()),
+                   **self.fanout.timing_field()}
 
     def _prompt_fields(self) -> dict:
         """vLLM's top-level prompt fields, on the whole response or the first chunk. A batch's prompts are one per

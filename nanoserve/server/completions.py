@@ -49,7 +49,8 @@ class CompletionResponder:
         choices = [self._choice_json(c) for c in self.fanout.choices]
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(*self._usage()), "service_tier": None, "system_fingerprint": None,
-                "kv_transfer_params": None}  # vLLM's fields, null when not asked for (clients read them)
+                "kv_transfer_params": None,  # vLLM's fields, null when not asked for (clients read them)
+                **self.fanout.timing_field()}
 
     def stream(self):
         return sse(self._events())
@@ -68,7 +69,7 @@ class CompletionResponder:
                 yield self._chunk(choice, out.delta_text, self._new_logprobs(choice), c.finish_reason)
         options = self.body.stream_options
         if options is not None and options.include_usage:
-            yield {**self._base(), "choices": [], "usage": usage(*self._usage())}
+            yield {**self._base(), "choices": [], "usage": usage(*self._usage()), **self.fanout.timing_field()}
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _base(self) -> dict:

@@ -155,6 +155,7 @@ class RouteContext:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: usage on every chunk of a stream
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's default
     load: LoadTracker = field(default_factory=LoadTracker)  # generation requests in flight (GET /load)
+    per_request_metrics: bool = False  # vLLM's --enable-per-request-metrics: timing on one-sequence answers
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -197,5 +198,6 @@ class RouteContext:
     async def fanout(self, engine, prompts: list[list[int]], params, rid: str, body) -> Fanout:
         """The request's grammar compiled, then its prompts (n each) admitted to the engine as one Fanout."""
         await compiled(engine, params)
-        return await Fanout(self.host, prompts, params, rid, self.prompt_tokens_details).open(
+        return await Fanout(self.host, prompts, params, rid, self.prompt_tokens_details,
+                            self.per_request_metrics).open(
             body.user, body.cache_salt, body.session_id, streamed=bool(getattr(body, "stream", False)))

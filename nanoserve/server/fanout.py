@@ -18,6 +18,7 @@ from nanoserve.errors import NanoserveError
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.host import EngineHost
+from nanoserve.server.request_timing import timing_metrics
 
 
 @dataclass
@@ -34,10 +35,12 @@ class Choice:
 
 class Fanout:
     def __init__(self, host: EngineHost, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                 cached_details: bool = False):
-        """`cached_details`: OpenAI usage carries prompt_tokens_details (--enable-prompt-tokens-details)."""
+                 cached_details: bool = False, timed: bool = False):
+        """`cached_details`: OpenAI usage carries prompt_tokens_details (--enable-prompt-tokens-details);
+        `timed`: a one-sequence answer carries vLLM's per-request `metrics` (--enable-per-request-metrics)."""
         self.host, self.prompts, self.params, self.request_id = host, prompts, params, request_id
-        self.cached_details = cached_details
+        self.cached_details, self.timed = cached_details, timed
+        self.timings: list = [None] * len(prompts)  # per prompt, its latest RequestMetrics
         self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
         self.prompt_logprobs: list = [None] * len(prompts)  # per prompt, once its prefill is done
         self.cached_tokens: list[int | None] = [None] * len(prompts)  # per prompt, from the prefix cache
@@ -74,6 +77,8 @@ class Fanout:
                     self.prompt_logprobs[p] = out.prompt_logprobs
                 if out.num_cached_tokens is not None:
                     self.cached_tokens[p] = out.num_cached_tokens
+                if out.metrics is not None:
+                    self.timings[p] = out.metrics
                 if out.num_cache_written_tokens is not None:
                     self.written_tokens[p] = out.num_cache_written_tokens
                 yield choice, out
@@ -94,6 +99,13 @@ class Fanout:
         None unless --enable-prompt-tokens-details, and 0 under it while the prefix cache is off, as vLLM says."""
         prompt, completion, cached, _ = self.token_counts()
         return prompt, completion, (cached or 0) if self.cached_details else None
+
+    def timing_field(self) -> dict:
+        """{"metrics": ...} for an answer of one sequence under --enable-per-request-metrics, else {}."""
+        if not self.timed or len(self.prompts) != 1 or self.params.n != 1:
+            return {}
+        completion = self.choices[0].completion
+        return {"metrics": timing_metrics(self.timings[0], len(completion.token_ids) if completion else 0)}
 
     def new_token_ids(self, choice: Choice) -> list[int]:
         """The generated ids of `choice` not yet streamed (return_token_ids), marked as streamed."""

@@ -33,7 +33,7 @@ class Server:
                  limit_concurrency: int | None = 1000, header_timeout: float = 15.0,
                  prompt_tokens_details: bool = False, data_parallel: DataParallel | None = None,
                  body_timeout: float = BODY_TIMEOUT_S, force_include_usage: bool = False,
-                 return_tokens_as_token_ids: bool = False):
+                 return_tokens_as_token_ids: bool = False, per_request_metrics: bool = False):
         """`progress` (a callable taking a phase name) hears the engine's start-up phases.
 
         On a stop, requests in flight get `shutdown_timeout` seconds to finish before they are aborted.
@@ -59,7 +59,8 @@ class Server:
                              trust_request_chat_template=trust_request_chat_template,
                              tool_call_parser=tool_call_parser, prompt_tokens_details=prompt_tokens_details,
                              body_timeout=body_timeout, force_include_usage=force_include_usage,
-                             return_tokens_as_token_ids=return_tokens_as_token_ids)
+                             return_tokens_as_token_ids=return_tokens_as_token_ids,
+                             per_request_metrics=per_request_metrics)
         self.address = (host, self.socket.getsockname()[1])
         config = uvicorn.Config(self.app, host=host, port=self.address[1], log_level="warning",
                                 http=header_timeout_protocol(header_timeout), limit_concurrency=limit_concurrency,

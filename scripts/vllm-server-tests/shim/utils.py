@@ -80,7 +80,7 @@ FLAG_TABLE: dict[str, tuple[str, int, str]] = {
     "--enable-prompt-embeds": ("feature", 0, "prompt embeds"),
     "--enable-tokenizer-info-endpoint": ("feature", 0, "/tokenizer_info endpoint"),
     "--enable-server-load-tracking": ("feature", 0, "server load tracking (/load)"),
-    "--enable-per-request-metrics": ("feature", 0, "per-request metrics"),
+    "--enable-per-request-metrics": ("pass", 0, ""),
     "--watermark-config": ("feature", 1, "watermarking"),
     "--hf-overrides": ("feature", 1, "--hf-overrides"),
     "--structured-outputs-config.backend": ("drop", 1, "nanoserve has one structured-output backend"),
