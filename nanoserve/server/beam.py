@@ -23,12 +23,15 @@ from nanoserve.server.fanout import Fanout
 from nanoserve.server.prompts import completion_prompts, rendered_chat
 from nanoserve.server.responses import usage
 
+
 def search_params(body, engine, prompt_len: int) -> BeamSearchParams:
     """The search one request asks for: n beams, each within the context (a 400 says what does not fit)."""
     room = engine.max_model_len - prompt_len
     limit = body.token_limit()
     max_tokens = room if limit is None else limit
-    if max_tokens > room or max_tokens < 1:
+    if max_tokens < 1:
+        raise APIError(400, "a beam search generates at least one token; send max_tokens >= 1", param="max_tokens")
+    if max_tokens > room:
         raise APIError(400, f"the prompt has {prompt_len} tokens and beams of {max_tokens} more would pass "
                             f"max_model_len {engine.max_model_len}; send fewer max_tokens, or a shorter prompt",
                        param="max_tokens")
@@ -62,7 +65,8 @@ async def search_all(ctx: RouteContext, body, engine, rid: str, prompts: list[li
     """Each prompt's best beams (the prompts one after another: each search's steps are one batch already)."""
     ends = set(engine.tokenizer.eos_token_ids) | set(body.stop_token_ids or ())
     steps = EngineSteps(ctx, body, rid)
-    return [await beam_search(steps, ids, search_params(body, engine, len(ids)), ends) for ids in prompts]
+    searches = [search_params(body, engine, len(ids)) for ids in prompts]  # every prompt checked before any runs
+    return [await beam_search(steps, ids, params, ends) for ids, params in zip(prompts, searches)]
 
 
 def _text(engine, body, beam: Beam) -> str:

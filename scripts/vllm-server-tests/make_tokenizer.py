@@ -1,10 +1,13 @@
 """Extract the default model's tokenizer (SmolLM2-135M-Instruct, from the GGUF nanoserve embeds) into an HF
 tokenizer dir, so tests calling get_tokenizer(MODEL_NAME) can run offline. Runs under /work/main/.venv."""
-import json, sys
+import json
+import sys
 from pathlib import Path
+
 import torch
-from nanoserve.model.loader import default_model_path
+
 from nanoserve.model.gguf import load_gguf
+from nanoserve.model.loader import default_model_path
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)

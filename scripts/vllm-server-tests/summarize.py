@@ -41,7 +41,7 @@ out = ["# vLLM 0.33.0 server tests vs nanoserve: summary", "",
 for name, c in rows:
     out.append(f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']} | {c['errors']} |")
 out += ["", "## Failures and errors", ""]
-for f, tid, k, msg, feats in fails:
+for _file, tid, k, msg, feats in fails:
     out.append(f"- [{k}] `{tid}` — {msg}" + (f"  (server dropped: {feats})" if feats else ""))
 (res / "summary.md").write_text("\n".join(out) + "\n")
 print("\n".join(out[:4]))

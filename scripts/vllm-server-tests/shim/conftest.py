@@ -10,7 +10,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
-import pytest_asyncio
 
 TOKENIZER_DIR = os.environ.get("HARNESS_TOKENIZER_DIR", "/work/vllm-harness/tokenizer")
 
@@ -175,8 +174,7 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
+    yield
     if call.when in ("setup", "call"):
         feats = sorted({f for fs in list(_live.values()) + _started_in_test for f in fs})
         if feats and not any(k == "dropped_features" for k, _ in item.user_properties):

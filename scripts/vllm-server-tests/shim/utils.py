@@ -12,12 +12,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import requests
 
