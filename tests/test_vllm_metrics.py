@@ -100,6 +100,10 @@ def test_histograms_have_vllms_buckets_and_add_up(scraped):
         counts = [s.value for s in buckets]
         assert counts == sorted(counts) and counts[-1] == sample(families, family, family + "_count")
     assert families["vllm:request_params_n"].type == "histogram"
+    (info,) = families["vllm:cache_config_info"].samples  # the pool as endpoint pickers read it
+    tokens = int(info.labels["num_gpu_blocks"]) * int(info.labels["block_size"])
+    assert int(info.labels["kv_cache_size_tokens"]) == tokens > 0
+    assert float(info.labels["kv_cache_max_concurrency"]) == round(tokens / 256, 2)  # max_model_len 256
     assert families["vllm:num_requests_waiting_by_reason"].type == "gauge"
     assert families["vllm:prompt_tokens"].type == "counter"
 

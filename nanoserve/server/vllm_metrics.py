@@ -138,12 +138,16 @@ def _bound(value: float) -> str:
 
 
 def _cache_config_info(model, engines) -> GaugeMetricFamily | None:
-    """vLLM's cache_config_info: the pool's size in blocks, which endpoint pickers read."""
+    """vLLM's cache_config_info: the pool's size in blocks and tokens, and how many requests of max_model_len it
+    holds at once, which endpoint pickers read."""
     info = None
     for engine, s in engines:
+        tokens = s.kv.blocks_total * s.kv.block_size
         config = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.blocks_total, "num_cpu_blocks": 0,
                   "cache_dtype": s.dtype, "enable_prefix_caching": s.prefix_cache.enabled,
-                  "gpu_memory_utilization": s.flags.get("gpu_memory_utilization"), "device": s.device}
+                  "gpu_memory_utilization": s.flags.get("gpu_memory_utilization"), "device": s.device,
+                  "kv_cache_size_tokens": tokens,
+                  "kv_cache_max_concurrency": round(tokens / s.max_model_len, 2) if s.max_model_len else 0}
         if info is None:
             info = GaugeMetricFamily(V + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                      labels=[*LABELS, *config])
