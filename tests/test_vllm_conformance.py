@@ -263,3 +263,19 @@ def test_a_chat_prompt_a_router_already_tokenized_is_used_verbatim(server):
             "out of vocabulary")
     refused(post(server, "/v1/completions", {**COMPLETION, "kv_transfer_params": {"prompt_token_ids": [1]}}),
             "send the ids as the prompt")
+
+
+def test_usage_as_the_openai_sdk_reads_it(server, open_server):
+    """prompt_tokens_details only under its flag (0 with the cache off), and a stream asked for no usage gets
+    none, continuous_usage_stats or not: read through the openai SDK, as vLLM's tests read them."""
+    openai = pytest.importorskip("openai")
+    plain, detailed = (openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+                       for s in (server, open_server))
+    asked = dict(model="tiny", prompt="Once upon a time", max_tokens=2, temperature=0)
+    assert plain.completions.create(**asked).usage.prompt_tokens_details is None
+    assert detailed.completions.create(**asked).usage.prompt_tokens_details.cached_tokens == 0
+    quiet = list(plain.completions.create(**asked, stream=True,
+                                          stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert quiet and all(chunk.usage is None for chunk in quiet)
+    with pytest.raises(openai.BadRequestError, match="include_usage"):
+        plain.completions.create(**asked, stream=True, stream_options={"continuous_usage_stats": True})
