@@ -70,6 +70,8 @@ SAMPLING_HELP: dict[str, str] = {
     "logit_bias": "add BIAS (-100..100) to token ID's logit before the pick (repeatable ID=BIAS)",
     "allowed_token_ids": "sample only among these token ids (repeatable, or a comma list)",
     "bad_words": "a word the output must never complete (repeatable)",
+    "logprob_token_ids": "with --logprobs: the alternatives printed at each position are exactly these token ids "
+                         "(and the sampled one), in place of the top N (repeatable, or a comma list)",
     "structured_outputs": "constrain the output, as JSON: {\"json\": SCHEMA}, {\"json_object\": true}, "
                           "{\"regex\": RE}, {\"choice\": [A, B]} or {\"grammar\": LARK_OR_GBNF}",
 }
