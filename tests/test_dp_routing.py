@@ -30,7 +30,10 @@ def test_the_chain_is_the_kv_managers_own():
 
     class Req:
         serial, prompt_logprobs, cache_salt, num_tokens, num_computed = 1, None, None, len(ids), 0
-        blocks, num_cached_tokens = [], None
+        blocks, num_cached_tokens, prompt_ids = [], None, ids
+
+        def __init__(self):
+            self.cache_written = {}
 
         def tokens(self, a, b):
             return ids[a:b]

@@ -206,12 +206,12 @@ def test_logprob_token_ids_score_exactly_those_ids_with_the_whole_vocabularys_nu
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=open_server.url + "/v1", api_key="none", max_retries=0)
     asked = [17, 3, 40]
-    base = dict(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0, logprobs=True)
+    base = dict(model="tiny", messages=CHAT["messages"], max_tokens=2, temperature=0, logprobs=True)
     extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
     whole = client.chat.completions.create(**base, top_logprobs=-1, extra_body=extra).choices[0].logprobs.content
     picked = client.chat.completions.create(**base, top_logprobs=5, extra_body={**extra, "logprob_token_ids": asked})
     positions = picked.choices[0].logprobs.content
-    assert len(positions) == len(whole) == 4
+    assert len(positions) == len(whole) == 2
     for p, w in zip(positions, whole):
         sampled, full, got = int(p.token.removeprefix("token_id:")), _ids_of(w.top_logprobs), _ids_of(p.top_logprobs)
         assert p.token == w.token and p.logprob == w.logprob
