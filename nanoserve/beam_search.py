@@ -51,7 +51,6 @@ class Beam:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per step, the end token's included
     finish_reason: str = "length"
     stop_reason: int | None = None
-    text: str | None = None  # filled in when the beam is returned
 
     def score(self, length_penalty: float) -> float:
         """Cumulative logprob over generated length ** length_penalty (an end token counts)."""

@@ -63,6 +63,7 @@ def test_the_beams_are_transformers_beams_on_the_same_weights(server, transforme
     got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=3, temperature=0,
                                     extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True})
     assert [c.token_ids for c in got.choices] == want
+    assert all(c.model_extra["prompt_token_ids"] == PROMPT for c in got.choices)  # return_token_ids: both ids
     assert [c.index for c in got.choices] == [0, 1, 2] and all(c.finish_reason == "length" for c in got.choices)
     assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(PROMPT)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], n=2,

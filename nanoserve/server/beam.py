@@ -76,7 +76,7 @@ def _text(engine, body, beam: Beam) -> str:
     return engine.tokenizer.decode(tokens, skip_special_tokens=body.skip_special_tokens)
 
 
-def _choice(engine, body, beam: Beam, index: int) -> dict:
+def _choice(body, beam: Beam, index: int) -> dict:
     return {"index": index, "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason, "logprobs": None,
             "token_ids": list(beam.tokens) if body.return_token_ids else None}
 
@@ -87,8 +87,8 @@ async def complete_with_beams(ctx: RouteContext, body, request: Request) -> dict
                                                 engine.model_config.vocab_size, engine.max_model_len)]
     rid = ctx.request_id(body, "cmpl")
     found = await unless_disconnected(request, search_all(ctx, body, engine, rid, prompts))
-    choices = [{**_choice(engine, body, beam, p * body.n + i), "text": _text(engine, body, beam),
-                "prompt_logprobs": None}
+    choices = [{**_choice(body, beam, p * body.n + i), "text": _text(engine, body, beam),
+                "prompt_logprobs": None, "prompt_token_ids": list(prompts[p]) if body.return_token_ids else None}
                for p, beams in enumerate(found) for i, beam in enumerate(beams)]
     return _answer(rid, "text_completion", ctx.model_name, choices, prompts, found)
 
@@ -99,10 +99,11 @@ async def chat_with_beams(ctx: RouteContext, body, request: Request) -> dict:
     _, ids = await rendered_off_loop(request, rendered_chat, body, engine.tokenizer, None, engine.max_model_len)
     rid = ctx.request_id(body, "chatcmpl")
     found = await unless_disconnected(request, search_all(ctx, body, engine, rid, [ids]))
-    choices = [{**_choice(engine, body, beam, i),
+    choices = [{**_choice(body, beam, i),
                 "message": {"role": "assistant", "content": _text(engine, body, beam)}}
                for i, beam in enumerate(found[0])]
-    return _answer(rid, "chat.completion", ctx.model_name, choices, [ids], found)
+    answer = _answer(rid, "chat.completion", ctx.model_name, choices, [ids], found)
+    return {**answer, "prompt_token_ids": list(ids) if body.return_token_ids else None}
 
 
 def _answer(rid: str, kind: str, model: str, choices: list[dict], prompts: list[list[int]],
