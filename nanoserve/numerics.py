@@ -11,12 +11,10 @@ from collections import Counter
 import torch
 from torch import nn
 
-from nanoserve.model.layers import MergedLinear
+from nanoserve.model.linear import LinearLayer
 from nanoserve.model.quant.linears import ACT, BF16Linear, PackedLinear
 from nanoserve.model.rescore import SHORTLIST
 from nanoserve.stats import Numerics
-
-LINEARS = (nn.Linear, MergedLinear, PackedLinear, BF16Linear)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -24,7 +22,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _form(module: nn.Module) -> str:
-    """A linear's weight form: a packed format, the bfloat16 copy, or its weight's dtype."""
+    """A projection's weight form: its packed module's format, the bfloat16 copy, or its weight's dtype."""
+    if isinstance(module, LinearLayer) and module.packed is not None:
+        return _form(module.packed)
     if isinstance(module, PackedLinear):
         return module.format
     if isinstance(module, BF16Linear):
@@ -36,11 +36,11 @@ def numerics_of(model: nn.Module, kv_dtype: torch.dtype, determinism: str = "") 
     """`model` as loaded (a decoder with `layers`, `embed_tokens`, `lm_head`), its KV cache's dtype, and what
     the engine says of its determinism (see Engine)."""
     model_dtype = _name(model.embed_tokens.weight.dtype)
-    linears = Counter(_form(m) for m in model.layers.modules() if isinstance(m, LINEARS))
+    linears = Counter(_form(m) for m in model.layers.modules() if isinstance(m, LinearLayer))
     main = "+".join(form for form, _ in linears.most_common()) or model_dtype
     head = _form(model.lm_head)
-    if getattr(model, "exact_head", None) is not None:
-        head += f" + {_name(model.exact_head.dtype)} top {SHORTLIST}"
+    if model.lm_head.exact is not None:
+        head += f" + {_name(model.lm_head.exact.dtype)} top {SHORTLIST}"
     others = [f"{part} {form}" for part, form in (("head", head), ("rest", model_dtype)) if form != main]
     weights = main + (f" ({', '.join(others)})" if others else "")
     cast = [m for m in model.modules() if isinstance(m, PackedLinear | BF16Linear)]

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from nanoserve.model.attrs import FastAttributes, Linear
+from nanoserve.model.attrs import FastAttributes
 from nanoserve.model.layers import RMSNorm
+from nanoserve.model.linear import RowParallelLinear
 
 
 class Holder(FastAttributes, nn.Module):
@@ -64,7 +65,7 @@ def test_apply_replaces_the_mirrored_tensors_with_the_converted_ones():
 
 
 def test_load_state_dict_with_assign_and_the_state_dict_read_the_registries():
-    lin = Linear(4, 2, bias=False)
+    lin = RowParallelLinear(4, 2)
     new = torch.randn(2, 4)
     lin.load_state_dict({"weight": new}, assign=True)
     assert lin.weight is lin._parameters["weight"]

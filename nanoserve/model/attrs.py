@@ -12,10 +12,6 @@ registries stay the truth that state_dict, `.parameters()` and `.to()` read.
 
 from __future__ import annotations
 
-from torch import nn
-
-from nanoserve.model.rows import linear_rows
-
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 
@@ -72,25 +68,3 @@ class FastAttributes:
             for name in list(self.__dict__[store]):
                 self._mirror(name)
         return result
-
-
-class Linear(FastAttributes, nn.Linear):
-    """nn.Linear with FastAttributes (the dense projections and the output head), its rows padded to
-    `row_multiple` (nanoserve/model/rows.py), given when it is built."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, row_multiple: int = 1, **kwargs):
-        super().__init__(in_features, out_features, bias, **kwargs)
-        self.row_multiple = row_multiple
-
-    @property
-    def matmul_dtype(self):
-        return self.weight.dtype
-
-    input_dtype = matmul_dtype  # what a caller should hand forward
-
-    def forward(self, x):
-        return linear_rows(x, self.weight, self.bias, self.row_multiple)
-
-
-class Embedding(FastAttributes, nn.Embedding):
-    """nn.Embedding with FastAttributes."""

@@ -1,6 +1,7 @@
-"""The decoder's building blocks: norm, activation, rotary embedding, and the merged projections that load by
-mapping. A layer that has a fused CPU kernel is given the kernels (or None) when it is built, at load: which code
-runs is decided then, once, from the machine and the model's dtype, and a model's forward is one path."""
+"""The decoder's building blocks: norm, activation and rotary embedding (the projections are in linear.py).
+
+A layer that has a fused CPU kernel is given the kernels (or None) when it is built, at load: which code runs is
+decided then, once, from the machine and the model's dtype, and a model's forward is one path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.attrs import FastAttributes
-from nanoserve.model.rows import linear_rows
 
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
@@ -96,48 +96,6 @@ ACTIVATIONS = {"silu": lambda kernels: SiluAndMul(kernels), "swish": lambda kern
 def act_and_mul(hidden_act: str, kernels=None) -> nn.Module:
     """The MLP's gated activation for `hidden_act` (ModelConfig.check refuses the ones not in ACTIVATIONS)."""
     return ACTIVATIONS[hidden_act](kernels)
-
-
-class MergedLinear(FastAttributes, nn.Module):
-    """Several checkpoint projections stored as one weight, so a step runs one larger matmul.
-
-    Each shard knows its row range; the loader calls `load_shard` with the checkpoint's name for it, and
-    counts the projection loaded only when every shard in `offsets` (and each bias shard) has arrived.
-    """
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, row_multiple: int = 1):
-        super().__init__()
-        self.row_multiple = row_multiple  # rows of a call are padded to this (nanoserve/model/rows.py)
-        self.offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, rows in shards.items():
-            self.offsets[name] = (start, start + rows)
-            start += rows
-        self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(start), requires_grad=False) if bias else None
-        self.sizes = list(shards.values())
-
-    def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
-        lo, hi = self.offsets[shard]
-        target = getattr(self, kind)
-        if target is None:
-            raise ValueError(f"{shard}.{kind} given but this projection has no {kind}")
-        if tensor.shape != target[lo:hi].shape:
-            expected = tuple(target[lo:hi].shape)
-            raise ValueError(f"{shard}.{kind} has shape {tuple(tensor.shape)}, expected {expected}")
-        target.data[lo:hi].copy_(tensor)
-
-    @property
-    def matmul_dtype(self) -> torch.dtype:
-        return self.weight.dtype
-
-    @property
-    def input_dtype(self) -> torch.dtype:
-        """The dtype a caller should hand forward (the fused norm writes it directly)."""
-        return self.weight.dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(x, self.weight, self.bias, self.row_multiple)
 
 
 def rope_kind(scaling: dict | None) -> str:

@@ -15,9 +15,10 @@ from nanoserve.errors import CheckpointError
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.fused import FusedStatus, fused_status
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
-from nanoserve.model.layers import MergedLinear, RotaryEmbedding
+from nanoserve.model.layers import RotaryEmbedding
+from nanoserve.model.linear import MergedColumnLinear
 from nanoserve.model.platform import Platform
-from nanoserve.model.quant import QuantBlocks, QuantStats, install_quantized, int4_supported, int8_supported
+from nanoserve.model.quant import QuantBlocks, QuantStats, int4_supported, int8_supported, process_weights
 from nanoserve.model.rows import row_multiples
 from nanoserve.models.registry import model_class
 from nanoserve.parallel.shard import TensorShard, pad_rows
@@ -113,7 +114,7 @@ def load_model(
     model's, `LoadedModel.model.config` is the part's.
 
     `invariant` builds the model batch-invariant: kernels chosen by machine, shape and dtype only (see
-    install_quantized and nanoserve/model/rows.py). `kernels` (FusedKernels, or None and `no_kernels` saying why
+    process_weights and nanoserve/model/rows.py). `kernels` (FusedKernels, or None and `no_kernels` saying why
     not): a float32 model runs its layers on them and its 4-bit linears on their 4-bit x 16-bit kernel (see
     nanoserve/kernels/linear.c). `group`: the tensor-parallel group a shard's projections reduce across.
     """
@@ -274,15 +275,15 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         model.lm_head.weight = model.embed_tokens.weight
     if head_blocks is not None:
         kept["lm_head"] = {"weight": head_blocks}
-    quant = install_quantized(model, kept, quantization, invariant, platform.kernels,
-                              platform.row_multiple(torch.bfloat16)) if quantization != "none" else None
+    quant = process_weights(model, kept, quantization, invariant, platform.kernels,
+                            platform.row_multiple(torch.bfloat16)) if quantization != "none" else None
     return model.eval(), quant
 
 
 def _checkpoint_names(model: torch.nn.Module) -> set[str]:
     """Every weight a complete checkpoint holds, by its checkpoint name (merged projections by shard).
 
-    A merged projection counts as loaded only shard by shard: `MergedLinear` starts as uninitialised memory
+    A merged projection counts as loaded only shard by shard: `MergedColumnLinear` starts as uninitialised memory
     (its bias as zeros), so a checkpoint without one k_proj would otherwise run on garbage.
     """
     fragment_of = {packed: fragment for fragment, packed in model.PACKED.items()}
@@ -292,7 +293,7 @@ def _checkpoint_names(model: torch.nn.Module) -> set[str]:
             continue
         module_name, kind = name.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        if isinstance(module, MergedLinear):
+        if isinstance(module, MergedColumnLinear):
             parent, merged = module_name.rsplit(".", 1)
             names.update(f"{parent}.{fragment_of[merged, shard]}.{kind}" for shard in module.offsets)
         else:
@@ -301,7 +302,7 @@ def _checkpoint_names(model: torch.nn.Module) -> set[str]:
 
 
 def _load_one(model: torch.nn.Module, params: dict, name: str, tensor, loaded: set[str], kept: dict) -> None:
-    """Copy one checkpoint tensor into place; quantized blocks are kept aside for install_quantized."""
+    """Copy one checkpoint tensor into place; quantized blocks are kept aside for their linear method."""
     key = name.removeprefix("model.")
     if "rotary_emb" in key:
         return

@@ -12,12 +12,12 @@ from torch import nn
 from nanoserve.attention.dispatch import PagedRead, StepRead
 from nanoserve.attention.prefill import prefill_attention
 from nanoserve.kv.cache import KVCache
-from nanoserve.model.attrs import Embedding, FastAttributes, Linear
+from nanoserve.model.attrs import FastAttributes
 from nanoserve.model.batch import StepBatch
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, act_and_mul, apply_rope
+from nanoserve.model.layers import RMSNorm, RotaryEmbedding, act_and_mul, apply_rope
+from nanoserve.model.linear import LMHead, MergedColumnLinear, RowParallelLinear, VocabEmbedding
 from nanoserve.model.platform import EAGER, Platform
-from nanoserve.model.rescore import SHORTLIST, rescore_shortlist
 
 
 class Attention(FastAttributes, nn.Module):
@@ -25,12 +25,12 @@ class Attention(FastAttributes, nn.Module):
         super().__init__()
         self.layer = layer
         self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(
+        self.qkv_proj = MergedColumnLinear(
             cfg.hidden_size,
             {"q_proj": self.heads * self.dim, "k_proj": self.kv_heads * self.dim, "v_proj": self.kv_heads * self.dim},
             bias=cfg.attention_bias, row_multiple=platform.row_multiple(),
         )
-        self.o_proj = Linear(self.heads * self.dim, cfg.hidden_size, bias=False, row_multiple=platform.row_multiple())
+        self.o_proj = RowParallelLinear(self.heads * self.dim, cfg.hidden_size, row_multiple=platform.row_multiple())
         self.q_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.dim**-0.5
@@ -95,13 +95,13 @@ class Attention(FastAttributes, nn.Module):
 class MLP(FastAttributes, nn.Module):
     def __init__(self, cfg: ModelConfig, platform: Platform):
         super().__init__()
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = MergedColumnLinear(
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
             row_multiple=platform.row_multiple(),
         )
         self.act = act_and_mul(cfg.hidden_act, platform.kernels)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False,
-                                row_multiple=platform.row_multiple())
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           row_multiple=platform.row_multiple())
         self.reduce = platform.reduce()  # sums the row-parallel down_proj's partial outputs across ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,17 +144,16 @@ class LlamaForCausalLM(FastAttributes, nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, platform: Platform = EAGER):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, platform) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, platform.kernels)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, row_multiple=platform.row_multiple())
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, platform.row_multiple(), platform.kernels)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.requires_grad_(False)
         self.fused = platform.kernels  # the CPU decoder's fused kernels, or None (torch's ops)
         self.vocab_parallel = None if platform.group is None else (platform.group, platform.vocab_start)
-        self.exact_head: torch.Tensor | None = None  # float32 head weight to rescore a coarse head's shortlist by
 
     def forward(self, batch: StepBatch, cache: KVCache, read: PagedRead) -> torch.Tensor:
         """Run the step's tokens and return logits for `batch.logits_indices` only (under tensor parallelism,
@@ -171,10 +170,4 @@ class LlamaForCausalLM(FastAttributes, nn.Module):
         delta = None
         for layer in self.layers:
             delta, x = layer.forward(x, delta, rope, batch, cache, step_read)
-        hidden = self.norm.add_norm_rows(x, delta, batch.logits_indices)
-        logits = self.lm_head(hidden).float()
-        if self.exact_head is None:
-            return logits
-        if self.fused is not None:
-            return self.fused.rescore(logits.contiguous(), hidden, self.exact_head, SHORTLIST)
-        return rescore_shortlist(logits, hidden, self.exact_head)
+        return self.lm_head.forward(self.norm.add_norm_rows(x, delta, batch.logits_indices))

@@ -2,7 +2,9 @@
 a call has and by what this machine measures.
 
 blocks.py holds a file's blocks exactly (Int4Blocks, Int8Blocks); linears.py the packed linears that run them
-on torch's weight-only CPU kernels; install.py swaps them into a loaded model and publishes what it did.
+on torch's weight-only CPU kernels and the fused library's; methods.py has one linear method per weight format,
+which packs a projection's loaded weights into those modules; install.py runs the methods over a loaded model,
+chooses the output head's form and publishes what it did.
 Activations into torch's kernels are bfloat16 (they are vectorised for nothing else); the fused library's q4x16
 kernel (Q4Linear) takes float32 and quantizes each row's groups of 32 to int8 itself. Everything around the
 linears, attention included, stays in the model's own dtype.
@@ -23,7 +25,7 @@ from nanoserve.model.quant.install import (
     fastest_head,
     head_forms,
     head_timings,
-    install_quantized,
+    process_weights,
 )
 from nanoserve.model.quant.linears import (
     ACT,
@@ -40,6 +42,6 @@ from nanoserve.model.quant.linears import (
 __all__ = [
     "ACT", "DENSE_MARGIN", "GROUP", "KEPT_GGUF_TYPES", "BF16Linear", "Int4Blocks", "Int4Linear", "Int8Blocks",
     "Int8GroupLinear", "Int8Linear", "PackedLinear", "Q4Linear", "QuantBlocks", "QuantStats", "dense_crossover",
-    "fastest_head", "from_gguf", "head_forms", "head_timings", "install_quantized", "int4_supported",
+    "fastest_head", "from_gguf", "head_forms", "head_timings", "int4_supported", "process_weights",
     "int8_supported",
 ]

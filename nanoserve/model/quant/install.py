@@ -1,6 +1,6 @@
 """Installing the packed linears: which kernel serves which calls, the output head's form, and what is published.
 
-`install_quantized` swaps the decoder's linears for packed ones after loading; `dense_crossover` measures, once
+`process_weights` has each decoder projection's linear method (methods.py) pack its weights after loading; `dense_crossover` measures, once
 per weight shape and process, from how many rows a dense bfloat16 copy beats the packed kernel; `fastest_head`
 times the forms the output head can take. QuantStats is the `linear` section of the stats snapshot.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoserve.model.linear import LinearLayer, MergedColumnLinear
 from nanoserve.model.quant.blocks import GROUP, Int4Blocks, Int8Blocks, QuantBlocks
 from nanoserve.model.quant.linears import (
     ACT,
@@ -20,10 +21,10 @@ from nanoserve.model.quant.linears import (
     Int8GroupLinear,
     Int8Linear,
     PackedLinear,
-    Q4Linear,
     Q8Linear,
     int4_packable,
 )
+from nanoserve.model.quant.methods import method_for, quantizing_method
 from nanoserve.model.rescore import SHORTLIST
 from nanoserve.timing import best_seconds
 
@@ -152,62 +153,51 @@ def _kept_head(weight: torch.Tensor, forms: dict) -> tuple[str, dict[str, float]
     return kept["choice"], kept["us"]
 
 
-def _packed(blocks: QuantBlocks, bias, sizes, kernels=None) -> PackedLinear:
-    """The packed linear for a file's blocks: on the fused library's kernels when it is given (8-bit blocks on its
-    8-bit kernel where that is vectorized, else as two planes on the 4-bit one), else on torch's int4 kernel."""
-    if isinstance(blocks, Int8Blocks) and kernels is not None and kernels.q8_vectorized:
-        return Q8Linear(blocks, bias, sizes, kernels)
-    if isinstance(blocks, Int8Blocks):
-        return Int8GroupLinear(blocks, bias, sizes, kernels=kernels)
-    if kernels is not None:
-        return Q4Linear(blocks, bias, sizes, kernels)
-    return Int4Linear(blocks, bias, sizes)
+def _decoder_linears(model: nn.Module) -> list[tuple[str, LinearLayer]]:
+    """Each projection of the decoder layers, by path."""
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, LinearLayer) and p.startswith("layers.")]
 
 
-def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
-    """Each linear of the decoder layers, with the names of the shards its weight is made of: listed before any
-    is swapped, since swapping changes the modules a walk would see."""
-    from nanoserve.model.layers import MergedLinear
-
-    return [(p, m, list(m.offsets) if isinstance(m, MergedLinear) else ["weight"]) for p, m in model.named_modules()
-            if isinstance(m, MergedLinear | nn.Linear) and p.startswith("layers.")]
+def _shard_names(layer: LinearLayer) -> list[str]:
+    """The checkpoint weights a projection is made of: a merged projection's shards, else its one weight."""
+    return list(layer.offsets) if isinstance(layer, MergedColumnLinear) else ["weight"]
 
 
-def _stays_dense(module: nn.Module, shards: dict[str, QuantBlocks], names: list[str]) -> bool:
-    """Blocks arrived for a projection the packed kernels cannot run as one: some shards dense, 4-bit beside
-    8-bit, or a shape int4 cannot pack."""
-    mixed = set(shards) != set(names) or len({type(b) for b in shards.values()}) > 1
-    return bool(shards) and (mixed or not int4_packable(module.weight.shape[0], module.weight.shape[1]))
+def _stays_dense(layer: LinearLayer, shards: dict[str, QuantBlocks]) -> bool:
+    """Blocks arrived for a projection no method runs as one: some shards dense, 4-bit beside 8-bit, or a shape
+    the format's kernel cannot take."""
+    if not shards:
+        return False
+    mixed = set(shards) != set(_shard_names(layer)) or len({type(b) for b in shards.values()}) > 1
+    return mixed or not method_for(next(iter(shards.values()))).packs(layer.out_features, layer.in_features)
 
 
-def _write_dense(module: nn.Module, shards: dict[str, QuantBlocks]) -> None:
-    """Each shard's blocks, dequantized into the module's own dense weight."""
-    from nanoserve.model.layers import MergedLinear
-
+def _write_dense(layer: LinearLayer, shards: dict[str, QuantBlocks]) -> None:
+    """Each shard's blocks, dequantized into the layer's own dense weight."""
     for shard, blocks in shards.items():
-        dense_weight = blocks.dequantize().to(module.weight.dtype)
-        if isinstance(module, MergedLinear):
-            module.load_shard(shard, "weight", dense_weight)
+        dense_weight = blocks.dequantize().to(layer.weight.dtype)
+        if isinstance(layer, MergedColumnLinear):
+            layer.load_shard(shard, "weight", dense_weight)
         else:
-            module.weight.data.copy_(dense_weight)
+            layer.weight.data.copy_(dense_weight)
 
 
-def _packed_form(module: nn.Module, shards: dict[str, QuantBlocks], names: list[str],
-                 mode: str, kernels=None) -> tuple[PackedLinear, torch.Tensor] | None:
-    """The packed linear for one projection and the dense weight it stands for: on the file's blocks where they
-    came, else quantized at load under mode "int4" / "int8"; None when it stays as it is."""
-    bias, sizes = (module.bias.data if module.bias is not None else None), getattr(module, "sizes", None)
+def _processed(layer: LinearLayer, shards: dict[str, QuantBlocks], mode: str,
+               kernels=None) -> tuple[PackedLinear, torch.Tensor] | None:
+    """The packed module a projection's linear method makes of its weights, and the dense weight it stands for:
+    the file's blocks where they came, else the weight quantized at load under mode "int4" / "int8"; None when
+    it stays as it is."""
+    bias, sizes = (layer.bias.data if layer.bias is not None else None), getattr(layer, "sizes", None)
     if shards:
-        parts = [shards[n] for n in names]
+        parts = [shards[n] for n in _shard_names(layer)]
         blocks = type(parts[0]).cat(parts)
-        return _packed(blocks, bias, sizes, kernels), blocks.dequantize()
-    if mode == "int4" and int4_packable(*module.weight.shape):
-        blocks = Int4Blocks.quantize(module.weight.data)
-        return _packed(blocks, bias, sizes, kernels), blocks.dequantize()
-    if mode == "int8":
-        linear = Int8Linear(module.weight.data, bias, sizes)
-        return linear, linear.dequantize()
-    return None
+        return method_for(blocks, kernels).process(blocks, bias, sizes), blocks.dequantize()
+    chosen = quantizing_method(mode, layer.weight.data, kernels)
+    if chosen is None:
+        return None
+    method, weights = chosen
+    packed = method.process(weights, bias, sizes)
+    return packed, weights.dequantize() if isinstance(weights, QuantBlocks) else packed.dequantize()
 
 
 def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
@@ -220,37 +210,38 @@ def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
     head, head_us = _kept_head(weight, forms) if invariant else _timed_head(weight, forms)
     if head == "own":
         return str(weight.dtype).removeprefix("torch."), head_us, 0
-    model.lm_head = forms[head]()
-    nbytes = sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
-    model.exact_head = _exact_rows(model, weight)
+    form = forms[head]()
+    model.lm_head.use_packed(form, _exact_rows(model, weight))
+    nbytes = sum(b.numel() * b.element_size() for b in form.buffers())
     return head, head_us, nbytes
 
 
-def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str,
-                      invariant: bool = False, kernels=None, bf16_rows: int = 1) -> QuantStats | None:
-    """Swap the decoder's linears for packed ones. Each whose weights arrived as blocks (`kept`: module path ->
-    shard -> blocks) runs on them: 4-bit blocks as an Int4Linear, GGUF Q8_0 as an Int8GroupLinear. Under mode
-    "int4" or "int8" every other decoder linear is quantized at load to that format. A merged projection whose
-    shards arrived in different forms (some dense, or 4-bit beside 8-bit) stays dense: its blocks are written
-    dequantized. The output head takes the fastest of its forms (see head_forms); blocks kept for it under
-    "lm_head" are the file's own. Returns None when nothing was swapped.
+def process_weights(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str,
+                    invariant: bool = False, kernels=None, bf16_rows: int = 1) -> QuantStats | None:
+    """After loading: each decoder projection whose weights arrived as blocks (`kept`: module path -> shard ->
+    blocks) is processed by the linear method of their format (nanoserve/model/quant/methods.py) and runs on
+    its packed module from then on; under mode "int4" or "int8" every other decoder projection is quantized at
+    load to that format. A merged projection whose shards arrived in different forms (some dense, or 4-bit
+    beside 8-bit) stays dense: its blocks are written dequantized. The output head takes the fastest of its
+    forms (see head_forms); blocks kept for it under "lm_head" are the file's own. Returns None when no
+    projection is packed.
 
     `invariant` (batch invariance): every call runs the packed kernel whatever its rows (a dense copy for wide
     calls would give a row other numbers beside many rows than alone), and the head's form is timed once per
-    machine and kept (nanoserve/kernel_table.py), not timed at each load. `kernels` (FusedKernels): 4-bit linears
-    run on its 4-bit x 16-bit kernel (Q4Linear) instead of torch's int4 one. `bf16_rows`: the row multiple of a
-    bfloat16 head (nanoserve/model/rows.py)."""
+    machine and kept (nanoserve/kernel_table.py), not timed at each load. `kernels` (FusedKernels): the methods
+    run on its kernels instead of torch's. `bf16_rows`: the row multiple of a bfloat16 head
+    (nanoserve/model/rows.py)."""
     calls = {"int4": 0, "q4x16": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}
     packed = dense = 0
-    for path, module, names in _decoder_linears(model):
+    for path, layer in _decoder_linears(model):
         shards = kept.get(path, {})
-        if _stays_dense(module, shards, names):
-            _write_dense(module, shards)
+        if _stays_dense(layer, shards):
+            _write_dense(layer, shards)
             continue
-        built = _packed_form(module, shards, names, mode, kernels)
+        built = _processed(layer, shards, mode, kernels)
         if built is None:
             continue
         linear, weight = built
@@ -258,8 +249,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
         linear.use_dense_from(rows, weight)
         crossover[f"{linear.format} {linear.out_features}x{linear.in_features}"] = rows
         linear.calls, linear.rows = calls, served_rows  # one tally for all: the snapshot reads it without a walk
-        parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, linear)
+        layer.use_packed(linear)
         formats[linear.format] = formats.get(linear.format, 0) + 1
         packed += sum(b.numel() * b.element_size() for b in linear.buffers())
         dense += linear.dense.numel() * 2 if linear.dense is not None else 0
@@ -267,7 +257,7 @@ def install_quantized(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]],
         return None
     head, head_us, head_bytes = _install_head(model, kept.get("lm_head", {}).get("weight"), mode, invariant,
                                               kernels, bf16_rows)
-    rescored = 0 if getattr(model, "exact_head", None) is None else SHORTLIST
+    rescored = 0 if model.lm_head.exact is None else SHORTLIST
     return QuantStats(formats, packed, dense + head_bytes, crossover, calls, served_rows, head, head_us, rescored)
 
 

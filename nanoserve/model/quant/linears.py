@@ -51,7 +51,7 @@ class PackedLinear(FastAttributes, nn.Module):
     def __init__(self, out: int, k: int, bias: torch.Tensor | None, sizes: list[int] | None):
         super().__init__()
         self.in_features, self.out_features = k, out
-        self.sizes = sizes or [out]  # a merged projection's split, as MergedLinear has it
+        self.sizes = sizes or [out]  # a merged projection's split, as MergedColumnLinear has it
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self.dense: torch.Tensor | None = None
         self.dense_from_rows: int | None = None
