@@ -1,6 +1,9 @@
 """Every attention path, and the rule they answer to.
 
-The paths: `dispatch.PagedRead` decides how a step's decode rows read their context and counts every read;
+The seam: `step.AttentionStep` is one step's attention, built once a step by `dispatch.PagedRead.step`, which
+every layer calls with its own queries (`store` its k and v, then `attend`); the step owns the KV cache's layout
+and each path's metadata. The paths: `dispatch.PagedRead` decides how a step's decode rows read their context
+and counts every read;
 `gathered` (blocks gathered into one tensor, then sdpa), `streamed` (a Triton kernel walking the blocks in
 tiles with an online softmax, split over the context on a GPU) and `tiled` (its torch twin on the CPU) are the
 reads; `prefill` attends a prefill chunk to the cached past and to itself (two sdpa calls merged by log-sum-exp,

@@ -1,4 +1,4 @@
-"""PagedRead: the one seam every decode read goes through, and ReadStats, what it publishes.
+"""PagedRead: the one seam every attention read goes through (each step's AttentionStep), and ReadStats.
 
 The mode is a choice that changes no output, so the read counts what it did: calls, rows, the score cells
 a rectangle read is charged, and the cells this read actually held. Counts come from shapes the host
@@ -14,6 +14,8 @@ import torch
 from nanoserve.attention.fused import FusedInvariantStep
 from nanoserve.attention.gathered import gathered_decode, gathered_mask
 from nanoserve.attention.invariant import InvariantStep
+from nanoserve.attention.prefill import prefill_attention
+from nanoserve.attention.step import AttentionStep
 from nanoserve.attention.tiled import tiled_decode
 from nanoserve.errors import ConfigError
 from nanoserve.optional import require
@@ -106,20 +108,20 @@ class PagedRead:
         self.block = block if mode == "streamed" else None
         self._calls = self._rows = self._score = self._held = 0
 
-    def step(self, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, batch=None,
-             cache=None, fused=None) -> StepRead:
-        """This read over one step's decode rows, for every layer of the step to call (see StepRead); when
-        batch-invariant, the invariant attention over the whole step (`batch` and `cache` are then needed), on
-        the fused CPU kernel when `fused` (its kernels, the attention's output dtype) is given."""
+    def step(self, batch, cache, fused=None) -> AttentionStep:
+        """This read over one step (see AttentionStep), for every layer of the step to call: the decode rows
+        through this mode and the prefill segments through the prefill attention; when batch-invariant, the
+        invariant attention over the whole step, on the fused CPU kernel when `fused` (its kernels, the
+        attention's output dtype) is given."""
         if self.invariant:
             if fused is not None:
                 return FusedInvariantStep(self, batch, cache, *fused)
             return InvariantStep(self, batch, cache)
-        return StepRead(self, block_table, context_lens, block_size)
+        return StepRead(self, batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache)
 
     def decode(self, q, k_cache, v_cache, block_table, context_lens, scale: float) -> torch.Tensor:
         """One read on its own (a step's layers go through `step` instead)."""
-        return self.step(block_table, context_lens, k_cache.shape[1]).decode(q, k_cache, v_cache, scale)
+        return StepRead(self, block_table, context_lens, k_cache.shape[1]).decode(q, k_cache, v_cache, scale)
 
     def run(self, q, k_cache, v_cache, block_table, context_lens, scale: float,
             mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,21 +150,35 @@ class PagedRead:
         return ReadStats(self.mode, self.block, self._calls, self._rows, self._score, self._held)
 
 
-class StepRead:
-    """One step's decode rows (block table and context lengths), read by each layer in turn.
+class StepRead(AttentionStep):
+    """One step through the gathered or streamed read: its decode rows (block table and context lengths) read
+    their context from the cache; its prefill segments attend the cached past and their own k and v
+    (nanoserve/attention/prefill.py), so a step with prefills is not `cached_only`.
 
     What depends only on the rows, not on the layer (the gathered read's mask), is built by the first layer's
     call and reused by the others; it lives only as long as the step's forward, inside a captured graph too.
     """
 
-    invariant = False  # prefill chunks take the model's prefill attention (InvariantStep attends them itself)
-
-    def __init__(self, read: PagedRead, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int):
-        self.read, self.block_table, self.context_lens = read, block_table, context_lens
+    def __init__(self, read: PagedRead, block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                 batch=None, cache=None):
+        super().__init__(read, batch, cache)
+        self.block_table, self.context_lens = block_table, context_lens
         self.width = block_table.shape[1] * block_size
         self._mask: torch.Tensor | None = None
+        self.cached_only = batch is None or not batch.prefills
         if block_table.shape[0] != context_lens.shape[0]:
             raise ValueError(f"read got {block_table.shape[0]} table rows and {context_lens.shape[0]} lengths")
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        batch = self.batch
+        nd = batch.num_decode
+        if self.cached_only:
+            return self.decode(q, k_cache, v_cache, scale)
+        parts = [self.decode(q[:nd], k_cache, v_cache, scale)] if nd else []
+        parts.append(prefill_attention(q, k, v, batch.prefills, batch.shared_pasts, k_cache, v_cache, scale))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         rows, heads, _ = q.shape

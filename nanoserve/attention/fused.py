@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.attention.step import AttentionStep
+
 PARALLEL_FROM = 256  # query x key pairs of a step from which its attention runs on torch's thread count (on the
 # kernels' pool, already running: one decode row over 200 keys gains; its step read 1,700 keys in 13.9 ms, not 18.8)
 
@@ -35,10 +37,9 @@ def step_tables(batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return tables, torch.cat(rows), torch.cat(keys)
 
 
-class FusedInvariantStep:
-    """One step's attention for every layer to call with its queries and cache layer (InvariantStep's shape)."""
-
-    invariant = True
+class FusedInvariantStep(AttentionStep):
+    """One step's attention for every layer to call with its queries (InvariantStep's shape): the layers write
+    their k and v into the cache themselves (the fused rotary write), so `store` is never called here."""
 
     def __init__(self, read, batch, cache, kernels, out_dtype: torch.dtype):
         if cache.layout != "heads_kt":
@@ -46,7 +47,8 @@ class FusedInvariantStep:
         if len(batch.prefills) != len(batch.prefill_blocks):
             raise ValueError(f"the batch has {len(batch.prefills)} prefill segments but block tables for "
                              f"{len(batch.prefill_blocks)}")
-        self.read, self.kernels, self.out_dtype, self.kv_heads = read, kernels, out_dtype, cache.kv_heads
+        super().__init__(read, batch, cache)
+        self.kernels, self.out_dtype, self.kv_heads = kernels, out_dtype, cache.kv_heads
         self.tables, self.row_of, self.keys_of = step_tables(batch, cache.block_size)
         self.max_keys = max(1, self.tables.shape[1] * cache.block_size)
         self.threads = torch.get_num_threads() if int(self.row_of.shape[0]) * self.max_keys >= PARALLEL_FROM else 1
@@ -54,8 +56,9 @@ class FusedInvariantStep:
         self.num_decode = batch.num_decode
         self.width = batch.decode_block_table.shape[1] * cache.block_size if self.num_decode else 0
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [tokens, heads, dim] float32; one layer's caches -> [tokens, heads, dim] in the step's out dtype."""
+    def attend(self, layer: int, q: torch.Tensor, k=None, v=None, scale: float = 1.0) -> torch.Tensor:
+        """q [tokens, heads, dim] float32 over `layer`'s cache -> [tokens, heads, dim] in the step's out dtype."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         if self.num_decode:
             self.read.charge(self.num_decode, q.shape[1], self.width)
         if self._scratch is None:

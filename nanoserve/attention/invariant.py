@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve.attention.step import AttentionStep
+
 TILE = 64  # keys a values matmul adds at a time; part of the numerics (changing it changes the last bits)
 ROW_MULTIPLE = 4  # query rows of every matmul are padded to a multiple of this
 QUERY_CHUNK = 128  # prefill tokens scored at once (bounds the [rows, span] scores; changes no number)
@@ -173,17 +175,15 @@ class PrefillSegmentRows:
         return self._masks[first]
 
 
-class InvariantStep:
+class InvariantStep(AttentionStep):
     """The batch-invariant attention over one step: its decode rows (the step's first `num_decode` tokens) and
-    its prefill segments, for every layer to call with its own queries and cache. `read` is the PagedRead whose
-    counters the decode rows are charged to."""
-
-    invariant = True
+    its prefill segments, every token read from the cache, for every layer to call with its own queries. `read`
+    is the PagedRead whose counters the decode rows are charged to."""
 
     def __init__(self, read, batch, cache):
         if cache.layout != "heads":
             raise ValueError("the batch-invariant attention reads a head-major KV cache (KVCache layout 'heads')")
-        self.read, self.batch = read, batch
+        super().__init__(read, batch, cache)
         self.block_size, self.num_blocks, self.kv_heads = cache.block_size, cache.num_blocks, cache.kv_heads
         self.segments = tuple(
             PrefillSegmentRows(seg.start, seg.length, seg.context_start, blocks, cache.block_size,
@@ -194,8 +194,10 @@ class InvariantStep:
                              f"{len(batch.prefill_blocks)}")
         self._decode: DecodeRows | None = None
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention for every token of the step, in token order: q [tokens, heads, dim] -> the same shape."""
+    def attend(self, layer: int, q: torch.Tensor, k=None, v=None, scale: float = 1.0) -> torch.Tensor:
+        """Attention for every token of the step, in token order: q [tokens, heads, dim] -> the same shape, over
+        `layer`'s cache (the step's own k and v are already there)."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         nd = self.batch.num_decode
         parts = []
         if nd:

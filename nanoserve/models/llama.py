@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.attention.dispatch import PagedRead, StepRead
-from nanoserve.attention.prefill import prefill_attention
+from nanoserve.attention.dispatch import PagedRead
+from nanoserve.attention.step import AttentionStep
 from nanoserve.kv.cache import KVCache
 from nanoserve.model.attrs import FastAttributes
 from nanoserve.model.batch import StepBatch
@@ -37,19 +37,19 @@ class Attention(FastAttributes, nn.Module):
         self.fused = platform.kernels  # rotary + KV write in one pass of fused.c
         self.reduce = platform.reduce()  # sums the row-parallel o_proj's partial outputs across ranks
 
-    def forward(self, x: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, step: AttentionStep) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # forward itself: no hooks to run
-        if self.fused is not None and (read.invariant or batch.num_decode == tokens):
-            q, k, v = self._rotate_and_write_fused(qkv, rope, batch, cache), None, None  # attention reads the cache
+        if self.fused is not None and step.cached_only:
+            q, k, v = self._rotate_and_write_fused(qkv, rope, step), None, None  # attention reads the cache
         else:
-            q, k, v = self._rotate_and_write(qkv.to(cache.k.dtype), rope, batch, cache)
-        out = self._attend(q, k, v, batch, cache, read)
+            q, k, v = self._rotate_and_write(qkv.to(step.cache.k.dtype), rope, step)
+        out = step.attend(self.layer, q, k, v, self.scale)
         out = self.o_proj.forward(out.reshape(tokens, self.heads * self.dim))
         return out if self.reduce is None else self.reduce(out)
 
-    def _rotate_and_write(self, qkv: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache):
-        """q and k rotated (after Qwen3's per-head norms), k and v written to the cache: eager torch ops. qkv is in
+    def _rotate_and_write(self, qkv: torch.Tensor, rope: tuple, step: AttentionStep):
+        """q and k rotated (after Qwen3's per-head norms), k and v stored for the step: eager torch ops. qkv is in
         the cache's dtype (a packed projection answers in bfloat16)."""
         tokens = qkv.shape[0]
         q_end = self.heads * self.dim
@@ -62,11 +62,12 @@ class Attention(FastAttributes, nn.Module):
             q = self.q_norm(qkv[:, :q_end].view(tokens, self.heads, self.dim))
             k = self.k_norm(qkv[:, q_end:k_end].view(tokens, self.kv_heads, self.dim))
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        cache.write(self.layer, k, v, batch.slots)
+        step.store(self.layer, k, v)
         return q, k, v
 
-    def _rotate_and_write_fused(self, qkv: torch.Tensor, rope: tuple, batch: StepBatch, cache: KVCache):
+    def _rotate_and_write_fused(self, qkv: torch.Tensor, rope: tuple, step: AttentionStep):
         """The same in one pass of fused.c: q [tokens, heads, dim] float32 back, k and v only in the cache."""
+        cache = step.cache
         if cache.k.dtype != torch.float32:
             raise ValueError(f"the fused CPU kernels take a float32 KV cache, not {cache.k.dtype}; run with "
                              "--no-fused-cpu-kernels")
@@ -74,22 +75,7 @@ class Attention(FastAttributes, nn.Module):
         norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         return self.fused.rope_store(qkv, self.heads, self.kv_heads, self.dim, *rope, *norms, eps, k_cache, v_cache,
-                                     batch.slots, cache.write_strides, cache.k_block)
-
-    def _attend(self, q, k, v, batch: StepBatch, cache: KVCache, read: StepRead) -> torch.Tensor:
-        """Attention of the step's queries over the cache (and, for a prefill outside the invariant read, over
-        the chunk's own k and v)."""
-        tokens, nd = q.shape[0], batch.num_decode
-        if read.invariant:  # every token, decode or prefill, the one way (nanoserve/attention/invariant.py)
-            return read.attend(q, cache.k[self.layer], cache.v[self.layer], self.scale)
-        if nd == tokens:
-            return read.decode(q, cache.k[self.layer], cache.v[self.layer], self.scale)
-        parts = []
-        if nd:
-            parts.append(read.decode(q[:nd], cache.k[self.layer], cache.v[self.layer], self.scale))
-        parts.append(prefill_attention(q, k, v, batch.prefills, batch.shared_pasts, cache.k[self.layer],
-                                       cache.v[self.layer], self.scale))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+                                     step.batch.slots, cache.write_strides, cache.k_block)
 
 
 class MLP(FastAttributes, nn.Module):
@@ -119,12 +105,12 @@ class DecoderLayer(FastAttributes, nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, platform.kernels)
         self.mlp = MLP(cfg, platform)
 
-    def forward(self, stream: torch.Tensor, delta: torch.Tensor | None, rope, batch, cache,
-                read) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, stream: torch.Tensor, delta: torch.Tensor | None, rope,
+                step: AttentionStep) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream with the previous layer's output `delta` added): the
         next layer's norm adds it, so an add and a norm are one pass where the norm is fused."""
         h, stream = self.input_layernorm.add_norm(stream, delta, self.self_attn.qkv_proj.input_dtype)
-        attn = self.self_attn.forward(h, rope, batch, cache, read)  # forward itself: no hooks to run, 1 us saved
+        attn = self.self_attn.forward(h, rope, step)  # forward itself: no hooks to run, 1 us saved
         h, stream = self.post_attention_layernorm.add_norm(stream, attn, self.mlp.gate_up_proj.input_dtype)
         return self.mlp.forward(h), stream
 
@@ -165,9 +151,8 @@ class LlamaForCausalLM(FastAttributes, nn.Module):
             x = group.embed(self.embed_tokens, batch.input_ids, start)
         rope = self.rope.table(batch.positions, x.dtype)
         fused_read = None if self.fused is None else (self.fused, self.layers[0].self_attn.o_proj.input_dtype)
-        step_read = read.step(batch.decode_block_table, batch.decode_context_lens, cache.block_size, batch, cache,
-                              fused_read)
+        step = read.step(batch, cache, fused_read)
         delta = None
         for layer in self.layers:
-            delta, x = layer.forward(x, delta, rope, batch, cache, step_read)
+            delta, x = layer.forward(x, delta, rope, step)
         return self.lm_head.forward(self.norm.add_norm_rows(x, delta, batch.logits_indices))
