@@ -20,6 +20,7 @@ from nanoserve.model.linear import MergedColumnLinear
 from nanoserve.model.platform import Platform
 from nanoserve.model.quant import QuantBlocks, QuantStats, int4_supported, int8_supported, process_weights
 from nanoserve.model.rows import row_multiples
+from nanoserve.model.targets import split_of, weight_target
 from nanoserve.models.registry import model_class
 from nanoserve.parallel.shard import TensorShard, pad_rows
 from nanoserve.tokenizer import Tokenizer
@@ -164,22 +165,26 @@ def peek_config(path: str | os.PathLike | None) -> ModelConfig:
 
 def _load_gguf(p: Path, dtype, max_positions, quantization: str, shard: TensorShard | None,
                runs_on: RunsOn) -> LoadedModel:
-    from nanoserve.model.gguf import load_gguf
+    """The model is built from the file's header, then each tensor read into it (cut to the rank's slice its
+    layer asks for under tensor parallelism, as it is read)."""
+    from nanoserve.model.gguf import read_gguf_header, read_gguf_weights
 
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(None)
-    ckpt = load_gguf(p, dtype=dtype, keep_blocks=quantization != "none", shard=shard)
-    config = ModelConfig.from_hf(ckpt.config)
+    header = read_gguf_header(p, dtype)
+    config = ModelConfig.from_hf(header.config)
     tokenizer = Tokenizer(
-        ckpt.tokenizer,
-        chat_template=ckpt.chat_template,
-        bos_token=ckpt.bos_token,
-        eos_token=ckpt.eos_token,
-        add_bos_token=ckpt.add_bos_token,
+        header.tokenizer,
+        chat_template=header.chat_template,
+        bos_token=header.bos_token,
+        eos_token=header.eos_token,
+        add_bos_token=header.add_bos_token,
     )
-    local = shard.local_config(config) if shard is not None else config
     platform, fused = _platform(runs_on, dtype, shard, config)
-    model, quant = _build(local, iter(ckpt.tensors.items()), dtype, runs_on.device, max_positions, quantization,
-                          head_blocks=ckpt.head_blocks, invariant=runs_on.invariant, platform=platform)
+    model = _construct(shard.local_config(config) if shard is not None else config, dtype, runs_on.device,
+                       max_positions, platform)
+    cut = None if shard is None else (lambda name, t: shard.take(split_of(model, name), t, name))
+    tensors, head_blocks = read_gguf_weights(header, dtype, quantization != "none", cut)
+    quant = _load_weights(model, iter(tensors.items()), quantization, head_blocks, runs_on.invariant, platform)
     return LoadedModel(p.stem, config, model, tokenizer, quant, fused)
 
 
@@ -198,10 +203,11 @@ def _load_hf_dir(p: Path, dtype, max_positions, name: str, quantization: str, sh
     config = ModelConfig.from_hf(raw)
     dtype = dtype if isinstance(dtype, torch.dtype) else dtype(config.torch_dtype)
     tokenizer = Tokenizer.from_dir(p)
-    local = shard.local_config(config) if shard is not None else config
     platform, fused = _platform(runs_on, dtype, shard, config)
-    model, quant = _build(local, _safetensors_items(p, shard, config.vocab_size), dtype, runs_on.device,
-                          max_positions, quantization, invariant=runs_on.invariant, platform=platform)
+    model = _construct(shard.local_config(config) if shard is not None else config, dtype, runs_on.device,
+                       max_positions, platform)
+    quant = _load_weights(model, _safetensors_items(p, shard, model), quantization, None, runs_on.invariant,
+                          platform)
     return LoadedModel(name, config, model, tokenizer, quant, fused)
 
 
@@ -217,8 +223,9 @@ def _platform(runs_on: RunsOn, dtype: torch.dtype, shard: TensorShard | None,
 
 
 def _safetensors_items(p: Path, shard: TensorShard | None = None,
-                       vocab: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each checkpoint tensor by name; with a shard, only this rank's slice of it is read from the file."""
+                       model: torch.nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor by name; with a shard, only this rank's slice of it (as its layer in `model` is
+    split) is read from the file."""
     from safetensors import safe_open
 
     index = p / "model.safetensors.index.json"
@@ -236,13 +243,13 @@ def _safetensors_items(p: Path, shard: TensorShard | None = None,
             raise CheckpointError(f"shard {name} named by the index is missing from {p}")
         with safe_open(str(p / name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key) if shard is None else _read_slice(f, key, shard, vocab)
+                yield key, f.get_tensor(key) if shard is None else _read_slice(f, key, shard, split_of(model, key))
 
 
-def _read_slice(f, key: str, shard: TensorShard, vocab: int) -> torch.Tensor:
+def _read_slice(f, key: str, shard: TensorShard, split: str | None) -> torch.Tensor:
     """This rank's part of one safetensors tensor, read as a slice (the rest of it is never read)."""
     view = f.get_slice(key)
-    where = shard.bounds(key, view.get_shape(), vocab)
+    where = shard.bounds(split, view.get_shape(), key)
     if where is None:
         return f.get_tensor(key)
     dim, start, stop, rows = where
@@ -250,15 +257,22 @@ def _read_slice(f, key: str, shard: TensorShard, vocab: int) -> torch.Tensor:
     return pad_rows(part, rows, key) if dim == 0 else part
 
 
-def _build(config: ModelConfig, items, dtype, device, max_positions, quantization: str = "none",
-           head_blocks: QuantBlocks | None = None, invariant: bool = False,
-           platform: Platform = Platform()) -> tuple[torch.nn.Module, QuantStats | None]:
+def _construct(config: ModelConfig, dtype, device, max_positions, platform: Platform) -> torch.nn.Module:
+    """The registry's model for `config` on `device`, its weights uninitialised until loaded."""
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
         model = model_class(config.architecture)(config, positions, platform)
     model.to_empty(device=device).to(dtype)
     # The rotary table is computed, not loaded: rebuild it for real, in float32, on the device.
     model.rope = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling).to(device)
+    return model
+
+
+def _load_weights(model: torch.nn.Module, items, quantization: str, head_blocks: QuantBlocks | None,
+                  invariant: bool, platform: Platform) -> QuantStats | None:
+    """Every checkpoint tensor into its layer (refusing a checkpoint that lacks one), then each projection's
+    weights processed by its linear method (nanoserve/model/quant/methods.py) where they run packed."""
+    config = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     kept: dict[str, dict[str, QuantBlocks]] = {}  # module path -> shard -> blocks, packed after loading
@@ -277,7 +291,8 @@ def _build(config: ModelConfig, items, dtype, device, max_positions, quantizatio
         kept["lm_head"] = {"weight": head_blocks}
     quant = process_weights(model, kept, quantization, invariant, platform.kernels,
                             platform.row_multiple(torch.bfloat16)) if quantization != "none" else None
-    return model.eval(), quant
+    model.eval()
+    return quant
 
 
 def _checkpoint_names(model: torch.nn.Module) -> set[str]:
@@ -302,33 +317,32 @@ def _checkpoint_names(model: torch.nn.Module) -> set[str]:
 
 
 def _load_one(model: torch.nn.Module, params: dict, name: str, tensor, loaded: set[str], kept: dict) -> None:
-    """Copy one checkpoint tensor into place; quantized blocks are kept aside for their linear method."""
+    """Copy one checkpoint tensor into its layer (nanoserve/model/targets.py); quantized blocks are kept aside
+    for their linear method."""
     key = name.removeprefix("model.")
     if "rotary_emb" in key:
         return
     if key == "lm_head.weight" and model.config.tie_word_embeddings:
         return
-    for fragment, (merged, shard) in model.PACKED.items():
-        if f".{fragment}." in key:
-            module_name, kind = key.rsplit(".", 1)
-            module = model.get_submodule(module_name.replace(fragment, merged))
-            if isinstance(tensor, QuantBlocks):
-                _check_shape(name, tensor.shape, module.weight[slice(*module.offsets[shard])].shape)
-                kept.setdefault(module_name.replace(fragment, merged), {})[shard] = tensor
-                loaded.add(key)
-                return
+    target = weight_target(model, name)
+    if target is None or (target.shard is None and key not in params):
+        raise CheckpointError(f"unexpected weight {name!r} in checkpoint; is it really a {model.config.architecture}?")
+    module = target.module
+    if target.shard is not None:
+        if isinstance(tensor, QuantBlocks):
+            _check_shape(name, tensor.shape, module.weight[slice(*module.offsets[target.shard])].shape)
+            kept.setdefault(target.path, {})[target.shard] = tensor
+        else:
             try:
-                module.load_shard(shard, kind, tensor)
+                module.load_shard(target.shard, target.kind, tensor)
             except ValueError as e:
                 raise CheckpointError(f"weight {name}: {e}; config.json does not match the weights") from None
-            loaded.add(key)
-            return
-    if key not in params:
-        raise CheckpointError(f"unexpected weight {name!r} in checkpoint; is it really a {model.config.architecture}?")
+        loaded.add(key)
+        return
     param = params[key]
     _check_shape(name, tensor.shape, param.shape)
     if isinstance(tensor, QuantBlocks):
-        kept.setdefault(key.rsplit(".", 1)[0], {})["weight"] = tensor
+        kept.setdefault(target.path, {})["weight"] = tensor
     else:
         param.data.copy_(tensor)
     loaded.add(key)

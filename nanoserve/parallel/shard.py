@@ -1,10 +1,12 @@
-"""TensorShard: which slice of every weight one rank of a tensor-parallel group holds, and the model it builds.
+"""TensorShard: which slice of a weight one rank of a tensor-parallel group holds, and the model it builds.
 
-Megatron's split, as vLLM and SGLang use it for the Llama family:
-- column-parallel (output rows split): q, k and v (by heads and kv heads), gate and up (by the intermediate
-  size), and the vocabulary of the embedding and the output head;
-- row-parallel (input columns split): o_proj and down_proj, whose partial outputs one all-reduce adds up;
-- replicated: the norms (q/k norms are per head dimension, the same on every rank) and the rotary table.
+Megatron's split, as vLLM and SGLang use it. Each layer says how it is split (`parallel`, nanoserve/model/linear.py),
+and the loader asks it for each checkpoint tensor it loads, so no checkpoint name is matched here:
+- "column" (output rows split): the merged q/k/v and gate/up projections (by heads, kv heads and the intermediate
+  size);
+- "row" (input columns split): o_proj and down_proj, whose partial outputs one all-reduce adds up;
+- "vocab" (vocabulary rows split, the last rank padded): the embedding and the output head;
+- None (replicated): the norms (q/k norms are per head dimension, the same on every rank) and the rotary table.
 
 A rank builds its model of the local sizes (heads / N, kv heads / N, intermediate / N, vocabulary / N padded up
 to a multiple of N) and loads only its slices, so no rank holds the whole model.
@@ -21,9 +23,7 @@ from nanoserve.errors import ConfigError
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.quant.blocks import GROUP, Int4Blocks, Int8Blocks
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split
-ROW = ("o_proj", "down_proj")  # input columns split
-VOCAB = ("embed_tokens", "lm_head")  # vocabulary rows split (padded)
+SPLITS = ("column", "row", "vocab")
 
 
 def workable_sizes(cfg: ModelConfig, up_to: int = 16) -> list[int]:
@@ -79,26 +79,20 @@ class TensorShard:
     def vocab_start(self, vocab: int) -> int:
         return self.rank * self.vocab_rows(vocab)
 
-    def split(self, name: str) -> str | None:
-        """How the checkpoint tensor `name` (Hugging Face naming) is split: "column", "row", "vocab" or None."""
-        parts = name.split(".")
-        for kind, leaves in (("column", COLUMN), ("row", ROW), ("vocab", VOCAB)):
-            if any(leaf in parts for leaf in leaves):
-                return kind
-        return None
-
-    def bounds(self, name: str, shape, vocab: int) -> tuple[int, int, int, int] | None:
-        """(dim, start, stop, rows) of this rank's slice of the checkpoint tensor `name`: the slice is
-        [start, stop) along `dim`, padded with zero rows up to `rows` (the vocabulary's last rank). None: the
-        whole tensor (replicated)."""
-        kind = self.split(name)
-        if kind is None or self.world == 1:
+    def bounds(self, split: str | None, shape, name: str = "") -> tuple[int, int, int, int] | None:
+        """(dim, start, stop, rows) of this rank's slice of a checkpoint tensor of `shape` for a layer split as
+        `split` (see SPLITS): the slice is [start, stop) along `dim`, padded with zero rows up to `rows` (the
+        vocabulary's last rank). None: the whole tensor (replicated). `name` is the tensor's, for errors."""
+        if split is None or self.world == 1:
             return None
-        if kind == "vocab":
+        if split not in SPLITS:
+            raise ValueError(f"unknown tensor-parallel split {split!r} for {name}; one of {SPLITS}")
+        if split == "vocab":
+            vocab = shape[0]
             rows = self.vocab_rows(vocab)
             start = self.rank * rows
             return 0, start, min(start + rows, vocab), rows
-        dim = 0 if kind == "column" or len(shape) == 1 else 1
+        dim = 0 if split == "column" or len(shape) == 1 else 1
         size = shape[dim]
         if size % self.world:
             raise ConfigError(f"weight {name} has {size} {'rows' if dim == 0 else 'columns'}, which "
@@ -106,9 +100,10 @@ class TensorShard:
         step = size // self.world
         return dim, self.rank * step, (self.rank + 1) * step, step
 
-    def take(self, name: str, tensor, vocab: int):
-        """This rank's slice of the checkpoint tensor `name` (a dense tensor or quantized blocks)."""
-        where = self.bounds(name, tensor.shape, vocab)
+    def take(self, split: str | None, tensor, name: str = ""):
+        """This rank's slice of a checkpoint tensor (a dense tensor or quantized blocks) for a layer split as
+        `split`."""
+        where = self.bounds(split, tensor.shape, name)
         if where is None:
             return tensor
         dim, start, stop, rows = where

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from nanoserve.model.gguf.reader import TensorInfo, parse
 from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
 from nanoserve.model.quant import KEPT_GGUF_TYPES, QuantBlocks, from_gguf
 
-__all__ = ["GGUFCheckpoint", "load_gguf"]
+__all__ = ["GGUFCheckpoint", "GGUFHeader", "load_gguf", "read_gguf_header", "read_gguf_weights"]
 
 
 @dataclass(frozen=True)
@@ -154,16 +155,16 @@ def _read_rope_scaling(f, meta: dict, infos: dict[str, TensorInfo], config: dict
 
 
 def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str, tuple[int, ...]]], config: dict,
-                  dtype: torch.dtype, keep_blocks: bool, shard) -> tuple[dict, QuantBlocks | None]:
-    """Every expected tensor under its HF name, q/k rows back in HF's layout and each cut to `shard` as it is
-    read: dequantized to `dtype`, or with `keep_blocks` a projection's exact blocks. Also the output head's
+                  dtype: torch.dtype, keep_blocks: bool, cut) -> tuple[dict, QuantBlocks | None]:
+    """Every expected tensor under its HF name, q/k rows back in HF's layout and each passed through `cut` as it
+    is read: dequantized to `dtype`, or with `keep_blocks` a projection's exact blocks. Also the output head's
     blocks when kept (its dense weight is read as well: the embedding's lookup needs it)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permuted = config["model_type"] == "llama"  # llama.cpp's converter permutes q/k rows of llama models only
     tensors: dict[str, torch.Tensor | QuantBlocks] = {}
     head_blocks = None
     head_name = "token_embd.weight" if config["tie_word_embeddings"] else "output.weight"
-    cut = (lambda name, t: t) if shard is None else (lambda name, t: shard.take(name, t, config["vocab_size"]))
+    cut = cut or (lambda name, t: t)
     for name, (hf_name, _) in expected.items():
         info = infos[name]
         rope_heads = None if not permuted else heads if name.endswith(".attn_q.weight") else kv_heads \
@@ -184,34 +185,64 @@ def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str
     return tensors, head_blocks
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              keep_blocks: bool = False, shard=None) -> GGUFCheckpoint:
-    """Read a llama-architecture GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped
-    config dict and a tokenizer. Refuses, with a CheckpointError naming the fix, anything it cannot load
-    exactly. With `keep_blocks`, Q4_0 / Q4_1 / Q8_0 projection weights come back as their exact blocks
-    (`Int4Blocks`, `Int8Blocks`) instead of dequantized, and so does the output head (or the embedding it is
-    tied to) as `head_blocks`, beside its dense weight (the embedding's lookup needs that). With a `shard`
-    (a parallel.shard.TensorShard) each tensor is cut to that rank's slice as it is read, one tensor at a time,
-    so the whole model is never held."""
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file read up to its weights: everything that can refuse it has run."""
+
+    path: Path
+    infos: dict[str, TensorInfo]
+    expected: dict[str, tuple[str, tuple[int, ...]]]  # GGUF name -> (HF name, shape)
+    config: dict  # config.json-shaped, rope_scaling included
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+
+
+def read_gguf_header(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFHeader:
+    """A GGUF file's config and tokenizer, its tensors checked against them, no weight read: what a model is
+    built from before its weights are read into it (and each cut to a rank's slice as it comes)."""
     path = Path(path)
     _check_is_file(path)
     meta, infos = _read_header(path)
     config = hf_config(meta, infos, path, dtype)
     expected = _expected_tensors(config)
     _check_tensors(path, infos, expected)
-
     # Everything that can refuse the file runs before the (comparatively slow) dequantization.
     tokenizer, add_bos = build_tokenizer(meta, path)
     with open(path, "rb") as f:
         config["rope_scaling"] = _read_rope_scaling(f, meta, infos, config, path)
-        tensors, head_blocks = _read_weights(f, infos, expected, config, dtype, keep_blocks, shard)
+    return GGUFHeader(path, infos, expected, config, tokenizer, meta.get("tokenizer.chat_template"),
+                      special_token(meta, "tokenizer.ggml.bos_token_id"),
+                      special_token(meta, "tokenizer.ggml.eos_token_id"), add_bos)
+
+
+def read_gguf_weights(header: GGUFHeader, dtype: torch.dtype = torch.float32, keep_blocks: bool = False,
+                      cut: Callable | None = None) -> tuple[dict, QuantBlocks | None]:
+    """The file's tensors under their HF names and the output head's blocks (see load_gguf). `cut(name, tensor)`
+    (tensor parallelism: a rank's slice) is applied to each tensor as it is read, one at a time, so the whole
+    model is never held."""
+    with open(header.path, "rb") as f:
+        return _read_weights(f, header.infos, header.expected, header.config, dtype, keep_blocks, cut)
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              keep_blocks: bool = False, cut: Callable | None = None) -> GGUFCheckpoint:
+    """Read a GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped config dict and a tokenizer.
+    Refuses, with a CheckpointError naming the fix, anything it cannot load exactly. With `keep_blocks`, Q4_0 /
+    Q4_1 / Q8_0 projection weights come back as their exact blocks (`Int4Blocks`, `Int8Blocks`) instead of
+    dequantized, and so does the output head (or the embedding it is tied to) as `head_blocks`, beside its dense
+    weight (the embedding's lookup needs that). `cut`: see read_gguf_weights."""
+    header = read_gguf_header(path, dtype)
+    tensors, head_blocks = read_gguf_weights(header, dtype, keep_blocks, cut)
     return GGUFCheckpoint(
-        config=config,
+        config=header.config,
         tensors=tensors,
-        tokenizer=tokenizer,
-        chat_template=meta.get("tokenizer.chat_template"),
-        bos_token=special_token(meta, "tokenizer.ggml.bos_token_id"),
-        eos_token=special_token(meta, "tokenizer.ggml.eos_token_id"),
-        add_bos_token=add_bos,
+        tokenizer=header.tokenizer,
+        chat_template=header.chat_template,
+        bos_token=header.bos_token,
+        eos_token=header.eos_token,
+        add_bos_token=header.add_bos_token,
         head_blocks=head_blocks,
     )
