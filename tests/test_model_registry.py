@@ -85,3 +85,51 @@ def test_dense_linears_are_built_with_their_row_multiple(tiny_checkpoint):
         model = load_model(path, torch.float32, CPU, max_positions=64, invariant=invariant).model
         linears = [m for m in model.modules() if hasattr(m, "matmul_dtype")]
         assert len(linears) == 2 * 4 + 1 and {m.row_multiple for m in linears} == {multiple}, invariant
+
+
+# Megatron's split, written out here as the oracle (not read from the code): what each checkpoint tensor's layer
+# must say, so a rank loads the right slice of it
+MEGATRON = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "gate_proj": "column", "up_proj": "column",
+            "o_proj": "row", "down_proj": "row", "embed_tokens": "vocab", "lm_head": "vocab"}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_every_checkpoint_tensor_is_split_as_its_layer_says(tiny_checkpoint, kind):
+    """Tensor parallelism asks the layer a tensor loads into how it is split (no checkpoint name is matched):
+    column for q/k/v and gate/up (biases too), row for o and down, vocab for the embedding and the head, whole
+    for every norm."""
+    from safetensors import safe_open
+
+    from nanoserve.model.targets import split_of, weight_target
+
+    path = tiny_checkpoint(kind)
+    model = load_model(path, torch.float32, CPU, max_positions=64).model
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    assert any("norm" in name for name in names)
+    for name in names:
+        assert weight_target(model, name) is not None, name
+        leaf = next((part for part in name.split(".") if part in MEGATRON), None)
+        assert split_of(model, name) == MEGATRON.get(leaf), name
+
+
+def test_a_quantized_load_keeps_its_layers_and_runs_each_on_its_formats_method(tmp_path):
+    """The default model's 4-bit file: every decoder projection stays the layer the model built (nothing
+    swapped in), runs the packed module of the linear method for its blocks, and its dense weight is let go."""
+    from nanoserve.model.fused import fused_kernels
+    from nanoserve.model.linear import LinearLayer, MergedColumnLinear, RowParallelLinear
+    from nanoserve.model.quant import Int4Blocks
+    from nanoserve.model.quant.methods import method_for
+
+    kernels, why = fused_kernels(True, CPU)
+    loaded = load_model(None, torch.float32, CPU, max_positions=64, quantization="auto", kernels=kernels,
+                        no_kernels=why)
+    expected = method_for(Int4Blocks.quantize(torch.zeros(16, 32)), kernels).format
+    for layer in loaded.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert type(attn.qkv_proj) is MergedColumnLinear and type(mlp.gate_up_proj) is MergedColumnLinear
+        assert type(attn.o_proj) is RowParallelLinear and type(mlp.down_proj) is RowParallelLinear
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            assert proj.packed is not None and proj.packed.format == expected and proj.weight is None
+    assert loaded.quant.formats == {expected: 4 * len(loaded.model.layers)}
+    assert not any(isinstance(m, LinearLayer) for m in loaded.model.layers[0].self_attn.qkv_proj.packed.modules())

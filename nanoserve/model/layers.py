@@ -189,13 +189,26 @@ class RotaryEmbedding(FastAttributes, nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
+        self.shape = (head_dim, max_positions, theta, scaling)
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim, max_positions, theta, scaling = self.shape
         freqs = rope_angles(head_dim, max_positions, theta, scaling)
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = rope_attention_factor(scaling)
         sin = emb.sin() * scale
         sin[:, : head_dim // 2].neg_()
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        return emb.cos() * scale, sin
+
+    def materialize(self, device: torch.device) -> None:
+        """Compute the tables for real, in float32, on `device`: a model is built on the meta device and its
+        tensors made empty there (and cast to the model's dtype); the rotary table is computed, not loaded."""
+        with torch.device("cpu"):
+            cos, sin = self._tables()
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for this step's positions, looked up once per forward and shared by every layer."""

@@ -15,7 +15,6 @@ from nanoserve.errors import CheckpointError
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.fused import FusedStatus, fused_status
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
-from nanoserve.model.layers import RotaryEmbedding
 from nanoserve.model.linear import MergedColumnLinear
 from nanoserve.model.platform import Platform
 from nanoserve.model.quant import QuantBlocks, QuantStats, int4_supported, int8_supported, process_weights
@@ -263,8 +262,7 @@ def _construct(config: ModelConfig, dtype, device, max_positions, platform: Plat
     with torch.device("meta"):
         model = model_class(config.architecture)(config, positions, platform)
     model.to_empty(device=device).to(dtype)
-    # The rotary table is computed, not loaded: rebuild it for real, in float32, on the device.
-    model.rope = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling).to(device)
+    model.rope.materialize(device)
     return model
 
 
