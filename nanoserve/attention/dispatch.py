@@ -14,7 +14,7 @@ import torch
 from nanoserve.attention.fused import FusedInvariantStep
 from nanoserve.attention.gathered import gathered_decode, gathered_mask
 from nanoserve.attention.invariant import InvariantStep
-from nanoserve.attention.prefill import prefill_attention
+from nanoserve.attention.prefill import prefill_attention, share_pasts
 from nanoserve.attention.step import AttentionStep
 from nanoserve.attention.tiled import tiled_decode
 from nanoserve.errors import ConfigError
@@ -166,6 +166,9 @@ class StepRead(AttentionStep):
         self.width = block_table.shape[1] * block_size
         self._mask: torch.Tensor | None = None
         self.cached_only = batch is None or not batch.prefills
+        # continuing prefill segments grouped by the cache blocks of their pasts, once a step for every layer
+        self.pasts = () if self.cached_only else share_pasts(batch.prefills, batch.prefill_tables, block_size,
+                                                              block_table.device)
         if block_table.shape[0] != context_lens.shape[0]:
             raise ValueError(f"read got {block_table.shape[0]} table rows and {context_lens.shape[0]} lengths")
 
@@ -177,7 +180,7 @@ class StepRead(AttentionStep):
         if self.cached_only:
             return self.decode(q, k_cache, v_cache, scale)
         parts = [self.decode(q[:nd], k_cache, v_cache, scale)] if nd else []
-        parts.append(prefill_attention(q, k, v, batch.prefills, batch.shared_pasts, k_cache, v_cache, scale))
+        parts.append(prefill_attention(q, k, v, batch.prefills, self.pasts, k_cache, v_cache, scale))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -24,14 +24,14 @@ def step_tables(batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, tor
     decode = batch.decode_block_table
     if not batch.prefills:
         return decode.contiguous(), torch.arange(nd), batch.decode_context_lens.contiguous()
-    blocks = batch.prefill_blocks
-    width = max([decode.shape[1] if nd else 0, *(b.numel() for b in blocks)])
+    blocks = batch.prefill_tables
+    width = max([decode.shape[1] if nd else 0, *(len(b) for b in blocks)])
     tables = torch.zeros(nd + len(blocks), width, dtype=torch.long)
     if nd:
         tables[:nd, : decode.shape[1]] = decode
     rows, keys = [torch.arange(nd)], [batch.decode_context_lens[:nd]]
     for s, (seg, seg_blocks) in enumerate(zip(batch.prefills, blocks)):
-        tables[nd + s, : seg_blocks.numel()] = seg_blocks
+        tables[nd + s, : len(seg_blocks)] = torch.tensor(seg_blocks, dtype=torch.long)
         rows.append(torch.full((seg.length,), nd + s, dtype=torch.long))
         keys.append(torch.arange(seg.context_start + 1, seg.context_start + seg.length + 1))
     return tables, torch.cat(rows), torch.cat(keys)
@@ -44,9 +44,9 @@ class FusedInvariantStep(AttentionStep):
     def __init__(self, read, batch, cache, kernels, out_dtype: torch.dtype):
         if cache.layout != "heads_kt":
             raise ValueError(f"the fused attention reads a heads_kt KV cache, not {cache.layout!r}")
-        if len(batch.prefills) != len(batch.prefill_blocks):
+        if len(batch.prefills) != len(batch.prefill_tables):
             raise ValueError(f"the batch has {len(batch.prefills)} prefill segments but block tables for "
-                             f"{len(batch.prefill_blocks)}")
+                             f"{len(batch.prefill_tables)}")
         super().__init__(read, batch, cache)
         self.kernels, self.out_dtype, self.kv_heads = kernels, out_dtype, cache.kv_heads
         self.tables, self.row_of, self.keys_of = step_tables(batch, cache.block_size)

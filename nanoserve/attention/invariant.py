@@ -186,12 +186,13 @@ class InvariantStep(AttentionStep):
         super().__init__(read, batch, cache)
         self.block_size, self.num_blocks, self.kv_heads = cache.block_size, cache.num_blocks, cache.kv_heads
         self.segments = tuple(
-            PrefillSegmentRows(seg.start, seg.length, seg.context_start, blocks, cache.block_size,
+            PrefillSegmentRows(seg.start, seg.length, seg.context_start,
+                               torch.tensor(table, dtype=torch.long, device=cache.k.device), cache.block_size,
                                cache.num_blocks, cache.kv_heads)
-            for seg, blocks in zip(batch.prefills, batch.prefill_blocks))
+            for seg, table in zip(batch.prefills, batch.prefill_tables))
         if len(self.segments) != len(batch.prefills):
             raise ValueError(f"the batch has {len(batch.prefills)} prefill segments but block tables for "
-                             f"{len(batch.prefill_blocks)}")
+                             f"{len(batch.prefill_tables)}")
         self._decode: DecodeRows | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k=None, v=None, scale: float = 1.0) -> torch.Tensor:

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.attention.prefill import SharedPast
-
 
 @dataclass(frozen=True)
 class PrefillSegment:
@@ -37,5 +35,5 @@ class StepBatch:
     decode_context_lens: torch.Tensor  # [num_decode]
     prefills: tuple[PrefillSegment, ...]
     logits_indices: torch.Tensor  # [sampled rows] which tokens' hidden states become logits
-    shared_pasts: tuple[SharedPast, ...] = ()  # continuing segments grouped by the cache blocks of their pasts
-    prefill_blocks: tuple[torch.Tensor, ...] = ()  # each segment's sequence's blocks (the batch-invariant path)
+    prefill_tables: tuple[tuple[int, ...], ...] = ()  # each segment's sequence's cache blocks up to its end (host
+    # ints: each attention path builds its own device tables from them, nanoserve/attention/step.py)

@@ -72,8 +72,7 @@ def batch_to(batch, device: torch.device, copy: bool = False):
                                            for f in dataclasses.fields(obj)
                                            if isinstance(getattr(obj, f.name), torch.Tensor)})
 
-    return dataclasses.replace(moved(batch), shared_pasts=tuple(moved(p) for p in batch.shared_pasts),
-                               prefill_blocks=tuple(b.to(device, copy=copy) for b in batch.prefill_blocks))
+    return moved(batch)
 
 
 def serve(rank: int, world: int, init_method: str, timeout_s: float, key: bytes, device_type: str = "cpu",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.attention.prefill import share_pasts
 from nanoserve.model.batch import PrefillSegment, StepBatch
 
 
@@ -44,7 +43,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         _mark_prompt(c, row, prompt_at, prompt_rows)
     width = max((-(-n // bs) for n in lens), default=0)
     table = [c.request.blocks[: -(-n // bs)] + [0] * (width - (-(-n // bs))) for c, n in zip(decodes, lens)]
-    segments, tables, blocks = [], [], []
+    segments, tables = [], []
     for c in prefills:
         req, length = c.request, c.length + len(c.drafts)
         start = len(ids)
@@ -53,8 +52,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         span = range(c.start, c.start + length)
         positions.extend(span)
         slots.extend(req.blocks[p // bs] * bs + p % bs for p in span)
-        tables.append(req.blocks)
-        blocks.append(torch.tensor(req.blocks[: -(-(c.start + length) // bs)], dtype=torch.long, device=device))
+        tables.append(tuple(req.blocks[: -(-(c.start + length) // bs)]))
         segments.append(PrefillSegment(start, length, c.start))
         if c.drafts:
             for j in range(length):  # every position of a verified draft is sampled
@@ -73,8 +71,7 @@ def general_batch(sched, block_size: int, device) -> tuple[StepBatch, list, list
         decode_context_lens=torch.tensor(lens, dtype=torch.long, device=device),
         prefills=tuple(segments),
         logits_indices=torch.tensor(logits_at + prompt_at, dtype=torch.long, device=device),
-        shared_pasts=share_pasts(segments, tables, bs, device),
-        prefill_blocks=tuple(blocks),
+        prefill_tables=tuple(tables),
     )
     return batch, sampled, prompt_rows, before
 

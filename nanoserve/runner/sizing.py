@@ -73,7 +73,7 @@ def warm_up(runner) -> None:
         input_ids=ids, positions=positions, slots=ids % cfg.block_size,
         num_decode=0, decode_block_table=ids[:0, None], decode_context_lens=ids[:0],
         prefills=(PrefillSegment(0, n, 0),), logits_indices=ids[-1:],
-        prefill_blocks=(torch.zeros(-(-n // cfg.block_size), dtype=torch.long, device=device),),
+        prefill_tables=((0,) * -(-n // cfg.block_size),),
     )
     with torch.inference_mode():
         runner.forward(batch, cache, PagedRead("gathered", invariant=cfg.batch_invariant))
