@@ -153,7 +153,7 @@ def cmd_serve(args) -> int:
 
 # each is nanoserve/bench/<name>.py with add_parser(sub) and main(args), run as `nanoserve bench <name>`
 BENCHMARKS = ("throughput", "serve", "linear", "ab", "inputs", "graphs", "wire", "reads", "soak", "prefix", "prefill",
-              "grammar", "budget", "spec", "hostile")
+              "grammar", "budget", "spec", "hostile", "sizes")
 
 
 def cmd_bench(args) -> int:

@@ -86,6 +86,8 @@ refused "nanoserve serve --data-parallel-backend ray (no Ray)" "pip install 'nan
 refused "nanoserve serve --kv-events-config (no pyzmq)" "pip install 'nanoserve[kv-events]'" \
     nanoserve serve --port 0 --kv-events-config '{"enable_kv_cache_events": true}'
 refused "nanoserve bench reads (no CUDA, no Triton)" "pip install 'nanoserve[gpu]'" nanoserve bench reads
+refused "nanoserve bench sizes (no llama-cpp-python)" "pip install 'nanoserve[peers]'" \
+    nanoserve bench sizes --shapes smoke --files "$work/files" --out "$work/sizes"
 refused "scripts/random-checkpoint.py (no transformers)" "pip install 'nanoserve[hf]'" \
     python scripts/random-checkpoint.py --out "$work/ckpt"
 
