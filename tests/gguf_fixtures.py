@@ -12,6 +12,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.kquant_encode import ENCODERS, encode_k
+
 TINY = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, context=256, theta=10000.0, eps=1e-5)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -111,6 +113,8 @@ def gguf_name(hf_name: str) -> str:
 def encode(arr: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
     """(array to write, raw ggml type or None) for one tensor stored as `qtype`."""
     t = gguf.GGMLQuantizationType[qtype]
+    if qtype in ENCODERS:  # the K-quants: gguf decodes them but cannot write them
+        return encode_k(arr, qtype), t
     if qtype == "F32":
         return arr, None
     if qtype == "F16":
@@ -155,10 +159,12 @@ def write_llama_gguf(
     rope_freqs: np.ndarray | None = None,
     extra_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]] | None = None,
     extra_kv: dict | None = None,
+    tensor_types: dict[str, str] | None = None,
     **cfg,
 ) -> Path:
-    """Write `weights` (HF layout) as a llama.cpp-style GGUF: q/k rows permuted, 2-D tensors as `qtype`,
-    norms as F32 (llama.cpp never quantizes 1-D tensors)."""
+    """Write `weights` (HF layout) as a llama.cpp-style GGUF: q/k rows permuted, 2-D tensors as `qtype` (or as
+    `tensor_types` names for an HF name ending in one of its keys: a mixed file such as Q4_K_M), norms as F32 (llama.cpp
+    never quantizes 1-D tensors)."""
     c = dict(TINY, **cfg)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny test llama")
@@ -216,7 +222,8 @@ def write_llama_gguf(
             arr = llama_cpp_permute(arr, c["heads"], c["heads"])
         elif name.endswith("k_proj.weight"):
             arr = llama_cpp_permute(arr, c["heads"], c["kv_heads"])
-        data, raw = encode(arr, qtype) if arr.ndim == 2 else (arr, None)
+        kind = next((t for end, t in (tensor_types or {}).items() if name.endswith(end)), qtype)
+        data, raw = encode(arr, kind) if arr.ndim == 2 else (arr, None)
         w.add_tensor(gguf_name(name), data, raw_dtype=raw)
     for name, (data, raw) in (extra_tensors or {}).items():
         w.add_tensor(name, data, raw_dtype=raw)

@@ -68,7 +68,8 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-SOURCES = ("fused.c", "linear.c")  # compiled together into one library
+SOURCES = ("fused.c", "linear.c", "kquant.c")  # compiled together into one library
+HEADERS = ("half.h",)  # what they include: part of the build's key
 
 
 def library_path(source: bytes, compiler: str) -> Path:
@@ -99,8 +100,8 @@ def build(names: tuple[str, ...] = SOURCES) -> tuple[Path | None, str]:
     compiler = find_compiler()
     if compiler is None:
         return None, "no C compiler (install gcc or clang, or set CC)"
-    sources = {name: resources.files("nanoserve.kernels").joinpath(name).read_bytes() for name in names}
-    target = library_path(b"\0".join(sources.values()), compiler)
+    files = {name: resources.files("nanoserve.kernels").joinpath(name).read_bytes() for name in (*names, *HEADERS)}
+    target = library_path(b"\0".join(files.values()), compiler)
     name = " + ".join(names)
     if target.exists():
         return target, ""
@@ -108,9 +109,9 @@ def build(names: tuple[str, ...] = SOURCES) -> tuple[Path | None, str]:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
             out = Path(work) / target.name
-            for source_name, text in sources.items():
-                (Path(work) / source_name).write_bytes(text)
-            command = [compiler, *compile_flags(), *(str(Path(work) / n) for n in sources), "-o", str(out), "-lm"]
+            for file_name, text in files.items():
+                (Path(work) / file_name).write_bytes(text)
+            command = [compiler, *compile_flags(), *(str(Path(work) / n) for n in names), "-o", str(out), "-lm"]
             done = subprocess.run(command,
                                   capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode != 0:

@@ -65,6 +65,7 @@ class FusedKernels:
         # the raw C entries (packed, x, rows, in, out, bias, y, threads, accumulate) -> 0, or -1 out of memory: for
         # a caller that checked its tensors once (model/quant/linears.py's KernelLinear)
         self.q4_call, self.q8_call = self._q4_matmul, self._q8_matmul
+        self._bind_kquants(lib)
         self._set_tiles, self._tile_rows = lib.ns_set_tiles, lib.ns_tile_rows
         self._set_tiles.argtypes, self._set_tiles.restype = (ctypes.c_int,), ctypes.c_int
         self._tile_rows.argtypes, self._tile_rows.restype = (), _i64
@@ -72,6 +73,42 @@ class FusedKernels:
         self._tiles_on = self.tiles != "none"
         self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
+
+    def _bind_kquants(self, lib: ctypes.CDLL) -> None:
+        """kquant.c: GGUF's K-quant rows as the file holds them. `kq_types`: type name -> the library's index;
+        `kq_call` the raw entry (type, rows' bytes, x, rows, in, out, ldy, bias, y, threads, accumulate) -> 0,
+        -1 out of memory, -2 a type or shape it does not take."""
+        self.kq_call = lib.ns_kq_matmul
+        self.kq_call.argtypes, self.kq_call.restype = (_i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32,
+                                                       _i32), ctypes.c_int
+        self._kq_dequant_rows = lib.ns_kq_dequant_rows
+        self._kq_dequant_rows.argtypes, self._kq_dequant_rows.restype = (_i32, _ptr, _i64, _ptr, _i64, _ptr), ctypes.c_int
+        lib.ns_kq_name.argtypes, lib.ns_kq_name.restype = (_i32,), ctypes.c_char_p
+        lib.ns_kq_isa.restype = ctypes.c_char_p
+        self.kq_types = {lib.ns_kq_name(i).decode(): i for i in range(lib.ns_kq_types())}
+        self.kq_isa = lib.ns_kq_isa().decode()  # the integer dot product the K-quant kernels were built on
+
+    def kq_matmul(self, type_name: str, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] float32 . W^T -> [rows, out] float32, W the file's K-quant rows `raw` [out, bytes]."""
+        rows, k = x.shape
+        out = raw.shape[0]
+        if x.dtype is not torch.float32 or not x.is_contiguous() or not raw.is_contiguous():
+            raise ValueError("the K-quant kernel takes contiguous float32 rows and contiguous blocks")
+        y = torch.empty(rows, out)
+        done = self.kq_call(self.kq_types[type_name], raw.data_ptr(), x.data_ptr(), rows, k, out, out, None,
+                            y.data_ptr(), torch.get_num_threads(), 0) if rows else 0
+        if done:
+            raise (MemoryError if done == -1 else ValueError)(f"the {type_name} kernel refused {rows} x {k} rows")
+        return y
+
+    def kq_dequant_rows(self, type_name: str, raw: torch.Tensor, in_features: int, idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` of the file's K-quant rows `raw`, dequantized exactly as gguf does -> [len(idx), in] float32."""
+        idx = idx.to(torch.int64).contiguous()
+        out = torch.empty(idx.numel(), in_features)
+        if self._kq_dequant_rows(self.kq_types[type_name], raw.data_ptr(), in_features, idx.data_ptr(), idx.numel(),
+                                 out.data_ptr()):
+            raise ValueError(f"cannot dequantize {type_name} rows of {in_features} inputs")
+        return out
 
     def _count(self, name: str, rows: int) -> None:
         self.calls[name] += 1

@@ -3,6 +3,7 @@
 `Int4Blocks`: codes 0..15 with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero, which is
 what torch's packed int4 CPU kernel computes (GGUF Q4_0 / Q4_1, or a dense weight quantized at load).
 `Int8Blocks`: codes -128..127 with a scale per group of 32 inputs, w = q * scale (GGUF Q8_0).
+`KQuantBlocks`: GGUF's K-quant super-blocks of 256 inputs (Q4_K, Q5_K, Q6_K), the file's bytes as they lie.
 """
 
 from __future__ import annotations
@@ -122,14 +123,82 @@ class Int8Blocks:
         return Int8Blocks(torch.from_numpy(codes.reshape(out, k)), torch.from_numpy(d.reshape(out, k // GROUP)))
 
 
-QuantBlocks = Int4Blocks | Int8Blocks
+SUPER_BLOCK = 256  # inputs per K-quant super-block
+K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block, as GGUF defines them
+
+
+@dataclass(frozen=True)
+class KQuantBlocks:
+    """A [out, in] weight as GGUF K-quant super-blocks, each output row the file's bytes as they lie (no
+    repacking: the kernel reads the file's layout). A merged projection's shards may come in different types
+    (a Q4_K_M file stores q and k as Q4_K and v, in half the layers, as Q6_K): each run of rows keeps its own."""
+
+    segments: tuple[tuple[str, torch.Tensor], ...]  # (type name, uint8 [rows, in / 256 * block bytes]), in order
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(raw.shape[0] for _, raw in self.segments), self.in_features
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.segments)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these blocks stand for, bit for bit gguf's reference dequantization."""
+        from gguf import GGMLQuantizationType  # only where blocks came from a file
+
+        from nanoserve.model.gguf.dequant import dequantize
+
+        return torch.cat([torch.from_numpy(dequantize(raw.numpy().reshape(-1), GGMLQuantizationType[name],
+                                                      (raw.shape[0], self.in_features))) for name, raw in self.segments])
+
+    def rows(self, order: np.ndarray) -> KQuantBlocks:
+        """The same blocks with output rows reordered (one tensor's: GGUF's q/k rope layout)."""
+        (name, raw), = self.segments
+        return KQuantBlocks(((name, raw[torch.from_numpy(np.ascontiguousarray(order))]),), self.in_features)
+
+    def slice(self, dim: int, start: int, stop: int) -> KQuantBlocks | None:
+        """A copy of output rows [start, stop) (dim 0) or input columns [start, stop) (dim 1) of one tensor's
+        blocks; None when the columns are not whole super-blocks."""
+        (name, raw), = self.segments
+        if dim == 0:
+            return KQuantBlocks(((name, raw[start:stop].clone()),), self.in_features)
+        if start % SUPER_BLOCK or stop % SUPER_BLOCK:
+            return None
+        width = K_QUANT_BYTES[name]
+        part = raw[:, start // SUPER_BLOCK * width:stop // SUPER_BLOCK * width].contiguous()
+        return KQuantBlocks(((name, part),), stop - start)
+
+    @staticmethod
+    def cat(parts: list[KQuantBlocks]) -> KQuantBlocks:
+        """Stacked along the output rows, runs of one type merged."""
+        segments: list[tuple[str, torch.Tensor]] = []
+        for name, raw in (seg for part in parts for seg in part.segments):
+            if segments and segments[-1][0] == name:
+                segments[-1] = (name, torch.cat([segments[-1][1], raw]))
+            else:
+                segments.append((name, raw))
+        return KQuantBlocks(tuple(segments), parts[0].in_features)
+
+    @staticmethod
+    def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> KQuantBlocks:
+        out, k = shape
+        return KQuantBlocks(((type_name, torch.from_numpy(raw.reshape(out, -1))),), k)
+
+
+QuantBlocks = Int4Blocks | Int8Blocks | KQuantBlocks
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantBlocks:
     """The blocks of a GGUF tensor of a type kept as it is (KEPT_GGUF_TYPES)."""
+    if type_name in K_QUANT_BYTES:
+        return KQuantBlocks.from_gguf(raw, type_name, shape)
     if type_name == "Q8_0":
         return Int8Blocks.from_gguf(raw, shape)
     return Int4Blocks.from_gguf(raw, type_name, shape)
 
 
-KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # computed by the packed kernels exactly as the file defines them
+# computed by the packed kernels exactly as the file defines them (the K-quants where the fused library runs;
+# elsewhere their projections are dequantized one at a time as they are installed)
+KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", *K_QUANT_BYTES)

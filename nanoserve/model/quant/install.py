@@ -7,19 +7,21 @@ times the forms the output head can take. QuantStats is the `linear` section of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanoserve.model.linear import LinearLayer, MergedColumnLinear
-from nanoserve.model.quant.blocks import GROUP, Int4Blocks, Int8Blocks, QuantBlocks
+from nanoserve.model.quant.blocks import GROUP, SUPER_BLOCK, Int4Blocks, Int8Blocks, KQuantBlocks, QuantBlocks
 from nanoserve.model.quant.linears import (
     ACT,
     BF16Linear,
     Int4Linear,
     Int8GroupLinear,
     Int8Linear,
+    KQuantLinear,
     PackedLinear,
     Q8Linear,
     int4_packable,
@@ -72,9 +74,11 @@ def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str, kern
     8-bit blocks run on the fused library's 8-bit kernel (q8x16) where it is vectorized, else on its 4-bit kernel as
     two planes. `bf16_rows`: the bfloat16 copy's row multiple (nanoserve/model/rows.py)."""
     forms = {"bfloat16": lambda: BF16Linear(weight, bf16_rows)}
-    if blocks is not None and not int4_packable(*blocks.shape):
+    if blocks is not None and not isinstance(blocks, KQuantBlocks) and not int4_packable(*blocks.shape):
         blocks = None
-    if isinstance(blocks, Int8Blocks) and kernels is not None and kernels.q8_vectorized:
+    if isinstance(blocks, KQuantBlocks) and kernels is not None and blocks.shape[1] % SUPER_BLOCK == 0:
+        forms["kquant"] = lambda: KQuantLinear(blocks, None, None, kernels)
+    elif isinstance(blocks, Int8Blocks) and kernels is not None and kernels.q8_vectorized:
         forms["q8x16"] = lambda: Q8Linear(blocks, None, None, kernels)
     elif isinstance(blocks, Int8Blocks):
         forms["int8g32"] = lambda: Int8GroupLinear(blocks, kernels=kernels)
@@ -163,13 +167,14 @@ def _shard_names(layer: LinearLayer) -> list[str]:
     return list(layer.offsets) if isinstance(layer, MergedColumnLinear) else ["weight"]
 
 
-def _stays_dense(layer: LinearLayer, shards: dict[str, QuantBlocks]) -> bool:
-    """Blocks arrived for a projection no method runs as one: some shards dense, 4-bit beside 8-bit, or a shape
-    the format's kernel cannot take."""
+def _stays_dense(layer: LinearLayer, shards: dict[str, QuantBlocks], kernels=None) -> bool:
+    """Blocks arrived for a projection no method runs as one: some shards dense, 4-bit beside 8-bit, a format
+    no kernel here runs, or a shape the format's kernel cannot take."""
     if not shards:
         return False
     mixed = set(shards) != set(_shard_names(layer)) or len({type(b) for b in shards.values()}) > 1
-    return mixed or not method_for(next(iter(shards.values()))).packs(layer.out_features, layer.in_features)
+    method = method_for(next(iter(shards.values())), kernels)
+    return mixed or not method.packs(layer.out_features, layer.in_features)
 
 
 def _write_dense(layer: LinearLayer, shards: dict[str, QuantBlocks]) -> None:
@@ -183,21 +188,21 @@ def _write_dense(layer: LinearLayer, shards: dict[str, QuantBlocks]) -> None:
 
 
 def _processed(layer: LinearLayer, shards: dict[str, QuantBlocks], mode: str,
-               kernels=None) -> tuple[PackedLinear, torch.Tensor] | None:
-    """The packed module a projection's linear method makes of its weights, and the dense weight it stands for:
-    the file's blocks where they came, else the weight quantized at load under mode "int4" / "int8"; None when
-    it stays as it is."""
+               kernels=None) -> tuple[PackedLinear, Callable[[], torch.Tensor]] | None:
+    """The packed module a projection's linear method makes of its weights, and how to make the dense weight it
+    stands for (asked for only where a dense copy may serve wide calls): the file's blocks where they came, else
+    the weight quantized at load under mode "int4" / "int8"; None when it stays as it is."""
     bias, sizes = (layer.bias.data if layer.bias is not None else None), getattr(layer, "sizes", None)
     if shards:
         parts = [shards[n] for n in _shard_names(layer)]
         blocks = type(parts[0]).cat(parts)
-        return method_for(blocks, kernels).process(blocks, bias, sizes), blocks.dequantize()
+        return method_for(blocks, kernels).process(blocks, bias, sizes), blocks.dequantize
     chosen = quantizing_method(mode, layer.weight.data, kernels)
     if chosen is None:
         return None
     method, weights = chosen
     packed = method.process(weights, bias, sizes)
-    return packed, weights.dequantize() if isinstance(weights, QuantBlocks) else packed.dequantize()
+    return packed, weights.dequantize if isinstance(weights, QuantBlocks) else packed.dequantize
 
 
 def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
@@ -231,22 +236,26 @@ def process_weights(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], m
     machine and kept (nanoserve/kernel_table.py), not timed at each load. `kernels` (FusedKernels): the methods
     run on its kernels instead of torch's. `bf16_rows`: the row multiple of a bfloat16 head
     (nanoserve/model/rows.py)."""
-    calls = {"int4": 0, "q4x16": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "dense": 0}
+    calls = {"int4": 0, "q4x16": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "kquant": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}
     packed = dense = 0
     for path, layer in _decoder_linears(model):
         shards = kept.get(path, {})
-        if _stays_dense(layer, shards):
+        if _stays_dense(layer, shards, kernels):
             _write_dense(layer, shards)
             continue
         built = _processed(layer, shards, mode, kernels)
         if built is None:
             continue
-        linear, weight = built
-        rows = None if invariant else dense_crossover(linear, weight)
-        linear.use_dense_from(rows, weight)
+        linear, dense_weight = built
+        if invariant:
+            rows = None
+        else:
+            weight = dense_weight()
+            rows = dense_crossover(linear, weight)
+            linear.use_dense_from(rows, weight)
         crossover[f"{linear.format} {linear.out_features}x{linear.in_features}"] = rows
         linear.calls, linear.rows = calls, served_rows  # one tally for all: the snapshot reads it without a walk
         layer.use_packed(linear)

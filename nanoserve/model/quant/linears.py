@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nanoserve.model.attrs import FastAttributes
-from nanoserve.model.quant.blocks import GROUP, Int4Blocks, Int8Blocks
+from nanoserve.model.quant.blocks import GROUP, SUPER_BLOCK, Int4Blocks, Int8Blocks, KQuantBlocks
 from nanoserve.model.rows import linear_rows
 
 ACT = torch.bfloat16
@@ -231,6 +231,50 @@ class Int8GroupLinear(PackedLinear):
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         return (mm(flat, self.packed_hi, GROUP, self.scales_and_zeros_hi)
                 + mm(flat, self.packed_lo, GROUP, self.scales_and_zeros_lo))
+
+
+class KQuantLinear(PackedLinear):
+    """GGUF K-quant rows (KQuantBlocks: Q4_K, Q5_K, Q6_K) as the file holds them, on the fused library's K-quant
+    kernels (kernels/kquant.c): float32 in, each row's super-blocks of 256 quantized to 8-bit codes inside the
+    call (the activation format llama.cpp multiplies these blocks by), float32 out. A merged projection's runs of
+    rows of different types each fill their columns of the one output. An output depends on its row alone."""
+
+    format = "kquant"
+    input_dtype = torch.float32
+    activation_form = "int8 per 256"
+
+    def __init__(self, blocks: KQuantBlocks, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
+        out, k = blocks.shape
+        if k % SUPER_BLOCK:
+            raise ValueError(f"K-quant weights take inputs in super-blocks of {SUPER_BLOCK}; this is {out}x{k}")
+        super().__init__(out, k, bias, sizes)
+        self.kernels, self.type_names = kernels, blocks.type_names
+        self.segments = []  # (the library's type index, first output, outputs)
+        first = 0
+        for i, (name, raw) in enumerate(blocks.segments):
+            self.register_buffer(f"raw{i}", raw.contiguous())
+            self.segments.append((kernels.kq_types[name], first, raw.shape[0]))
+            first += raw.shape[0]
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        x = flat.float().contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features)
+        for i, (kind, first, outs) in enumerate(self.segments):
+            raw = getattr(self, f"raw{i}")
+            if rows and self.kernels.kq_call(kind, raw.data_ptr(), x.data_ptr(), rows, self.in_features, outs,
+                                             self.out_features, None, y.data_ptr() + 4 * first,
+                                             torch.get_num_threads(), 0):
+                raise MemoryError(f"the K-quant kernel could not allocate the int8 copy of {rows} x "
+                                  f"{self.in_features} activations")
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, row for row as gguf dequantizes the file's blocks (the kernels' own decoder)."""
+        every = torch.arange(self.out_features)
+        names = {index: name for name, index in self.kernels.kq_types.items()}
+        return torch.cat([self.kernels.kq_dequant_rows(names[kind], getattr(self, f"raw{i}"), self.in_features,
+                                                       every[:outs]) for i, (kind, _, outs) in enumerate(self.segments)])
 
 
 class BF16Linear(FastAttributes, nn.Module):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.model.quant.blocks import Int4Blocks, Int8Blocks, QuantBlocks
+from nanoserve.model.quant.blocks import SUPER_BLOCK, Int4Blocks, Int8Blocks, KQuantBlocks, QuantBlocks
 from nanoserve.model.quant.linears import (
     Int4Linear,
     Int8GroupLinear,
     Int8Linear,
+    KQuantLinear,
     PackedLinear,
     Q4Linear,
     Q8Linear,
@@ -94,6 +95,31 @@ class Int8Rows(LinearMethod):
         return Int8Linear(weight, bias, sizes)
 
 
+class KQuantFused(LinearMethod):
+    """GGUF K-quant super-blocks as the file holds them, on the fused library's K-quant kernels."""
+
+    format = "kquant"
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def packs(self, out: int, k: int) -> bool:
+        return k % SUPER_BLOCK == 0
+
+    def process(self, blocks, bias, sizes):
+        return KQuantLinear(blocks, bias, sizes, self.kernels)
+
+
+class Dequantized(LinearMethod):
+    """Blocks no kernel here runs (the K-quants without the fused library): the projection stays dense, its
+    weight the blocks dequantized, one projection at a time as they are installed."""
+
+    format = "dense"
+
+    def packs(self, out: int, k: int) -> bool:
+        return False
+
+
 def _int4(kernels) -> LinearMethod:
     return Q4Fused(kernels) if kernels is not None else Int4Torch()
 
@@ -102,8 +128,12 @@ def _int8(kernels) -> LinearMethod:
     return Q8Fused(kernels) if kernels is not None and kernels.q8_vectorized else Int8Planes(kernels)
 
 
+def _kquant(kernels) -> LinearMethod:
+    return KQuantFused(kernels) if kernels is not None else Dequantized()
+
+
 # a file's blocks -> the method that runs them, given the fused kernels (or None)
-METHODS = {Int4Blocks: _int4, Int8Blocks: _int8}
+METHODS = {Int4Blocks: _int4, Int8Blocks: _int8, KQuantBlocks: _kquant}
 
 
 def method_for(blocks: QuantBlocks, kernels=None) -> LinearMethod:
