@@ -379,13 +379,13 @@ def variant_builds(tmp_path_factory) -> dict:
     import subprocess
     from importlib import resources
 
-    from nanoserve.kernels.build import SOURCES
+    from nanoserve.kernels.build import HEADERS, SOURCES
     from nanoserve.kernels.fused import FusedKernels
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the AVX2 build is an x86-64 one")
     folder = tmp_path_factory.mktemp("variants")
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         (folder / name).write_bytes(resources.files("nanoserve.kernels").joinpath(name).read_bytes())
     builds = {}
     # -mno-avx512f / -mno-avx: whatever -march the compiler ($CC) adds itself, a later -march included
