@@ -93,9 +93,15 @@ def test_attached_busy_snapshot(snap_compare, size):
     servers = [still_server(busy_snapshot()), still_server(busy_snapshot())]
     servers[1].url = "http://127.0.0.1:10"
     app = NanoserveConsole(EngineConfig(), refresh_s=0.1, servers=servers)
+    app.animation_level = "none"  # the tabs' underline slides as a label widens: a busy machine can catch it mid-way
 
     async def run_before(pilot) -> None:
+        from console.panels.servers import ServerTabs, tab_label
+
         await wait_until(pilot, lambda: app.phase == "serving", 10, "the first server")
+        tabs = app.screen.query_one(ServerTabs)
+        await wait_until(pilot, lambda: all(str(tab.label) == tab_label(s) == f"{s.label} ok"
+                                            for tab, s in zip(tabs.query("Tab"), servers)), 10, "both servers polled")
         table = app.screen.query_one(RowsTable)
         await wait_until(pilot, lambda: table.row_count == 34, 5, "every row")
         await wait_until(pilot, lambda: columns_fit_their_cells(table), 5, "the columns sized to their rows")
