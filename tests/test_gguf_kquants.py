@@ -171,3 +171,28 @@ def test_logits_match_llama_cpp_on_the_same_file(kernels, mixed):
         for row in range(a.shape[0]):
             x, y = int(a[row].argmax()), int(b[row].argmax())
             assert x == y or (x in b[row].topk(5).indices and y in a[row].topk(5).indices), (row, x, y)
+
+
+def test_a_tied_k_quant_embedding_is_looked_up_and_multiplied_in_the_files_bytes(kernels, tmp_path):
+    """llama.cpp writes the embedding in Q6_K; tied, it is the head too. Neither holds a float32 copy: a lookup
+    decodes the rows asked exactly as gguf does, the head multiplies the same bytes, and an id past the vocabulary
+    is an IndexError rather than a read outside the table."""
+    from nanoserve.model.quant.linears import KQuantRows
+
+    weights = hf_weights(VOCAB, tie=True, **SHAPE)
+    path = write_llama_gguf(tmp_path / "tied-q6k-embedding.gguf", weights, qtype="Q4_K",
+                            tensor_types={"embed_tokens.weight": "Q6_K"}, **SHAPE)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gib=0.01)
+    model = llm.engine.runner.model
+    embedding = model.embed_tokens
+    assert embedding.weight.numel() == 0 and isinstance(embedding.rows_of, KQuantRows)
+    head = model.lm_head.packed
+    assert isinstance(head, KQuantLinear) and tuple(head.type_names) == ("Q6_K",)
+    assert head.raw0.data_ptr() == embedding.rows_of.raw.data_ptr()  # one table, not two
+    expected = torch.from_numpy(reference(weights["model.embed_tokens.weight"], "Q6_K"))
+    ids = torch.tensor([[0, 5, VOCAB - 1], [7, 7, VOCAB - 2]])
+    assert torch.equal(embedding(ids), expected[ids])
+    with pytest.raises(IndexError, match="outside"):
+        embedding(torch.tensor([VOCAB]))
+    out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6

@@ -82,7 +82,8 @@ class FusedKernels:
         self.kq_call.argtypes, self.kq_call.restype = (_i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32,
                                                        _i32), ctypes.c_int
         self._kq_dequant_rows = lib.ns_kq_dequant_rows
-        self._kq_dequant_rows.argtypes, self._kq_dequant_rows.restype = (_i32, _ptr, _i64, _ptr, _i64, _ptr), ctypes.c_int
+        self._kq_dequant_rows.argtypes = (_i32, _ptr, _i64, _i64, _ptr, _i64, _ptr)
+        self._kq_dequant_rows.restype = ctypes.c_int
         lib.ns_kq_name.argtypes, lib.ns_kq_name.restype = (_i32,), ctypes.c_char_p
         lib.ns_kq_isa.restype = ctypes.c_char_p
         self.kq_types = {lib.ns_kq_name(i).decode(): i for i in range(lib.ns_kq_types())}
@@ -105,8 +106,11 @@ class FusedKernels:
         """Rows `idx` of the file's K-quant rows `raw`, dequantized exactly as gguf does -> [len(idx), in] float32."""
         idx = idx.to(torch.int64).contiguous()
         out = torch.empty(idx.numel(), in_features)
-        if self._kq_dequant_rows(self.kq_types[type_name], raw.data_ptr(), in_features, idx.data_ptr(), idx.numel(),
-                                 out.data_ptr()):
+        done = self._kq_dequant_rows(self.kq_types[type_name], raw.data_ptr(), raw.shape[0], in_features,
+                                     idx.data_ptr(), idx.numel(), out.data_ptr())
+        if done == -3:
+            raise IndexError(f"a row index is outside the {raw.shape[0]} rows of the {type_name} table")
+        if done:
             raise ValueError(f"cannot dequantize {type_name} rows of {in_features} inputs")
         return out
 

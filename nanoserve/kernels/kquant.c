@@ -503,10 +503,13 @@ int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, i
     return 0;
 }
 
-/* out [n, in] float32 = rows idx[0..n) of W [*, in] dequantized exactly as gguf does (an embedding's lookup).
- * Returns 0, or -2 for an unknown type or inputs not in whole super-blocks. */
-int ns_kq_dequant_rows(int32_t type, const uint8_t *w, int64_t in, const int64_t *idx, int64_t n, float *out) {
+/* out [n, in] float32 = rows idx[0..n) of W [rows, in] dequantized exactly as gguf does (an embedding's lookup).
+ * Returns 0, -2 for an unknown type or inputs not in whole super-blocks, -3 for an index outside [0, rows). */
+int ns_kq_dequant_rows(int32_t type, const uint8_t *w, int64_t rows, int64_t in, const int64_t *idx, int64_t n,
+                       float *out) {
     if (type < 0 || type >= NTYPES || in % QK) return -2;
+    for (int64_t r = 0; r < n; r++)
+        if (idx[r] < 0 || idx[r] >= rows) return -3;
     int64_t blocks = in / QK, row_bytes = blocks * TYPES[type].block_bytes;
     for (int64_t r = 0; r < n; r++) TYPES[type].dequant(w + idx[r] * row_bytes, blocks, out + r * in);
     return 0;

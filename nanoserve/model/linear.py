@@ -101,9 +101,22 @@ class MergedColumnLinear(LinearLayer):
 
 
 class VocabEmbedding(FastAttributes, nn.Embedding):
-    """The token embedding; tensor parallelism gives each rank a slice of the vocabulary's rows."""
+    """The token embedding; tensor parallelism gives each rank a slice of the vocabulary's rows. After loading it
+    may look its rows up in a file's blocks instead (`use_blocks`), with no dense copy held."""
 
     parallel = "vocab"
+
+    def use_blocks(self, rows_of: nn.Module) -> None:
+        """Look rows up through `rows_of` (ids -> float32 rows, dequantized as asked: KQuantRows); the dense
+        weight is let go (its dtype stays, for what reads the model's dtype from it)."""
+        self.rows_of = rows_of
+        self.weight.data = torch.empty(0, self.embedding_dim, dtype=self.weight.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows_of = self.__dict__.get("rows_of")
+        if rows_of is not None:
+            return rows_of(ids).to(self.weight.dtype)
+        return super().forward(ids)
 
 
 class LMHead(LinearLayer):

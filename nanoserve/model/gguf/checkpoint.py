@@ -17,6 +17,7 @@ from nanoserve.model.gguf.dequant import SUPPORTED_QUANT_TYPES, dequantize
 from nanoserve.model.gguf.reader import TensorInfo, parse
 from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
 from nanoserve.model.quant import KEPT_GGUF_TYPES, QuantBlocks, from_gguf
+from nanoserve.model.quant.blocks import K_QUANT_BYTES
 
 __all__ = ["GGUFCheckpoint", "GGUFHeader", "load_gguf", "read_gguf_header", "read_gguf_weights"]
 
@@ -158,7 +159,8 @@ def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str
                   dtype: torch.dtype, keep_blocks: bool, cut) -> tuple[dict, QuantBlocks | None]:
     """Every expected tensor under its HF name, q/k rows back in HF's layout and each passed through `cut` as it
     is read: dequantized to `dtype`, or with `keep_blocks` a projection's exact blocks. Also the output head's
-    blocks when kept (its dense weight is read as well: the embedding's lookup needs it)."""
+    blocks when kept (its dense weight is read as well, for the embedding's lookup, unless they are K-quants: then
+    the embedding and head come as blocks alone)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permuted = config["model_type"] == "llama"  # llama.cpp's converter permutes q/k rows of llama models only
     tensors: dict[str, torch.Tensor | QuantBlocks] = {}
@@ -170,6 +172,11 @@ def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str
         rope_heads = None if not permuted else heads if name.endswith(".attn_q.weight") else kv_heads \
             if name.endswith(".attn_k.weight") else None
         keep = keep_blocks and info.type_name in KEPT_GGUF_TYPES
+        if keep and info.type_name in K_QUANT_BYTES and name in ("token_embd.weight", head_name):
+            # the embedding and head in K-quants: looked up and multiplied in the file's blocks, no dense copy
+            tensors[hf_name] = cut(hf_name, from_gguf(_read_raw(f, info), info.type_name, info.shape))
+            head_blocks = tensors[hf_name] if name == head_name else head_blocks
+            continue
         if keep and name.startswith("blk."):
             blocks = from_gguf(_read_raw(f, info), info.type_name, info.shape)
             if rope_heads is not None:

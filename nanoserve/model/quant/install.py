@@ -22,6 +22,7 @@ from nanoserve.model.quant.linears import (
     Int8GroupLinear,
     Int8Linear,
     KQuantLinear,
+    KQuantRows,
     PackedLinear,
     Q8Linear,
     int4_packable,
@@ -211,6 +212,8 @@ def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
     (the model's dtype when the head stays as loaded), the microseconds behind the choice, and the bytes the new
     form holds (0 when it stays)."""
     weight = model.lm_head.weight
+    if isinstance(blocks, KQuantBlocks):  # no dense copy was read: the file's blocks are the head
+        return _blocks_head(model, blocks, kernels)
     forms = head_forms(weight, blocks, mode, kernels, bf16_rows)
     head, head_us = _kept_head(weight, forms) if invariant else _timed_head(weight, forms)
     if head == "own":
@@ -219,6 +222,30 @@ def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
     model.lm_head.use_packed(form, _exact_rows(model, weight))
     nbytes = sum(b.numel() * b.element_size() for b in form.buffers())
     return head, head_us, nbytes
+
+
+def _blocks_head(model: nn.Module, blocks: KQuantBlocks, kernels=None) -> tuple[str, dict[str, float], int]:
+    """A head that came as K-quant blocks alone runs on them where the kernels take them; elsewhere they are
+    dequantized into its weight (a tied head's is the embedding's, already written by _install_embedding)."""
+    if kernels is None or blocks.shape[1] % SUPER_BLOCK:
+        if model.lm_head.weight.numel() == 0 or model.lm_head.weight is not model.embed_tokens.weight:
+            model.lm_head.weight.data = blocks.dequantize().to(model.lm_head.weight.dtype)
+        return str(model.lm_head.weight.dtype).removeprefix("torch."), {}, 0
+    form = KQuantLinear(blocks, None, None, kernels)
+    model.lm_head.use_packed(form)
+    return "kquant", {}, sum(b.numel() * b.element_size() for b in form.buffers())
+
+
+def _install_embedding(model: nn.Module, blocks: QuantBlocks | None, kernels=None) -> None:
+    """An embedding that came as K-quant blocks looks its rows up in them where the kernels run (no dense copy),
+    else is written dequantized into its weight."""
+    if blocks is None:
+        return
+    embedding = model.embed_tokens
+    if kernels is not None and isinstance(blocks, KQuantBlocks) and blocks.shape[1] % SUPER_BLOCK == 0:
+        embedding.use_blocks(KQuantRows(blocks, kernels))
+    else:
+        embedding.weight.data = blocks.dequantize().to(embedding.weight.dtype)
 
 
 def process_weights(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], mode: str,
@@ -236,6 +263,7 @@ def process_weights(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], m
     machine and kept (nanoserve/kernel_table.py), not timed at each load. `kernels` (FusedKernels): the methods
     run on its kernels instead of torch's. `bf16_rows`: the row multiple of a bfloat16 head
     (nanoserve/model/rows.py)."""
+    _install_embedding(model, kept.get("embed_tokens", {}).get("weight"), kernels)
     calls = {"int4": 0, "q4x16": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "kquant": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
@@ -263,6 +291,9 @@ def process_weights(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], m
         packed += sum(b.numel() * b.element_size() for b in linear.buffers())
         dense += linear.dense.numel() * 2 if linear.dense is not None else 0
     if not formats:
+        head_blocks = kept.get("lm_head", {}).get("weight")
+        if isinstance(head_blocks, KQuantBlocks):  # no kernel runs it: its blocks dequantized into the weight
+            _blocks_head(model, head_blocks, None)
         return None
     head, head_us, head_bytes = _install_head(model, kept.get("lm_head", {}).get("weight"), mode, invariant,
                                               kernels, bf16_rows)
@@ -274,4 +305,4 @@ def _exact_rows(model: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
     """The float32 weight a coarse head's shortlist is rescored by (nanoserve/model/rescore.py): the embedding
     a tied head shares, already in memory; None for an untied head, whose float32 copy would cost its size again."""
     tied = weight is model.embed_tokens.weight
-    return weight if tied and weight.dtype == torch.float32 else None
+    return weight if tied and weight.dtype == torch.float32 and weight.numel() else None

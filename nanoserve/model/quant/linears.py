@@ -277,6 +277,21 @@ class KQuantLinear(PackedLinear):
                                                        every[:outs]) for i, (kind, _, outs) in enumerate(self.segments)])
 
 
+class KQuantRows(nn.Module):
+    """An embedding's rows looked up in the file's K-quant blocks, each dequantized as gguf does when asked: the
+    table is held in the file's bytes (a tied head multiplies the same ones), never as a float32 copy."""
+
+    def __init__(self, blocks: KQuantBlocks, kernels):
+        super().__init__()
+        (self.type_name, raw), = blocks.segments
+        self.kernels, self.in_features = kernels, blocks.shape[1]
+        self.register_buffer("raw", raw.contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = self.kernels.kq_dequant_rows(self.type_name, self.raw, self.in_features, ids.reshape(-1))
+        return flat.view(*ids.shape, self.in_features)
+
+
 class BF16Linear(FastAttributes, nn.Module):
     """A dense linear run on a bfloat16 copy of its weight (the output head over a tied, unquantized embedding),
     where it measured fastest for one row (see fastest_head)."""
