@@ -190,7 +190,10 @@ class RotaryEmbedding(FastAttributes, nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         self.shape = (head_dim, max_positions, theta, scaling)
-        cos, sin = self._tables()
+        if torch.get_default_device().type == "meta":  # placeholders until materialize: torch's meta arange
+            cos = sin = torch.empty(max_positions, head_dim)  # would import its compiler stack (a second a load)
+        else:
+            cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -106,6 +106,10 @@ class VocabEmbedding(FastAttributes, nn.Embedding):
 
     parallel = "vocab"
 
+    def reset_parameters(self) -> None:
+        """Nothing: the weight always comes from a checkpoint, and torch's random init on the meta device would
+        import its compiler stack (a second of every load)."""
+
     def use_blocks(self, rows_of: nn.Module) -> None:
         """Look rows up through `rows_of` (ids -> float32 rows, dequantized as asked: KQuantRows); the dense
         weight is let go (its dtype stays, for what reads the model's dtype from it)."""

@@ -261,7 +261,10 @@ def _construct(config: ModelConfig, dtype, device, max_positions, platform: Plat
     positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
         model = model_class(config.architecture)(config, positions, platform)
-    model.to_empty(device=device).to(dtype)
+    # torch.empty, not to_empty's empty_like: on meta tensors that runs torch's Python references, which import
+    # sympy and its compiler stack (a third of a second of every load)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.to(dtype)
     model.rope.materialize(device)
     return model
 
