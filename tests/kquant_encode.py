@@ -63,7 +63,10 @@ def q6_k(x: np.ndarray) -> np.ndarray:
     scale = np.abs(sub).max(-1) / 31
     d = np.maximum(np.abs(scale).max(-1), 1e-8) / 127
     d16 = d.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(scale / d16[:, None]), 1, 127).astype(np.int8)
+    # signed scales, as llama.cpp writes them: negative where a sub-block's largest magnitude is negative
+    largest = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+    sign = np.where(largest < 0, -1, 1)
+    sc = (sign * np.clip(np.round(scale / d16[:, None]), 1, 127)).astype(np.int8)
     step = (d16[:, None] * sc)[..., None]
     q = (np.clip(np.round(sub / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
     ql = np.zeros((q.shape[0], 2, 64), dtype=np.uint8)

@@ -5,10 +5,10 @@
  * even) and the codes' sums per 16, the format llama.cpp's CPU backend multiplies these blocks by (its Q8_K).
  *
  * Each type is a row of TYPES (its block bytes and its dot product), so the matmul driver and the thread pool
- * never ask which type they run. A dot product splits into an exact integer part per super-block, computed by
- * whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C) with the same integers as result, and a
- * float part that every build runs as the same scalar code in super-block order: an output's bits depend on its
- * row alone, not on the call's other rows, the thread or the instruction set.
+ * never ask which type they run. A dot product splits into exact integer parts per super-block and lane, computed
+ * by whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C) with the same integers as result, and a
+ * float part every build runs as the same per-lane arithmetic in super-block order and one fixed sum of the lanes:
+ * an output's bits depend on its row alone, not on the call's other rows, the thread or the instruction set.
  */
 #include <math.h>
 #include <stdint.h>
@@ -76,20 +76,6 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
     memcpy(m, out + 2, 8);
 }
 
-/* sum over sub-blocks j of m_j (the activations' code sum over sub-block j) */
-static inline int32_t mins_k4(const uint8_t m[8], const int32_t *xs) {
-    int32_t total = 0;
-    for (int j = 0; j < 8; j++) total += m[j] * (xs[2 * j] + xs[2 * j + 1]);
-    return total;
-}
-
-/* Q6_K: sum over its 16 sub-blocks k of sc_k (the activations' code sum over sub-block k) */
-static inline int32_t offset_q6k(const int8_t *sc, const int32_t *xs) {
-    int32_t total = 0;
-    for (int k = 0; k < 16; k++) total += sc[k] * xs[k];
-    return total;
-}
-
 /* The integer part of one super-block: Q4_K and Q5_K give sum_j sc_j sum_i q x (scaled) and the mins' term;
  * Q6_K gives sum_k sc_k sum_i (q - 32) x. Element layouts as gguf's dequantize_blocks:
  * Q4_K: d, dmin, scales[12], qs[128]; element 64 j + i in qs[32 j + i]'s low nibble, 64 j + 32 + i in its high.
@@ -97,8 +83,18 @@ static inline int32_t offset_q6k(const int8_t *sc, const int32_t *xs) {
  * Q6_K: ql[128], qh[64], scales[16] (int8, one per 16), d; element 128 h + 64 s + i: nibble s of ql[64 h + i],
  *       and bits 2 t.. of qh[32 h + (i mod 32)] with t = 2 s + i / 32, as bits 4-5; q - 32. */
 
-/* Each build's ints_k45 / ints_q6k: one super-block of weights (unpacked once) against n <= ROWS activation rows,
- * x the first row's codes for this super-block and row i's at x + i ldx; ints[i] the exact integer part. */
+/* The float part keeps LANES partial sums a row, the same in every build: lane l takes, for each super-block,
+ * the exact integer sum over the inputs {64 j + 4 l + k : j, k < 4} of weight code times activation code times
+ * the code's sub-block scale (I_l), and for Q4_K / Q5_K the min term m_{l/2} times the activations' code sum
+ * over inputs 16 l .. 16 l + 15 (M_l); Q6_K's offset sc_l times that sum (O_l). Per super-block, lane by lane,
+ * each product rounded on its own (no fused multiply-add):
+ *   Q4_K / Q5_K  a_l = (a_l + (d dx) I_l) - (dmin dx) M_l      Q6_K  a_l = a_l + (d dx) (I_l - 32 O_l)
+ * and the row's sum is the lanes added in one fixed tree (l + 8, then l + 4, l + 2, l + 1). The vector builds
+ * hold the lanes in registers across super-blocks: no horizontal sum per super-block. */
+#define LANES 16
+/* Each build's block_k45 / block_q6k: one super-block of weights (unpacked once) against n <= ROWS activation
+ * rows, x the first row's codes for this super-block and row i's at x + i ldx, its code sums at xs + i lds, its
+ * float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. */
 #define ROWS 4
 /* inlined where called, so a call with one row (decode) or ROWS is compiled for that constant: measured 1.5x on
  * one row against leaving it to the compiler */
@@ -107,46 +103,39 @@ static inline int32_t offset_q6k(const int8_t *sc, const int32_t *xs) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KQ_ISA "avx512-vnni"
 
+typedef __m512 Facc;
+static INLINE Facc facc_zero(void) { return _mm512_setzero_ps(); }
+static INLINE float facc_sum(Facc a) {
+    __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
 static inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 
-/* 64 unsigned codes (at most 63) against each row's 64 signed activations, 4 products a 32-bit lane, each lane
- * times its sub-block's scale (32-bit lanes) into the row's accumulator: measured faster on AVX-512 than 16-bit
- * pairs. The rows go innermost, so one row (decode) is the plain loop and a weight vector serves n rows. */
+/* 64 unsigned codes (at most 63) against each row's 64 signed activations (at most 127 in size): byte pairs
+ * summed to 16 bits (at most 2 63 127 < 2^15, no saturation), then pairs of those times their sub-block's scale
+ * (a 32-bit lane's scale in both its 16-bit halves) added into the row's 32-bit lane: two instructions a row,
+ * exact, measured 1.4x over a 4-byte dot and a 32-bit multiply. The rows go innermost, so one row (decode) is the
+ * plain loop and a weight vector serves n rows. */
 static INLINE void rows_step(__m512i *acc, __m512i q, __m512i scale, const int8_t *x, int64_t ldx, int n) {
-    for (int i = 0; i < n; i++) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512((const void *)(x + i * ldx)));
-        acc[i] = _mm512_add_epi32(acc[i], _mm512_mullo_epi32(dot, scale));
-    }
+    __m512i scale16 = _mm512_or_si512(_mm512_and_si512(scale, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(scale, 16));
+    for (int i = 0; i < n; i++)
+        acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x + i * ldx))),
+                                     scale16);
 }
 
-/* Q6_K's sum_k sc_k s_k on the vector unit */
-static INLINE int32_t offset_vector(const int8_t *sc, const int32_t *xs) {
-    __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
-    return _mm512_reduce_add_epi32(_mm512_mullo_epi32(scales, _mm512_loadu_si512((const void *)xs)));
-}
-#define OFFSET offset_vector
+static INLINE __m512 scaled(float f, __m512i ints) { return _mm512_mul_ps(_mm512_set1_ps(f), _mm512_cvtepi32_ps(ints)); }
 
-/* The sums of a's and of b's lanes, in one reduction */
-static INLINE void reduce2(__m512i a, __m512i b, int32_t *sum_a, int32_t *sum_b) {
-    __m256i t = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-    __m256i u = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
-    __m256i v = _mm256_hadd_epi32(t, u); /* t01 t23 u01 u23 | t45 t67 u45 u67 */
-    v = _mm256_hadd_epi32(v, v);        /* t0-3 u0-3 t0-3 u0-3 | t4-7 u4-7 ... */
-    __m128i w = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    *sum_a = _mm_cvtsi128_si32(w);
-    *sum_b = _mm_extract_epi32(w, 1);
-}
-
-/* Q4_K / Q5_K's integer parts and mins' terms (mins_k4) for n rows, reduced together */
-#define HAVE_BLOCK_K45 1
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, int32_t *ints,
-                             int32_t *mins) {
+                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
+                             const float *dm, Facc *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256i high = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
     __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-    __m512i acc[ROWS];
-    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_si512();
+    __m512i ints[ROWS];
+    for (int i = 0; i < n; i++) ints[i] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
         __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
@@ -156,23 +145,23 @@ static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
         }
         /* lanes 0-7: sub-block 2 j, 8-15: sub-block 2 j + 1 */
         __m512i pick = join(_mm256_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1));
-        rows_step(acc, join(lo, hi), _mm512_permutexvar_epi32(pick, scales), x + 64 * j, ldx, n);
+        rows_step(ints, join(lo, hi), _mm512_permutexvar_epi32(pick, scales), x + 64 * j, ldx, n);
     }
-    /* the mins, each twice (a sub-block of 32 is two sums of 16) */
     const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512i mins16 = _mm512_permutexvar_epi32(
+    __m512i mins = _mm512_permutexvar_epi32(
         twice, _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m))));
-    for (int i = 0; i < n; i++)
-        reduce2(acc[i], _mm512_mullo_epi32(mins16, _mm512_loadu_si512((const void *)(xs + i * lds))), ints + i,
-                mins + i);
+    for (int i = 0; i < n; i++) {
+        __m512i mi = _mm512_mullo_epi32(mins, _mm512_loadu_si512((const void *)(xs + i * lds)));
+        acc[i] = _mm512_sub_ps(_mm512_add_ps(acc[i], scaled(dd[i], ints[i])), scaled(dm[i], mi));
+    }
 }
 
-static INLINE void ints_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
-                            int n, int32_t *ints) {
+static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
+                             int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
     const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512i acc[ROWS];
-    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_si512();
+    __m512i ints[ROWS];
+    for (int i = 0; i < n; i++) ints[i] = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         int h = c >> 1, s = c & 1;
         __m256i h32 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
@@ -185,58 +174,83 @@ static INLINE void ints_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *
         int32_t four;
         memcpy(&four, sc + 4 * c, 4);
         /* lanes 4 k .. 4 k + 3: sub-block 4 c + k */
-        rows_step(acc, join(q0, q1), _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread)),
+        rows_step(ints, join(q0, q1), _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread)),
                   x + 64 * c, ldx, n);
     }
-    for (int i = 0; i < n; i++) ints[i] = _mm512_reduce_add_epi32(acc[i]);
+    __m512i offsets = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
+    for (int i = 0; i < n; i++) {
+        __m512i o = _mm512_mullo_epi32(offsets, _mm512_loadu_si512((const void *)(xs + i * lds)));
+        acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], _mm512_sub_epi32(ints[i], _mm512_slli_epi32(o, 5))));
+    }
 }
 
 #elif defined(__AVX2__)
 #define KQ_ISA "avx2"
 
-static inline int32_t hsum8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
+typedef struct {
+    __m256 lo, hi; /* lanes 0-7, 8-15 */
+} Facc;
+static INLINE Facc facc_zero(void) { return (Facc){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static INLINE float facc_sum(Facc a) {
+    __m256 t = _mm256_add_ps(a.lo, a.hi);
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
+
+static INLINE __m256 scaled(float f, __m256i ints) { return _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(ints)); }
 
 /* 8 x 32 unsigned codes (at most 63) against each row's 256 signed activations in 16-bit pairs (no saturation:
- * 2 63 127 < 2^15), each pair times its 16-bit scale, summed in 32 bits */
-static inline void rows_ints(const __m256i q[8], const __m256i scale[8], const int8_t *x, int64_t ldx, int n,
-                             int32_t *ints) {
+ * 2 63 127 < 2^15), each pair times its 16-bit scale, summed in 32 bits: the even vectors' lanes are lanes 0-7,
+ * the odd ones' lanes 8-15 */
+static INLINE void rows_ints(const __m256i q[8], const __m256i scale[8], const int8_t *x, int64_t ldx, int n,
+                             __m256i *lo, __m256i *hi) {
     for (int i = 0; i < n; i++) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            __m256i pairs = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(x + i * ldx + 32 * j)));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale[j]));
+        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            const int8_t *at = x + i * ldx + 32 * j;
+            __m256i p0 = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)at));
+            __m256i p1 = _mm256_maddubs_epi16(q[j + 1], _mm256_loadu_si256((const __m256i *)(at + 32)));
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(p0, scale[j]));
+            b = _mm256_add_epi32(b, _mm256_madd_epi16(p1, scale[j + 1]));
         }
-        ints[i] = hsum8(acc);
+        lo[i] = a, hi[i] = b;
     }
 }
 
-static INLINE void ints_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                            const uint8_t sc[8], int32_t *ints) {
+static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
+                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
+                             const float *dm, Facc *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256i high = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-    __m256i q[8], scale[8];
+    __m256i q[8], scale[8], lo[ROWS], hi[ROWS];
     for (int j = 0; j < 4; j++) {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        __m256i l = _mm256_and_si256(raw, low), h = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         if (qh) {
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j), one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j + 1), one), 4));
+            l = _mm256_or_si256(l, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j), one), 4));
+            h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j + 1), one), 4));
         }
-        q[2 * j] = lo, q[2 * j + 1] = hi;
+        q[2 * j] = l, q[2 * j + 1] = h;
         scale[2 * j] = _mm256_set1_epi16(sc[2 * j]), scale[2 * j + 1] = _mm256_set1_epi16(sc[2 * j + 1]);
     }
-    rows_ints(q, scale, x, ldx, n, ints);
+    rows_ints(q, scale, x, ldx, n, lo, hi);
+    __m128i m8 = _mm_loadl_epi64((const __m128i *)m);
+    __m256i m_lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(m8, m8)); /* m0 m0 m1 m1 m2 m2 m3 m3 */
+    __m256i m_hi = _mm256_cvtepu8_epi32(_mm_srli_si128(_mm_unpacklo_epi8(m8, m8), 8));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i min_lo = _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s)),
+                min_hi = _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_sub_ps(_mm256_add_ps(acc[i].lo, scaled(dd[i], lo[i])), scaled(dm[i], min_lo));
+        acc[i].hi = _mm256_sub_ps(_mm256_add_ps(acc[i].hi, scaled(dd[i], hi[i])), scaled(dm[i], min_hi));
+    }
 }
 
-static INLINE void ints_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
-                            int n, int32_t *ints) {
+static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
+                             int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
-    __m256i q[8], scale[8];
+    __m256i q[8], scale[8], lo[ROWS], hi[ROWS];
     for (int c = 0; c < 4; c++) {
         int h = c >> 1, s = c & 1;
         __m256i h32 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
@@ -250,64 +264,87 @@ static INLINE void ints_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *
         scale[2 * c] = _mm256_setr_m128i(_mm_set1_epi16(k[0]), _mm_set1_epi16(k[1]));
         scale[2 * c + 1] = _mm256_setr_m128i(_mm_set1_epi16(k[2]), _mm_set1_epi16(k[3]));
     }
-    rows_ints(q, scale, x, ldx, n, ints);
+    rows_ints(q, scale, x, ldx, n, lo, hi);
+    __m256i off_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+            off_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i o_lo = _mm256_mullo_epi32(off_lo, _mm256_loadu_si256(s)),
+                o_hi = _mm256_mullo_epi32(off_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], _mm256_sub_epi32(lo[i], _mm256_slli_epi32(o_lo, 5))));
+        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], _mm256_sub_epi32(hi[i], _mm256_slli_epi32(o_hi, 5))));
+    }
 }
 
 #else
 #define KQ_ISA "portable"
 
-static INLINE void ints_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                            const uint8_t sc[8], int32_t *ints) {
-    for (int r = 0; r < n; r++, x += ldx) {
-        int32_t total = 0;
-        for (int j = 0; j < 4; j++) {
-            int32_t lo = 0, hi = 0;
-            for (int i = 0; i < 32; i++) {
-                int h = qh ? qh[i] : 0;
-                lo += ((qs[32 * j + i] & 15) | (((h >> (2 * j)) & 1) << 4)) * x[64 * j + i];
-                hi += ((qs[32 * j + i] >> 4) | (((h >> (2 * j + 1)) & 1) << 4)) * x[64 * j + 32 + i];
-            }
-            total += sc[2 * j] * lo + sc[2 * j + 1] * hi;
+typedef struct {
+    float v[LANES];
+} Facc;
+static INLINE Facc facc_zero(void) { return (Facc){{0.0f}}; }
+static INLINE float facc_sum(Facc a) {
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) a.v[l] = a.v[l] + a.v[l + width];
+    return a.v[0];
+}
+
+/* One row's 16 lanes of exact integer sums. The codes' products go through a plain array in input order first,
+ * so the compiler vectorizes that loop; lane l then adds inputs 4 l .. 4 l + 3 of each 64. */
+static INLINE void lanes_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, const uint8_t sc[8],
+                             int32_t lanes[LANES]) {
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+    for (int j = 0; j < 4; j++) {
+        int32_t p[64];
+        for (int b = 0; b < 32; b++) {
+            int h = qh ? qh[b] : 0;
+            p[b] = ((qs[32 * j + b] & 15) | (((h >> (2 * j)) & 1) << 4)) * x[64 * j + b];
+            p[32 + b] = ((qs[32 * j + b] >> 4) | (((h >> (2 * j + 1)) & 1) << 4)) * x[64 * j + 32 + b];
         }
-        ints[r] = total;
+        for (int l = 0; l < LANES; l++)
+            lanes[l] += sc[2 * j + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
 
-static INLINE void ints_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
-                            int n, int32_t *ints) {
-    for (int r = 0; r < n; r++, x += ldx) {
-        int32_t total = 0;
-        for (int c = 0; c < 4; c++) {
-            int h = c >> 1, s = c & 1;
-            for (int k = 0; k < 4; k++) {
-                int32_t part = 0;
-                for (int i = 16 * k; i < 16 * k + 16; i++) {
-                    int q = ((ql[64 * h + i] >> (4 * s)) & 15) |
-                            (((qh[32 * h + (i & 31)] >> (4 * s + 2 * (i >> 5))) & 3) << 4);
-                    part += q * x[64 * c + i];
-                }
-                total += sc[4 * c + k] * part;
-            }
-        }
-        ints[r] = total;
+static INLINE void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x,
+                             int32_t lanes[LANES]) {
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+    for (int c = 0; c < 4; c++) {
+        int h = c >> 1, s = c & 1;
+        int32_t p[64];
+        for (int i = 0; i < 64; i++) /* ql byte 64 h + i, input 64 c + i */
+            p[i] = (((ql[64 * h + i] >> (4 * s)) & 15) | (((qh[32 * h + (i & 31)] >> (4 * s + 2 * (i >> 5))) & 3) << 4)) *
+                   x[64 * c + i];
+        for (int l = 0; l < LANES; l++)
+            lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
-#endif
 
-#ifndef OFFSET
-#define OFFSET offset_q6k
-#endif
-
-#ifndef HAVE_BLOCK_K45
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, int32_t *ints,
-                             int32_t *mins) {
-    ints_k45(qs, qh, x, ldx, n, sc, ints);
-    for (int i = 0; i < n; i++) mins[i] = mins_k4(m, xs + i * lds);
+                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
+                             const float *dm, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_k45(qs, qh, x + i * ldx, sc, ints);
+        for (int l = 0; l < LANES; l++) {
+            int32_t mins = m[l / 2] * xs[i * lds + l];
+            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)ints[l]) - dm[i] * (float)mins;
+        }
+    }
+}
+
+static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
+                             int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_q6k(ql, qh, sc, x + i * ldx, ints);
+        for (int l = 0; l < LANES; l++)
+            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 32 * (sc[l] * xs[i * lds + l]));
+    }
 }
 #endif
 
-/* ---- one weight row against up to ROWS activation rows: the float part, the same code in every build ----
+/* ---- one weight row against up to ROWS activation rows: the float part, the same in every build ----------
  * Activations (Act): row i's codes at q + i in, its scales at d + i (in / 256), its code sums at s + i (in / 16). */
 
 typedef struct {
@@ -317,25 +354,20 @@ typedef struct {
     int64_t in;
 } Act;
 
-/* Q4_K (qh_at 0) and Q5_K: each row's sum over super-blocks, in order, of (d dx) ints - (dmin dx) mins */
+/* Q4_K (qh_at 0) and Q5_K: each row's lanes over super-blocks, in order, then summed */
 static INLINE void dot_k45(const uint8_t *w, int64_t block_bytes, int64_t qh_at, Act x, int n, float *sums) {
     int64_t blocks = x.in / QK;
-    float acc[ROWS] = {0.0f}; /* local: the sums' chain stays in registers (sums may alias the activations) */
+    Facc acc[ROWS];
+    for (int i = 0; i < n; i++) acc[i] = facc_zero();
     for (int64_t b = 0; b < blocks; b++, w += block_bytes) {
         uint8_t sc[8], m[8];
-        int32_t ints[ROWS];
         scale_min_k4(w + 4, sc, m);
         const uint8_t *qh = qh_at ? w + qh_at : NULL, *qs = w + (qh_at ? qh_at + 32 : 16);
-        int32_t mins[ROWS];
-        block_k45(qs, qh, x.q + b * QK, x.in, n, sc, m, x.s + b * (QK / SUMS), x.in / SUMS, ints, mins);
-        float d = half_at(w), dmin = half_at(w + 2);
-        for (int i = 0; i < n; i++) {
-            float dx = x.d[i * blocks + b];
-            acc[i] = acc[i] + (d * dx) * (float)ints[i];
-            acc[i] = acc[i] - (dmin * dx) * (float)mins[i];
-        }
+        float d = half_at(w), dmin = half_at(w + 2), dd[ROWS], dm[ROWS];
+        for (int i = 0; i < n; i++) dd[i] = d * x.d[i * blocks + b], dm[i] = dmin * x.d[i * blocks + b];
+        block_k45(qs, qh, x.q + b * QK, x.in, n, sc, m, x.s + b * (QK / SUMS), x.in / SUMS, dd, dm, acc);
     }
-    for (int i = 0; i < n; i++) sums[i] = acc[i];
+    for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
 }
 
 /* Each dot is inlined for one row (decode), a full tile and the rest, so the compiler unrolls the first two. */
@@ -357,21 +389,18 @@ static void dot_q5k(const uint8_t *w, Act x, int n, float *sums) {
         dot_k45(w, 176, 16, x, n, sums);
 }
 
-/* Q6_K: each row's sum over super-blocks, in order, of (d dx) (ints - 32 sum_k sc_k s_k) */
+/* Q6_K: each row's lanes over super-blocks, in order, then summed */
 static INLINE void rows_q6k(const uint8_t *w, Act x, int n, float *sums) {
     int64_t blocks = x.in / QK;
-    float acc[ROWS] = {0.0f};
+    Facc acc[ROWS];
+    for (int i = 0; i < n; i++) acc[i] = facc_zero();
     for (int64_t b = 0; b < blocks; b++, w += 210) {
-        const int8_t *sc = (const int8_t *)(w + 192);
-        int32_t ints[ROWS];
-        ints_q6k(w, w + 128, sc, x.q + b * QK, x.in, n, ints);
-        float d = half_at(w + 208);
-        for (int i = 0; i < n; i++) {
-            int32_t offset = OFFSET(sc, x.s + i * (x.in / SUMS) + b * (QK / SUMS));
-            acc[i] = acc[i] + (d * x.d[i * blocks + b]) * (float)(ints[i] - 32 * offset);
-        }
+        float d = half_at(w + 208), dd[ROWS];
+        for (int i = 0; i < n; i++) dd[i] = d * x.d[i * blocks + b];
+        block_q6k(w, w + 128, (const int8_t *)(w + 192), x.q + b * QK, x.in, n, x.s + b * (QK / SUMS), x.in / SUMS,
+                  dd, acc);
     }
-    for (int i = 0; i < n; i++) sums[i] = acc[i];
+    for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
 }
 
 static void dot_q6k(const uint8_t *w, Act x, int n, float *sums) {
