@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,11 +83,18 @@ def _undo_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _read_raw(f, info: TensorInfo) -> np.ndarray:
-    raw = np.empty(info.nbytes, dtype=np.uint8)
-    f.seek(info.offset)
-    if f.readinto(memoryview(raw)) != info.nbytes:
+    """The tensor's bytes, mapped from the file as llama.cpp does rather than read: blocks kept as they lie cost
+    no copy (a private mapping, so nothing written through it reaches the file), and each tensor has its own
+    mapping, let go with the last array that holds it (a dequantized tensor's file pages do not stay mapped)."""
+    if os.fstat(f.fileno()).st_size < info.offset + info.nbytes:
         raise CheckpointError(f"{f.name} is truncated: tensor {info.name} runs past the end; download it again")
-    return raw
+    if info.nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+    if hasattr(mmap, "MADV_WILLNEED"):
+        mapped.madvise(mmap.MADV_WILLNEED)  # read ahead now, not page by page at the first step
+    return np.frombuffer(mapped, dtype=np.uint8, count=info.nbytes, offset=info.offset - start)
 
 
 def _read_tensor(f, info: TensorInfo) -> np.ndarray:
