@@ -1,4 +1,5 @@
-"""GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) written from float weights in numpy, for tiny test files.
+"""GGUF K-quant blocks (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K) and the IQ4 types written from float weights in numpy,
+for tiny test files.
 
 The gguf package decodes these types but cannot write them; llama.cpp's quantizer can, but CI's main
 environment has no llama.cpp. This is a plain min/max encoder (not llama.cpp's error-minimising search): any
@@ -78,7 +79,84 @@ def q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16(d)], axis=1)
 
 
-ENCODERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
+KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _nearest_kvalue(scaled: np.ndarray) -> np.ndarray:
+    return np.abs(scaled[..., None] - KVALUES).argmin(-1).astype(np.uint8)
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """[..., 32] codes -> [..., 16] bytes: code j in byte j's low nibble, code j + 16 in its high one."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def iq4_nl(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 32)
+    d16 = (np.maximum(np.abs(sub).max(-1), 1e-8) / 127).astype(np.float16)
+    q = _nearest_kvalue(sub / d16.astype(np.float32)[:, None])
+    return np.concatenate([d16.view(np.uint8).reshape(-1, 2), _nibble_pairs(q)], axis=1).reshape(-1, 8 * 18)
+
+
+def iq4_xs(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 8, 32)
+    scale = np.maximum(np.abs(sub).max(-1), 1e-8) / 127
+    d16 = (scale.max(-1) / 31).astype(np.float16)
+    d = d16.astype(np.float32)
+    ls = np.clip(np.round(scale / d[:, None]), 1, 31).astype(np.int32) + 32  # stored 6-bit, meaning ls - 32
+    q = _nearest_kvalue(sub / (d[:, None] * (ls - 32))[..., None])
+    high = np.zeros(sub.shape[0], dtype=np.uint16)
+    for b in range(8):
+        high |= ((ls[:, b] >> 4) & 3).astype(np.uint16) << (2 * b)
+    low = (ls & 15).astype(np.uint8)
+    return np.concatenate([d16.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2),
+                           low[:, 0::2] | (low[:, 1::2] << 4), _nibble_pairs(q).reshape(-1, 128)], axis=1)
+
+
+def _two_bit_planes(q: np.ndarray) -> np.ndarray:
+    """[n, 256] codes 0..3 -> [n, 64] bytes: input 128 h + 32 s + l in bits 2 s of byte 32 h + l."""
+    parts = q.reshape(-1, 2, 4, 32)
+    out = np.zeros((q.shape[0], 2, 32), dtype=np.uint8)
+    for s in range(4):
+        out |= parts[:, :, s] << (2 * s)
+    return out.reshape(-1, 64)
+
+
+def q2_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    low = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - low) / 3, -low
+    d16 = (np.maximum(scale.max(-1), 1e-8) / 15).astype(np.float16)
+    dmin16 = (np.maximum(mins.max(-1), 1e-8) / 15).astype(np.float16)
+    d, dmin = d16.astype(np.float32), dmin16.astype(np.float32)
+    sc = np.clip(np.round(scale / d[:, None]), 1, 15).astype(np.uint8)
+    m = np.clip(np.round(mins / dmin[:, None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((sub + (dmin[:, None] * m)[..., None]) / (d[:, None] * sc)[..., None]), 0, 3)
+    return np.concatenate([sc | (m << 4), _two_bit_planes(q.astype(np.uint8).reshape(-1, QK)),
+                           d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2)], axis=1)
+
+
+def q3_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    scale = np.maximum(np.abs(sub).max(-1), 1e-8) / 4
+    d16 = (scale.max(-1) / 31).astype(np.float16)
+    d = d16.astype(np.float32)
+    ls = np.clip(np.round(scale / d[:, None]), 1, 31).astype(np.int32) + 32  # stored 6-bit, meaning ls - 32
+    q = np.clip(np.round(sub / (d[:, None] * (ls - 32))[..., None]), -4, 3).astype(np.int32) + 4  # 0..7
+    q = q.reshape(-1, QK)
+    hmask = np.zeros((q.shape[0], 32), dtype=np.uint8)
+    for bit in range(8):
+        hmask |= ((q[:, 32 * bit:32 * bit + 32] >> 2) & 1).astype(np.uint8) << bit
+    scales = np.zeros((q.shape[0], 12), dtype=np.uint8)
+    for i in range(16):
+        scales[:, i % 8] |= ((ls[:, i] & 15) << (4 * (i // 8))).astype(np.uint8)
+        scales[:, 8 + i % 4] |= (((ls[:, i] >> 4) & 3) << (2 * (i // 4))).astype(np.uint8)
+    return np.concatenate([hmask, _two_bit_planes((q & 3).astype(np.uint8)), scales,
+                           d16.view(np.uint8).reshape(-1, 2)], axis=1)
+
+
+ENCODERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "Q2_K": q2_k,
+            "Q3_K": q3_k}
 
 
 def encode_k(arr: np.ndarray, qtype: str) -> np.ndarray:

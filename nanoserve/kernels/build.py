@@ -68,8 +68,8 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-SOURCES = ("fused.c", "linear.c", "kquant.c")  # compiled together into one library
-HEADERS = ("half.h",)  # what they include: part of the build's key
+SOURCES = ("fused.c", "linear.c", "kquant.c", "kdecode.c")  # compiled together into one library
+HEADERS = ("half.h", "kdecode.h")  # what they include: part of the build's key
 
 
 def library_path(source: bytes, compiler: str) -> Path:

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 #include "half.h"
+#include "kdecode.h"
 
 #define QK 256       /* inputs per super-block */
 #define SUMS 16      /* inputs per activation code sum */
@@ -455,7 +456,7 @@ typedef void (*RowDequant)(const uint8_t *w, int64_t blocks, float *out);
 typedef struct {
     const char *name;    /* GGUF's type name */
     int64_t block_bytes; /* bytes per 256 inputs */
-    RowDot dot;
+    RowDot dot;          /* against 8-bit activation codes per 256; NULL: the plain path (float activations) */
     RowDequant dequant;
 } KQuantType;
 
@@ -463,6 +464,13 @@ static const KQuantType TYPES[] = {
     {"Q4_K", 144, dot_q4k, dequant_q4k},
     {"Q5_K", 176, dot_q5k, dequant_q5k},
     {"Q6_K", 210, dot_q6k, dequant_q6k},
+    /* the rarer types (kdecode.c): a weight row decoded to float once a call, times the float activations */
+    {"Q5_0", 8 * 22, NULL, ns_dec_q5_0},
+    {"Q5_1", 8 * 24, NULL, ns_dec_q5_1},
+    {"IQ4_NL", 8 * 18, NULL, ns_dec_iq4_nl},
+    {"IQ4_XS", 136, NULL, ns_dec_iq4_xs},
+    {"Q2_K", 84, NULL, ns_dec_q2_k},
+    {"Q3_K", 110, NULL, ns_dec_q3_k},
 };
 #define NTYPES ((int32_t)(sizeof TYPES / sizeof TYPES[0]))
 
@@ -470,13 +478,17 @@ int32_t ns_kq_types(void) { return NTYPES; }
 const char *ns_kq_name(int32_t type) { return type >= 0 && type < NTYPES ? TYPES[type].name : ""; }
 int64_t ns_kq_block_bytes(int32_t type) { return type >= 0 && type < NTYPES ? TYPES[type].block_bytes : 0; }
 const char *ns_kq_isa(void) { return KQ_ISA; }
+/* 1 where the type multiplies float activations (the plain path), 0 where 8-bit codes per 256 */
+int32_t ns_kq_plain(int32_t type) { return type >= 0 && type < NTYPES && !TYPES[type].dot; }
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
 
 typedef struct {
     const KQuantType *type;
     const uint8_t *w;
-    Act x;
+    Act x;           /* the activations' codes (the integer path) */
+    const float *xf; /* the activations as given (the plain path) */
+    float *scratch;  /* the plain path's decoded row, one per thread slot */
     const float *bias;
     int64_t rows, out, ldy;
     float *y;
@@ -508,13 +520,56 @@ static void kq_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t sl
     }
 }
 
+/* The plain path: each weight row of outputs [o0, o1) decoded to float once, then every activation row's dot
+ * with it in LANES float partial sums (lane l takes inputs 16 m + l, in order; each product rounded on its own)
+ * added in the lanes' fixed tree: a row's bits do not depend on the call's other rows or the thread. */
+static float lanes_total(float *v) {
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) v[l] = v[l] + v[l + width];
+    return v[0];
+}
+
+static void plain_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    const KMatmul *m = task;
+    int64_t o0 = m->out * chunk / chunks, o1 = m->out * (chunk + 1) / chunks, in = m->x.in, blocks = in / QK;
+    float *row = m->scratch + slot * in;
+    for (int64_t o = o0; o < o1; o++) {
+        m->type->dequant(m->w + o * blocks * m->type->block_bytes, blocks, row);
+        for (int64_t r = 0; r < m->rows; r++) {
+            const float *x = m->xf + r * in;
+            float acc[LANES] = {0.0f};
+            for (int64_t i = 0; i < in; i += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] = acc[l] + row[i + l] * x[i + l];
+            float v = lanes_total(acc);
+            v = m->bias ? v + m->bias[o] : v;
+            float *at = m->y + r * m->ldy + o;
+            *at = m->accumulate ? *at + v : v;
+        }
+    }
+}
+
+static int plain_matmul(KMatmul *task, int32_t threads) {
+    int32_t slots = threads < 1 ? 1 : threads;
+    task->scratch = malloc((size_t)(slots * task->x.in) * sizeof(float));
+    if (!task->scratch) return -1;
+    int64_t chunks = (int64_t)slots * 4;
+    if (chunks > task->out) chunks = task->out > 0 ? task->out : 1;
+    ns_pool_run(plain_chunk, task, chunks, slots);
+    free(task->scratch);
+    return 0;
+}
+
 /* y [rows, out] float32 (a row every `ldy` floats: a merged projection's shards fill columns of one output) =
- * x [rows, in] float32 . W^T (+ bias; added to y with `accumulate`), W [out, in] the file's rows of K-quant
- * `type` (an index into TYPES); on up to `threads` threads. Returns 0, -1 out of memory, -2 for an unknown type
- * or inputs not in whole super-blocks. */
+ * x [rows, in] float32 . W^T (+ bias; added to y with `accumulate`), W [out, in] the file's rows of type `type`
+ * (an index into TYPES); on up to `threads` threads. Returns 0, -1 out of memory, -2 for an unknown type or
+ * inputs not in whole runs of 256. */
 int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, int64_t ldy,
                  const float *bias, float *y, int32_t threads, int32_t accumulate) {
     if (type < 0 || type >= NTYPES || in % QK || ldy < out) return -2;
+    if (!TYPES[type].dot) {
+        KMatmul task = {&TYPES[type], w, {NULL, NULL, NULL, in}, x, NULL, bias, rows, out, ldy, y, accumulate};
+        return plain_matmul(&task, threads);
+    }
     int64_t blocks = in / QK;
     int8_t *xq = malloc((size_t)(rows * in));
     float *xd = malloc((size_t)(rows * blocks) * sizeof(float));
@@ -524,7 +579,7 @@ int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, i
         return -1;
     }
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, xd + r * blocks, xs + r * (in / SUMS));
-    KMatmul task = {&TYPES[type], w, {xq, xd, xs, in}, bias, rows, out, ldy, y, accumulate};
+    KMatmul task = {&TYPES[type], w, {xq, xd, xs, in}, x, NULL, bias, rows, out, ldy, y, accumulate};
     int64_t chunks = (int64_t)(threads < 1 ? 1 : threads) * 4, tiles = (out + OUT_TILE - 1) / OUT_TILE;
     if (chunks > tiles) chunks = tiles > 0 ? tiles : 1;
     ns_pool_run(kq_chunk, &task, chunks, threads);

@@ -3,7 +3,8 @@
 `Int4Blocks`: codes 0..15 with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero, which is
 what torch's packed int4 CPU kernel computes (GGUF Q4_0 / Q4_1, or a dense weight quantized at load).
 `Int8Blocks`: codes -128..127 with a scale per group of 32 inputs, w = q * scale (GGUF Q8_0).
-`KQuantBlocks`: GGUF's K-quant super-blocks of 256 inputs (Q4_K, Q5_K, Q6_K), the file's bytes as they lie.
+`KQuantBlocks`: GGUF's K-quant super-blocks of 256 inputs (Q4_K, Q5_K, Q6_K) and the rarer types' blocks (Q5_0,
+Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K), the file's bytes as they lie.
 """
 
 from __future__ import annotations
@@ -124,7 +125,11 @@ class Int8Blocks:
 
 
 SUPER_BLOCK = 256  # inputs per K-quant super-block
-K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block, as GGUF defines them
+# bytes per 256 inputs of the types whose rows the kernels read as the file lays them out (kernels/kquant.c's
+# table): the K-quants on integer dot products, and the rarer types (Q5_0, Q5_1, IQ4_NL: eight blocks of 32;
+# IQ4_XS, Q2_K, Q3_K) on its plain path, a row decoded to float once a call
+K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+                 "Q5_0": 8 * 22, "Q5_1": 8 * 24, "IQ4_NL": 8 * 18, "IQ4_XS": 136, "Q2_K": 84, "Q3_K": 110}
 
 
 @dataclass(frozen=True)
