@@ -185,6 +185,53 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
     }
 }
 
+/* Q2_K / Q3_K: 256 codes of 2 bits (input 128 h + 32 s + l at bits 2 s of qs[32 h + l]), with Q3_K's third bit
+ * (bit input / 32 of hmask[l]) as 4; sc the 16 scales, one per 16 inputs: lane l of chunk c takes sc[4 c + l / 4] */
+static INLINE void ints_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, __m512i *ints) {
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m256i hm = hmask ? _mm256_loadu_si256((const __m256i *)hmask) : _mm256_setzero_si256();
+    for (int i = 0; i < n; i++) ints[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        int s = 2 * (c & 1);
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
+        __m256i q0 = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s), three),
+                q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s + 2), three);
+        if (hmask) {
+            q0 = _mm256_or_si256(q0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 2 * c), one), 2));
+            q1 = _mm256_or_si256(q1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 2 * c + 1), one), 2));
+        }
+        int32_t four;
+        memcpy(&four, sc + 4 * c, 4);
+        rows_step(ints, join(q0, q1), _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread)),
+                  x + 64 * c, ldx, n);
+    }
+}
+
+static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    __m512i ints[ROWS];
+    ints_2bit(qs, NULL, sc, x, ldx, n, ints);
+    __m512i mins = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m));
+    for (int i = 0; i < n; i++) {
+        __m512i mi = _mm512_mullo_epi32(mins, _mm512_loadu_si512((const void *)(xs + i * lds)));
+        acc[i] = _mm512_sub_ps(_mm512_add_ps(acc[i], scaled(dd[i], ints[i])), scaled(dm[i], mi));
+    }
+}
+
+static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    __m512i ints[ROWS];
+    ints_2bit(qs, hmask, sc, x, ldx, n, ints);
+    __m512i offsets = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
+    for (int i = 0; i < n; i++) {
+        __m512i o = _mm512_mullo_epi32(offsets, _mm512_loadu_si512((const void *)(xs + i * lds)));
+        acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], _mm512_sub_epi32(ints[i], _mm512_slli_epi32(o, 2))));
+    }
+}
+
 #elif defined(__AVX2__)
 #define KQ_ISA "avx2"
 
@@ -277,6 +324,60 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
     }
 }
 
+/* Q2_K / Q3_K's codes (see the AVX-512 build) as 8 vectors of 32, each lane pair's scale in 16 bits */
+static INLINE void ints_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, __m256i *lo, __m256i *hi) {
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256i hm = hmask ? _mm256_loadu_si256((const __m256i *)hmask) : _mm256_setzero_si256();
+    __m256i q[8], scale[8];
+    for (int c = 0; c < 4; c++) {
+        int s = 2 * (c & 1);
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
+        q[2 * c] = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s), three);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s + 2), three);
+        if (hmask) {
+            q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 2 * c), one), 2));
+            q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1],
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 2 * c + 1), one), 2));
+        }
+        const int8_t *k = sc + 4 * c;
+        scale[2 * c] = _mm256_setr_m128i(_mm_set1_epi16(k[0]), _mm_set1_epi16(k[1]));
+        scale[2 * c + 1] = _mm256_setr_m128i(_mm_set1_epi16(k[2]), _mm_set1_epi16(k[3]));
+    }
+    rows_ints(q, scale, x, ldx, n, lo, hi);
+}
+
+static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    __m256i lo[ROWS], hi[ROWS];
+    ints_2bit(qs, NULL, sc, x, ldx, n, lo, hi);
+    __m256i m_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)),
+            m_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 8)));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i min_lo = _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s)),
+                min_hi = _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_sub_ps(_mm256_add_ps(acc[i].lo, scaled(dd[i], lo[i])), scaled(dm[i], min_lo));
+        acc[i].hi = _mm256_sub_ps(_mm256_add_ps(acc[i].hi, scaled(dd[i], hi[i])), scaled(dm[i], min_hi));
+    }
+}
+
+static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    __m256i lo[ROWS], hi[ROWS];
+    ints_2bit(qs, hmask, sc, x, ldx, n, lo, hi);
+    __m256i off_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+            off_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i o_lo = _mm256_mullo_epi32(off_lo, _mm256_loadu_si256(s)),
+                o_hi = _mm256_mullo_epi32(off_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], _mm256_sub_epi32(lo[i], _mm256_slli_epi32(o_lo, 2))));
+        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], _mm256_sub_epi32(hi[i], _mm256_slli_epi32(o_hi, 2))));
+    }
+}
+
 #else
 #define KQ_ISA "portable"
 
@@ -341,6 +442,44 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
         lanes_q6k(ql, qh, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++)
             acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 32 * (sc[l] * xs[i * lds + l]));
+    }
+}
+/* Q2_K / Q3_K's lanes for one row (see the AVX-512 build for the layout) */
+static INLINE void lanes_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                              int32_t lanes[LANES]) {
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+    for (int c = 0; c < 4; c++) {
+        int32_t p[64];
+        for (int i = 0; i < 64; i++) {
+            int e = 64 * c + i, byte = 32 * (c >> 1) + (i & 31), shift = 2 * (2 * (c & 1) + (i >> 5));
+            int u = ((qs[byte] >> shift) & 3) | (hmask ? ((hmask[i & 31] >> (e / 32)) & 1) << 2 : 0);
+            p[i] = u * x[e];
+        }
+        for (int l = 0; l < LANES; l++)
+            lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+    }
+}
+
+static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_2bit(qs, NULL, sc, x + i * ldx, ints);
+        for (int l = 0; l < LANES; l++) {
+            int32_t mins = m[l] * xs[i * lds + l];
+            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)ints[l]) - dm[i] * (float)mins;
+        }
+    }
+}
+
+static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_2bit(qs, hmask, sc, x + i * ldx, ints);
+        for (int l = 0; l < LANES; l++)
+            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 4 * (sc[l] * xs[i * lds + l]));
     }
 }
 #endif
@@ -413,6 +552,70 @@ static void dot_q6k(const uint8_t *w, Act x, int n, float *sums) {
         rows_q6k(w, x, n, sums);
 }
 
+/* Q2_K: each row's lanes over super-blocks, the k45 formula with a scale and a min per 16 inputs */
+static INLINE void rows_q2k(const uint8_t *w, Act x, int n, float *sums) {
+    int64_t blocks = x.in / QK;
+    Facc acc[ROWS];
+    for (int i = 0; i < n; i++) acc[i] = facc_zero();
+    for (int64_t b = 0; b < blocks; b++, w += 84) {
+        int8_t sc[16];
+        uint8_t m[16];
+        for (int k = 0; k < 16; k++) sc[k] = (int8_t)(w[k] & 15), m[k] = w[k] >> 4;
+        float d = half_at(w + 80), dmin = half_at(w + 82), dd[ROWS], dm[ROWS];
+        for (int i = 0; i < n; i++) dd[i] = d * x.d[i * blocks + b], dm[i] = dmin * x.d[i * blocks + b];
+        block_q2k(w + 16, sc, m, x.q + b * QK, x.in, n, x.s + b * (QK / SUMS), x.in / SUMS, dd, dm, acc);
+    }
+    for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
+}
+
+/* Q3_K's 16 six-bit scales, less 32 (gguf's unpacking of its 12 bytes), four at a time: scale i's low nibble is
+ * byte i's (i < 8) or byte i - 8's high one, its top two bits at 2 (i / 4) of byte 8 + i % 4 */
+static inline void scales_q3k(const uint8_t *s, int8_t sc[16]) {
+    uint32_t w[3], out[4];
+    memcpy(w, s, 12);
+    out[0] = (w[0] & 0x0f0f0f0fu) | ((w[2] & 0x03030303u) << 4);
+    out[1] = (w[1] & 0x0f0f0f0fu) | (((w[2] >> 2) & 0x03030303u) << 4);
+    out[2] = ((w[0] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 4) & 0x03030303u) << 4);
+    out[3] = ((w[1] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 6) & 0x03030303u) << 4);
+    uint8_t bytes[16];
+    memcpy(bytes, out, 16);
+    for (int i = 0; i < 16; i++) sc[i] = (int8_t)(bytes[i] - 32);
+}
+
+/* Q3_K: each row's lanes over super-blocks, in order, of (d dx) (ints - 4 sum_k sc_k s_k): the codes go in
+ * unsigned (q + 4) and the offset comes off with the activations' code sums, as Q6_K's 32 does */
+static INLINE void rows_q3k(const uint8_t *w, Act x, int n, float *sums) {
+    int64_t blocks = x.in / QK;
+    Facc acc[ROWS];
+    for (int i = 0; i < n; i++) acc[i] = facc_zero();
+    for (int64_t b = 0; b < blocks; b++, w += 110) {
+        int8_t sc[16];
+        scales_q3k(w + 96, sc);
+        float d = half_at(w + 108), dd[ROWS];
+        for (int i = 0; i < n; i++) dd[i] = d * x.d[i * blocks + b];
+        block_q3k(w + 32, w, sc, x.q + b * QK, x.in, n, x.s + b * (QK / SUMS), x.in / SUMS, dd, acc);
+    }
+    for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
+}
+
+static void dot_q2k(const uint8_t *w, Act x, int n, float *sums) {
+    if (n == 1)
+        rows_q2k(w, x, 1, sums);
+    else if (n == ROWS)
+        rows_q2k(w, x, ROWS, sums);
+    else
+        rows_q2k(w, x, n, sums);
+}
+
+static void dot_q3k(const uint8_t *w, Act x, int n, float *sums) {
+    if (n == 1)
+        rows_q3k(w, x, 1, sums);
+    else if (n == ROWS)
+        rows_q3k(w, x, ROWS, sums);
+    else
+        rows_q3k(w, x, n, sums);
+}
+
 /* ---- dequantization: gguf's arithmetic in gguf's order, so the floats are its floats --------------------- */
 
 static void dequant_k45(const uint8_t *w, int64_t block_bytes, int64_t qh_at, int64_t blocks, float *out) {
@@ -469,8 +672,8 @@ static const KQuantType TYPES[] = {
     {"Q5_1", 8 * 24, NULL, ns_dec_q5_1},
     {"IQ4_NL", 8 * 18, NULL, ns_dec_iq4_nl},
     {"IQ4_XS", 136, NULL, ns_dec_iq4_xs},
-    {"Q2_K", 84, NULL, ns_dec_q2_k},
-    {"Q3_K", 110, NULL, ns_dec_q3_k},
+    {"Q2_K", 84, dot_q2k, ns_dec_q2_k},
+    {"Q3_K", 110, dot_q3k, ns_dec_q3_k},
 };
 #define NTYPES ((int32_t)(sizeof TYPES / sizeof TYPES[0]))
 
@@ -520,40 +723,47 @@ static void kq_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t sl
     }
 }
 
-/* The plain path: each weight row of outputs [o0, o1) decoded to float once, then every activation row's dot
- * with it in LANES float partial sums (lane l takes inputs 16 m + l, in order; each product rounded on its own)
- * added in the lanes' fixed tree: a row's bits do not depend on the call's other rows or the thread. */
+/* The plain path: OUT_TILE weight rows of outputs [o0, o1) decoded to float at a time (in the thread's scratch,
+ * which stays in cache while every activation row passes them), then each activation row's dot with each in LANES
+ * float partial sums (lane l takes inputs 16 m + l, in order; each product rounded on its own) added in the
+ * lanes' fixed tree: a row's bits do not depend on the call's other rows or the thread. */
 static float lanes_total(float *v) {
     for (int width = LANES / 2; width >= 1; width /= 2)
         for (int l = 0; l < width; l++) v[l] = v[l] + v[l + width];
     return v[0];
 }
 
+static float plain_dot(const float *w, const float *x, int64_t in) {
+    float acc[LANES] = {0.0f};
+    for (int64_t i = 0; i < in; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + w[i + l] * x[i + l];
+    return lanes_total(acc);
+}
+
 static void plain_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
     const KMatmul *m = task;
     int64_t o0 = m->out * chunk / chunks, o1 = m->out * (chunk + 1) / chunks, in = m->x.in, blocks = in / QK;
-    float *row = m->scratch + slot * in;
-    for (int64_t o = o0; o < o1; o++) {
-        m->type->dequant(m->w + o * blocks * m->type->block_bytes, blocks, row);
-        for (int64_t r = 0; r < m->rows; r++) {
-            const float *x = m->xf + r * in;
-            float acc[LANES] = {0.0f};
-            for (int64_t i = 0; i < in; i += LANES)
-                for (int l = 0; l < LANES; l++) acc[l] = acc[l] + row[i + l] * x[i + l];
-            float v = lanes_total(acc);
-            v = m->bias ? v + m->bias[o] : v;
-            float *at = m->y + r * m->ldy + o;
-            *at = m->accumulate ? *at + v : v;
-        }
+    int64_t row_bytes = blocks * m->type->block_bytes;
+    float *tile = m->scratch + slot * OUT_TILE * in;
+    for (int64_t t = o0; t < o1; t += OUT_TILE) {
+        int64_t n = o1 - t < OUT_TILE ? o1 - t : OUT_TILE;
+        for (int64_t o = 0; o < n; o++) m->type->dequant(m->w + (t + o) * row_bytes, blocks, tile + o * in);
+        for (int64_t r = 0; r < m->rows; r++)
+            for (int64_t o = 0; o < n; o++) {
+                float v = plain_dot(tile + o * in, m->xf + r * in, in);
+                v = m->bias ? v + m->bias[t + o] : v;
+                float *at = m->y + r * m->ldy + t + o;
+                *at = m->accumulate ? *at + v : v;
+            }
     }
 }
 
 static int plain_matmul(KMatmul *task, int32_t threads) {
     int32_t slots = threads < 1 ? 1 : threads;
-    task->scratch = malloc((size_t)(slots * task->x.in) * sizeof(float));
+    task->scratch = malloc((size_t)(slots * OUT_TILE * task->x.in) * sizeof(float));
     if (!task->scratch) return -1;
-    int64_t chunks = (int64_t)slots * 4;
-    if (chunks > task->out) chunks = task->out > 0 ? task->out : 1;
+    int64_t chunks = (int64_t)slots * 4, tiles = (task->out + OUT_TILE - 1) / OUT_TILE;
+    if (chunks > tiles) chunks = tiles > 0 ? tiles : 1;
     ns_pool_run(plain_chunk, task, chunks, slots);
     free(task->scratch);
     return 0;
