@@ -1,4 +1,4 @@
-"""GGUF's K-quants (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K) kept as the file holds them and multiplied by the fused library's K-quant
+"""GGUF's K-quants (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K) and IQ4_XS kept as the file holds them and multiplied by the fused library's K-quant
 kernels (kernels/kquant.c): decoded bit for bit as gguf's reference does, each output depending on its row alone
 and alike on every instruction set, and a mixed file (Q4_K_M's pattern, Q5_K too) running every projection in its
 own type, close to transformers on the dequantized weights and to llama.cpp on the same file."""
@@ -23,7 +23,7 @@ from tests.gguf_fixtures import byte_level_vocab, hf_weights, reference, write_l
 from tests.kquant_encode import encode_k
 from tests.test_model_oracle import full_prefill_logits
 
-TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
 VOCAB = len(byte_level_vocab()[0])
 SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2)
 # Q4_K_M's pattern (v and the head in Q6_K), with down in Q5_K so every type runs in one model

@@ -1,6 +1,6 @@
-"""GGUF's rarer types kept as the file holds them: Q5_0, Q5_1, IQ4_NL and IQ4_XS on the K-quant library's plain path
-(kernels/kdecode.c decodes a row as gguf does, kernels/kquant.c multiplies it by the float activations), Q2_K and
-Q3_K on its integer dot products like the other K-quants. Decoded bit for bit as gguf's reference on arbitrary
+"""GGUF's rarer types kept as the file holds them: Q5_0, Q5_1 and IQ4_NL on the K-quant library's plain path
+(kernels/kdecode.c decodes a row as gguf does, kernels/kquant.c multiplies it by the float activations), Q2_K, Q3_K
+and IQ4_XS on its integer dot products like the other K-quants. Decoded bit for bit as gguf's reference on arbitrary
 blocks, each output depending on its row alone, and a file mixing them all close to transformers on the
 dequantized weights and to llama.cpp on the same file."""
 
@@ -19,7 +19,7 @@ from tests.gguf_fixtures import byte_level_vocab, hf_weights, reference, write_l
 from tests.test_model_oracle import full_prefill_logits
 
 RARE = ("Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K")
-PLAIN = ("Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")  # no integer dot product of their own yet
+PLAIN = ("Q5_0", "Q5_1", "IQ4_NL")  # no integer dot product of their own yet
 # where each type keeps its f16 scales: byte offsets within a block (random bytes there could be inf or NaN)
 HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
 VOCAB = len(byte_level_vocab()[0])
@@ -109,7 +109,7 @@ def test_a_file_of_every_rare_type_keeps_them_and_matches_transformers(kernels, 
         ours = full_prefill_logits(llm, ids)
         with torch.inference_mode():
             theirs = theirs_model(torch.tensor([ids])).logits[0]
-        # the plain types multiply float32 activations; Q2_K and Q3_K 8-bit codes per 256 (llama.cpp's Q8_K): on
+        # the plain types multiply float32 activations; Q2_K, Q3_K, IQ4_XS 8-bit codes per 256 (llama.cpp's Q8_K): on
         # this random model ~3.5% of the largest logit from the float32 product
         assert (ours - theirs).abs().max() < 0.06 * theirs.abs().max()
         a, b = ours.log_softmax(-1), theirs.log_softmax(-1)

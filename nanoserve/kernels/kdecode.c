@@ -7,9 +7,9 @@
  * Q5_0  (22 bytes / 32):  d f16, qh u32, qs[16]; input j: low nibble of qs[j] (j < 16) or high of qs[j - 16],
  *                          bit j of qh as bit 4; w = d (q - 16)
  * Q5_1  (24 bytes / 32):  d, m f16, qh u32, qs[16]; w = d q + m
- * IQ4_NL (18 bytes / 32): d f16, qs[16] as Q4_0's nibbles; w = d KVALUES[q]
+ * IQ4_NL (18 bytes / 32): d f16, qs[16] as Q4_0's nibbles; w = d NS_KVALUES[q]
  * IQ4_XS (136 / 256):     d f16, scales_h u16, scales_l[4], qs[128]; 8 blocks of 32, block b's 6-bit scale
- *                          (scales_l nibble b, scales_h bits 2 b..) - 32, its nibbles as IQ4_NL's; w = (d s) KVALUES[q]
+ *                          (scales_l nibble b, scales_h bits 2 b..) - 32, its nibbles as IQ4_NL's; w = (d s) NS_KVALUES[q]
  * Q2_K  (84 / 256):       scales[16] (low nibble scale, high min), qs[64], d, dmin f16; input 128 h + 32 s + l:
  *                          bits 2 s.. of qs[32 h + l]; w = (d sc) q - (dmin m), per 16 inputs
  * Q3_K  (110 / 256):      hmask[32], qs[64], scales[12], d f16; 16 six-bit scales - 32; q = bits 2 s.. of
@@ -32,8 +32,6 @@ static inline float half_of(const uint8_t *p) { /* exact either way: F16C's conv
     return f16_to_f32(h);
 #endif
 }
-
-static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* the 32 codes of a block of nibbles: input j in qs[j]'s low nibble, input j + 16 in its high one */
 static inline void nibbles32(const uint8_t *qs, uint8_t q[32]) {
@@ -71,7 +69,7 @@ void ns_dec_iq4_nl(const uint8_t *w, int64_t blocks, float *out) {
         uint8_t q[32];
         nibbles32(w + 2, q);
         float d = half_of(w);
-        for (int j = 0; j < 32; j++) out[j] = d * (float)KVALUES[q[j]];
+        for (int j = 0; j < 32; j++) out[j] = d * (float)NS_KVALUES[q[j]];
     }
 }
 
@@ -85,7 +83,7 @@ void ns_dec_iq4_xs(const uint8_t *w, int64_t blocks, float *out) {
             float dl = d * (float)(scale - 32);
             uint8_t q[32];
             nibbles32(w + 8 + 16 * ib, q);
-            for (int j = 0; j < 32; j++) out[j] = dl * (float)KVALUES[q[j]];
+            for (int j = 0; j < 32; j++) out[j] = dl * (float)NS_KVALUES[q[j]];
         }
     }
 }

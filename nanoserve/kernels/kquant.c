@@ -232,6 +232,39 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
     }
 }
 
+/* IQ4_XS's signed codes (its table's values, at most 127 in size) against each row's activations: |w| times x with
+ * w's sign, byte pairs to 16 bits (at most 2 127 127 < 2^15), then times the 16-bit scales as rows_step does */
+static INLINE void rows_step_signed(__m512i *acc, __m512i q, __m512i scale, const int8_t *x, int64_t ldx, int n) {
+    __m512i scale16 = _mm512_or_si512(_mm512_and_si512(scale, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(scale, 16));
+    __m512i size = _mm512_abs_epi8(q);
+    __mmask64 negative = _mm512_movepi8_mask(q);
+    for (int i = 0; i < n; i++) {
+        __m512i v = _mm512_loadu_si512((const void *)(x + i * ldx));
+        v = _mm512_mask_sub_epi8(v, negative, _mm512_setzero_si512(), v);
+        acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_maddubs_epi16(size, v), scale16);
+    }
+}
+
+/* IQ4_XS: 8 blocks of 32, block b's codes the nibbles of qs[16 b ..] (input j low, j + 16 high) looked up in the
+ * table; chunk c is blocks 2 c and 2 c + 1, lanes 0-7 and 8-15 */
+static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
+                               const float *dd, Facc *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NS_KVALUES));
+    __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    __m512i ints[ROWS];
+    for (int i = 0; i < n; i++) ints[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low)),
+                hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+        __m512i q = join(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+        __m512i pick = join(_mm256_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1));
+        rows_step_signed(ints, q, _mm512_permutexvar_epi32(pick, scales), x + 64 * c, ldx, n);
+    }
+    for (int i = 0; i < n; i++) acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], ints[i]));
+}
+
 #elif defined(__AVX2__)
 #define KQ_ISA "avx2"
 
@@ -378,6 +411,35 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
     }
 }
 
+/* IQ4_XS (see the AVX-512 build): signed codes, |w| times x with w's sign in 16-bit pairs */
+static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
+                               const float *dd, Facc *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NS_KVALUES));
+    __m256i size[8], q[8], scale[8];
+    for (int c = 0; c < 4; c++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low)),
+                hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+        q[2 * c] = _mm256_permute2x128_si256(lo, hi, 0x20);
+        q[2 * c + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+        size[2 * c] = _mm256_abs_epi8(q[2 * c]), size[2 * c + 1] = _mm256_abs_epi8(q[2 * c + 1]);
+        scale[2 * c] = _mm256_set1_epi16(sc[2 * c]), scale[2 * c + 1] = _mm256_set1_epi16(sc[2 * c + 1]);
+    }
+    for (int i = 0; i < n; i++) {
+        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            const int8_t *at = x + i * ldx + 32 * j;
+            __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)at), q[j]),
+                    x1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(at + 32)), q[j + 1]);
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], x0), scale[j]));
+            b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j + 1], x1), scale[j + 1]));
+        }
+        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], a));
+        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], b));
+    }
+}
+
 #else
 #define KQ_ISA "portable"
 
@@ -480,6 +542,22 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
         lanes_2bit(qs, hmask, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++)
             acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 4 * (sc[l] * xs[i * lds + l]));
+    }
+}
+static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
+                               const float *dd, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t lanes[LANES] = {0};
+        for (int c = 0; c < 4; c++) {
+            int32_t p[64];
+            for (int e = 0; e < 64; e++) { /* block 2 c + e / 32, input e % 32 of it */
+                int byte = qs[32 * c + 16 * (e / 32) + (e & 15)];
+                p[e] = NS_KVALUES[(e & 16) ? byte >> 4 : byte & 15] * x[i * ldx + 64 * c + e];
+            }
+            for (int l = 0; l < LANES; l++)
+                lanes[l] += sc[2 * c + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+        }
+        for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)lanes[l];
     }
 }
 #endif
@@ -616,6 +694,33 @@ static void dot_q3k(const uint8_t *w, Act x, int n, float *sums) {
         rows_q3k(w, x, n, sums);
 }
 
+/* IQ4_XS: each row's lanes over super-blocks, in order, of (d dx) ints, ints with block b's 6-bit scale less 32 */
+static INLINE void rows_iq4xs(const uint8_t *w, Act x, int n, float *sums) {
+    int64_t blocks = x.in / QK;
+    Facc acc[ROWS];
+    for (int i = 0; i < n; i++) acc[i] = facc_zero();
+    for (int64_t b = 0; b < blocks; b++, w += 136) {
+        int8_t sc[8];
+        uint16_t high;
+        memcpy(&high, w + 2, 2);
+        for (int k = 0; k < 8; k++)
+            sc[k] = (int8_t)((((w[4 + k / 2] >> (4 * (k % 2))) & 15) | (((high >> (2 * k)) & 3) << 4)) - 32);
+        float d = half_at(w), dd[ROWS];
+        for (int i = 0; i < n; i++) dd[i] = d * x.d[i * blocks + b];
+        block_iq4xs(w + 8, sc, x.q + b * QK, x.in, n, dd, acc);
+    }
+    for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
+}
+
+static void dot_iq4xs(const uint8_t *w, Act x, int n, float *sums) {
+    if (n == 1)
+        rows_iq4xs(w, x, 1, sums);
+    else if (n == ROWS)
+        rows_iq4xs(w, x, ROWS, sums);
+    else
+        rows_iq4xs(w, x, n, sums);
+}
+
 /* ---- dequantization: gguf's arithmetic in gguf's order, so the floats are its floats --------------------- */
 
 static void dequant_k45(const uint8_t *w, int64_t block_bytes, int64_t qh_at, int64_t blocks, float *out) {
@@ -671,7 +776,7 @@ static const KQuantType TYPES[] = {
     {"Q5_0", 8 * 22, NULL, ns_dec_q5_0},
     {"Q5_1", 8 * 24, NULL, ns_dec_q5_1},
     {"IQ4_NL", 8 * 18, NULL, ns_dec_iq4_nl},
-    {"IQ4_XS", 136, NULL, ns_dec_iq4_xs},
+    {"IQ4_XS", 136, dot_iq4xs, ns_dec_iq4_xs},
     {"Q2_K", 84, dot_q2k, ns_dec_q2_k},
     {"Q3_K", 110, dot_q3k, ns_dec_q3_k},
 };
