@@ -1,7 +1,7 @@
-"""GGUF's rarer types kept as the file holds them: Q5_0, Q5_1 and IQ4_NL on the K-quant library's plain path
-(kernels/kdecode.c decodes a row as gguf does, kernels/kquant.c multiplies it by the float activations), Q2_K, Q3_K
-and IQ4_XS on its integer dot products like the other K-quants. Decoded bit for bit as gguf's reference on arbitrary
-blocks, each output depending on its row alone, and a file mixing them all close to transformers on the
+"""GGUF's rarer types (Q5_0, Q5_1, IQ4_NL in blocks of 32; IQ4_XS, Q2_K, Q3_K) kept as the file holds them and run
+on the K-quant library's integer dot products like the other K-quants (kernels/kquant.c; kernels/kdecode.c decodes
+them for an embedding's lookup). Decoded bit for bit as gguf's reference on arbitrary blocks, each output close to
+the float64 product and depending on its row alone, and a file mixing them all close to transformers on the
 dequantized weights and to llama.cpp on the same file."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from tests.gguf_fixtures import byte_level_vocab, hf_weights, reference, write_l
 from tests.test_model_oracle import full_prefill_logits
 
 RARE = ("Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K")
-PLAIN = ("Q5_0", "Q5_1", "IQ4_NL")  # no integer dot product of their own yet
 # where each type keeps its f16 scales: byte offsets within a block (random bytes there could be inf or NaN)
 HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
 VOCAB = len(byte_level_vocab()[0])
@@ -58,17 +57,15 @@ def test_the_kernels_decoder_is_ggufs_bit_for_bit(kernels, qtype):
     assert torch.equal(KQuantBlocks(((qtype, raw),), 768).dequantize(), torch.from_numpy(expected))
 
 
-@pytest.mark.parametrize("qtype", PLAIN)
-def test_the_product_is_float32_close_and_a_row_is_the_same_alone(kernels, qtype):
+@pytest.mark.parametrize("qtype", RARE)
+def test_the_product_is_close_to_float64_and_a_row_is_the_same_alone(kernels, qtype):
     raw, expected = _random_blocks(qtype, 40, 512, seed=2)
-    assert qtype in kernels.kq_plain
     linear = KQuantLinear(KQuantBlocks(((qtype, raw),), 512), None, None, kernels)
-    assert linear.activation_form == "float32"
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
     y = linear(x)
     exact = x.double() @ torch.from_numpy(expected).double().T
-    # float32 activations times the exact weights: float32 rounding of a 512-term sum, no activation codes
-    assert (y.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    # activations in 8-bit codes per 256 (llama.cpp's Q8_K): well under 2% of the largest output
+    assert (y.double() - exact).abs().max() < 2e-2 * exact.abs().max()
     for row in range(9):
         assert torch.equal(linear(x[row:row + 1].clone()), y[row:row + 1])
 
@@ -109,9 +106,9 @@ def test_a_file_of_every_rare_type_keeps_them_and_matches_transformers(kernels, 
         ours = full_prefill_logits(llm, ids)
         with torch.inference_mode():
             theirs = theirs_model(torch.tensor([ids])).logits[0]
-        # the plain types multiply float32 activations; Q2_K, Q3_K, IQ4_XS 8-bit codes per 256 (llama.cpp's Q8_K): on
-        # this random model ~3.5% of the largest logit from the float32 product
-        assert (ours - theirs).abs().max() < 0.06 * theirs.abs().max()
+        # 8-bit activation codes per 256 (llama.cpp's Q8_K): on this random model up to 5.5% of the largest logit
+        # from the float32 product, as the K-quant file's (tests/test_gguf_kquants.py)
+        assert (ours - theirs).abs().max() < 0.08 * theirs.abs().max()
         a, b = ours.log_softmax(-1), theirs.log_softmax(-1)
         for row in range(a.shape[0]):  # vLLM's logprobs-close rule
             x, y = int(a[row].argmax()), int(b[row].argmax())

@@ -88,9 +88,6 @@ class FusedKernels:
         lib.ns_kq_name.argtypes, lib.ns_kq_name.restype = (_i32,), ctypes.c_char_p
         lib.ns_kq_isa.restype = ctypes.c_char_p
         self.kq_types = {lib.ns_kq_name(i).decode(): i for i in range(lib.ns_kq_types())}
-        lib.ns_kq_plain.argtypes, lib.ns_kq_plain.restype = (_i32,), _i32
-        # the types on the plain path: a row decoded to float times float activations (no 8-bit codes)
-        self.kq_plain = frozenset(name for name, i in self.kq_types.items() if lib.ns_kq_plain(i))
         self.kq_isa = lib.ns_kq_isa().decode()  # the integer dot product the K-quant kernels were built on
 
     def kq_matmul(self, type_name: str, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

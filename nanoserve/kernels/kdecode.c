@@ -1,8 +1,8 @@
 /* GGUF's rarer weight types decoded to float32, gguf's arithmetic in gguf's order, so the floats are its floats.
  *
- * These types have no integer dot product of their own here: kquant.c's plain path decodes a weight row with
- * them and multiplies it by the float activations. Each decoder takes `blocks` runs of 256 inputs (for the types
- * with blocks of 32, eight of them) and writes 256 floats a run.
+ * kquant.c's table holds these decoders beside the types' dot products: an embedding's lookup decodes the rows asked
+ * with them. Each takes `blocks` runs of 256 inputs (for the types with blocks of 32, eight of them) and writes 256
+ * floats a run.
  *
  * Q5_0  (22 bytes / 32):  d f16, qh u32, qs[16]; input j: low nibble of qs[j] (j < 16) or high of qs[j - 16],
  *                          bit j of qh as bit 4; w = d (q - 16)

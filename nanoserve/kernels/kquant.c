@@ -104,6 +104,35 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KQ_ISA "avx512-vnni"
 
+/* Q5_0 / Q5_1 / IQ4_NL: blocks of 32 inputs, each its own f16 scale; eight of them a run of 256 */
+enum { K_Q5_0, K_Q5_1, K_IQ4_NL };
+
+/* bit j of the 32 bits at qh -> 0x10 in byte j (the fifth bit of Q5_0 / Q5_1's code j) */
+static INLINE __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t v;
+    memcpy(&v, qh, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)v), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(0x10));
+}
+
+/* a block's 32 codes in input order (input j: low nibble of qs[j], j + 16: high of qs[j]): Q5_0 signed (q - 16),
+ * Q5_1 unsigned (q), IQ4_NL its table's signed values */
+static INLINE __m256i codes32(const uint8_t *block, int kind) {
+    const uint8_t *qs = block + (kind == K_Q5_0 ? 6 : kind == K_Q5_1 ? 8 : 2);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    if (kind == K_IQ4_NL) {
+        const __m128i table = _mm_loadu_si128((const __m128i *)NS_KVALUES);
+        return _mm256_set_m128i(_mm_shuffle_epi8(table, hi), _mm_shuffle_epi8(table, lo));
+    }
+    __m256i q = _mm256_or_si256(_mm256_set_m128i(hi, lo), fifth_bits(block + (kind == K_Q5_0 ? 2 : 4)));
+    return kind == K_Q5_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(16)) : q;
+}
+
 typedef __m512 Facc;
 static INLINE Facc facc_zero(void) { return _mm512_setzero_ps(); }
 static INLINE float facc_sum(Facc a) {
@@ -265,8 +294,63 @@ static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8
     for (int i = 0; i < n; i++) acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], ints[i]));
 }
 
+/* Blocks 2 c and 2 c + 1 of a run against each row's chunk c: lane l's sum of code times activation code over its
+ * 4 inputs (and Q5_1's sum of activation codes), times its block's d dx (and m dx), into the row's lanes */
+static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[8], const float m[8],
+                           const int8_t *x, int64_t ldx, int n, const float *dx, Facc *acc) {
+    const __m512i ones16 = _mm512_set1_epi16(1), ones8 = _mm512_set1_epi8(1);
+    __m512 dv = _mm512_castps256_ps512(_mm256_loadu_ps(d)), mv = _mm512_castps256_ps512(_mm256_loadu_ps(m));
+    for (int c = 0; c < 4; c++) {
+        __m512i q = join(codes32(w + 2 * c * bytes, kind), codes32(w + (2 * c + 1) * bytes, kind));
+        __m512i pick = join(_mm256_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1));
+        __m512 dc = _mm512_permutexvar_ps(pick, dv), mc = _mm512_permutexvar_ps(pick, mv);
+        __m512i size = kind == K_Q5_1 ? q : _mm512_abs_epi8(q);
+        __mmask64 negative = kind == K_Q5_1 ? 0 : _mm512_movepi8_mask(q);
+        for (int i = 0; i < n; i++) {
+            __m512i v = _mm512_loadu_si512((const void *)(x + i * ldx + 64 * c));
+            __m512 f = _mm512_set1_ps(dx[i]);
+            if (kind != K_Q5_1) v = _mm512_mask_sub_epi8(v, negative, _mm512_setzero_si512(), v);
+            __m512i ints = _mm512_madd_epi16(_mm512_maddubs_epi16(size, v), ones16);
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dc, f), _mm512_cvtepi32_ps(ints)));
+            if (kind == K_Q5_1) {
+                __m512i sums = _mm512_madd_epi16(_mm512_maddubs_epi16(ones8, v), ones16);
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(mc, f), _mm512_cvtepi32_ps(sums)));
+            }
+        }
+    }
+}
+
 #elif defined(__AVX2__)
 #define KQ_ISA "avx2"
+
+/* Q5_0 / Q5_1 / IQ4_NL: blocks of 32 inputs, each its own f16 scale; eight of them a run of 256 */
+enum { K_Q5_0, K_Q5_1, K_IQ4_NL };
+
+/* bit j of the 32 bits at qh -> 0x10 in byte j (the fifth bit of Q5_0 / Q5_1's code j) */
+static INLINE __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t v;
+    memcpy(&v, qh, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)v), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(0x10));
+}
+
+/* a block's 32 codes in input order (input j: low nibble of qs[j], j + 16: high of qs[j]): Q5_0 signed (q - 16),
+ * Q5_1 unsigned (q), IQ4_NL its table's signed values */
+static INLINE __m256i codes32(const uint8_t *block, int kind) {
+    const uint8_t *qs = block + (kind == K_Q5_0 ? 6 : kind == K_Q5_1 ? 8 : 2);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    if (kind == K_IQ4_NL) {
+        const __m128i table = _mm_loadu_si128((const __m128i *)NS_KVALUES);
+        return _mm256_set_m128i(_mm_shuffle_epi8(table, hi), _mm_shuffle_epi8(table, lo));
+    }
+    __m256i q = _mm256_or_si256(_mm256_set_m128i(hi, lo), fifth_bits(block + (kind == K_Q5_0 ? 2 : 4)));
+    return kind == K_Q5_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(16)) : q;
+}
 
 typedef struct {
     __m256 lo, hi; /* lanes 0-7, 8-15 */
@@ -440,6 +524,33 @@ static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8
     }
 }
 
+/* Blocks 2 c and 2 c + 1 of a run (see the AVX-512 build): lanes 0-7 and 8-15 of chunk c */
+static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[8], const float m[8],
+                           const int8_t *x, int64_t ldx, int n, const float *dx, Facc *acc) {
+    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    for (int c = 0; c < 4; c++) {
+        __m256i q[2] = {codes32(w + 2 * c * bytes, kind), codes32(w + (2 * c + 1) * bytes, kind)};
+        for (int i = 0; i < n; i++) {
+            __m256 f = _mm256_set1_ps(dx[i]);
+            for (int h = 0; h < 2; h++) {
+                int b = 2 * c + h;
+                __m256i v = _mm256_loadu_si256((const __m256i *)(x + i * ldx + 64 * c + 32 * h));
+                __m256i size = kind == K_Q5_1 ? q[h] : _mm256_abs_epi8(q[h]);
+                if (kind != K_Q5_1) v = _mm256_sign_epi8(v, q[h]);
+                __m256i ints = _mm256_madd_epi16(_mm256_maddubs_epi16(size, v), ones16);
+                __m256 *lanes = h ? &acc[i].hi : &acc[i].lo;
+                *lanes = _mm256_add_ps(*lanes, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d[b]), f),
+                                                             _mm256_cvtepi32_ps(ints)));
+                if (kind == K_Q5_1) {
+                    __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
+                    *lanes = _mm256_add_ps(*lanes, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(m[b]), f),
+                                                                 _mm256_cvtepi32_ps(sums)));
+                }
+            }
+        }
+    }
+}
+
 #else
 #define KQ_ISA "portable"
 
@@ -559,6 +670,32 @@ static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8
         }
         for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)lanes[l];
     }
+}
+/* Q5_0 / Q5_1 / IQ4_NL: blocks of 32 inputs, each its own f16 scale; eight of them a run of 256 */
+enum { K_Q5_0, K_Q5_1, K_IQ4_NL };
+
+static INLINE int code32(const uint8_t *block, int kind, int j) {
+    const uint8_t *qs = block + (kind == K_Q5_0 ? 6 : kind == K_Q5_1 ? 8 : 2);
+    int q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+    if (kind == K_IQ4_NL) return NS_KVALUES[q];
+    uint32_t qh;
+    memcpy(&qh, block + (kind == K_Q5_0 ? 2 : 4), 4);
+    q |= (int)((qh >> j) & 1) << 4;
+    return kind == K_Q5_0 ? q - 16 : q;
+}
+
+static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[8], const float m[8],
+                           const int8_t *x, int64_t ldx, int n, const float *dx, Facc *acc) {
+    for (int i = 0; i < n; i++)
+        for (int l = 0; l < LANES; l++)
+            for (int c = 0; c < 4; c++) {
+                int b = 2 * c + (l >= 8), first = 4 * (l & 7);
+                const int8_t *v = x + i * ldx + 64 * c + 32 * (l >= 8) + first;
+                int32_t ints = 0, sums = 0;
+                for (int k = 0; k < 4; k++) ints += code32(w + b * bytes, kind, first + k) * v[k], sums += v[k];
+                acc[i].v[l] = acc[i].v[l] + (d[b] * dx[i]) * (float)ints;
+                if (kind == K_Q5_1) acc[i].v[l] = acc[i].v[l] + (m[b] * dx[i]) * (float)sums;
+            }
 }
 #endif
 
@@ -721,6 +858,33 @@ static void dot_iq4xs(const uint8_t *w, Act x, int n, float *sums) {
         rows_iq4xs(w, x, n, sums);
 }
 
+/* Q5_0 / Q5_1 / IQ4_NL: each row's lanes over runs of 256, chunk by chunk, of (d_b dx) ints (+ (m_b dx) sums) */
+static INLINE void rows_32s(const uint8_t *w, int bytes, int kind, Act x, int n, float *sums) {
+    int64_t blocks = x.in / QK;
+    Facc acc[ROWS];
+    for (int i = 0; i < n; i++) acc[i] = facc_zero();
+    for (int64_t b = 0; b < blocks; b++, w += 8 * bytes) {
+        float d[8], m[8], dx[ROWS];
+        for (int k = 0; k < 8; k++) d[k] = half_at(w + k * bytes), m[k] = kind == K_Q5_1 ? half_at(w + k * bytes + 2) : 0.0f;
+        for (int i = 0; i < n; i++) dx[i] = x.d[i * blocks + b];
+        block32(w, bytes, kind, d, m, x.q + b * QK, x.in, n, dx, acc);
+    }
+    for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
+}
+
+#define DOT32(name, bytes, kind)                                                                                  \
+    static void name(const uint8_t *w, Act x, int n, float *sums) {                                               \
+        if (n == 1)                                                                                               \
+            rows_32s(w, bytes, kind, x, 1, sums);                                                                 \
+        else if (n == ROWS)                                                                                       \
+            rows_32s(w, bytes, kind, x, ROWS, sums);                                                              \
+        else                                                                                                      \
+            rows_32s(w, bytes, kind, x, n, sums);                                                                 \
+    }
+DOT32(dot_q5_0, 22, K_Q5_0)
+DOT32(dot_q5_1, 24, K_Q5_1)
+DOT32(dot_iq4nl, 18, K_IQ4_NL)
+
 /* ---- dequantization: gguf's arithmetic in gguf's order, so the floats are its floats --------------------- */
 
 static void dequant_k45(const uint8_t *w, int64_t block_bytes, int64_t qh_at, int64_t blocks, float *out) {
@@ -764,7 +928,7 @@ typedef void (*RowDequant)(const uint8_t *w, int64_t blocks, float *out);
 typedef struct {
     const char *name;    /* GGUF's type name */
     int64_t block_bytes; /* bytes per 256 inputs */
-    RowDot dot;          /* against 8-bit activation codes per 256; NULL: the plain path (float activations) */
+    RowDot dot;          /* against 8-bit activation codes per 256 */
     RowDequant dequant;
 } KQuantType;
 
@@ -772,10 +936,10 @@ static const KQuantType TYPES[] = {
     {"Q4_K", 144, dot_q4k, dequant_q4k},
     {"Q5_K", 176, dot_q5k, dequant_q5k},
     {"Q6_K", 210, dot_q6k, dequant_q6k},
-    /* the rarer types (kdecode.c): a weight row decoded to float once a call, times the float activations */
-    {"Q5_0", 8 * 22, NULL, ns_dec_q5_0},
-    {"Q5_1", 8 * 24, NULL, ns_dec_q5_1},
-    {"IQ4_NL", 8 * 18, NULL, ns_dec_iq4_nl},
+    /* the rarer types, their decoders in kdecode.c */
+    {"Q5_0", 8 * 22, dot_q5_0, ns_dec_q5_0},
+    {"Q5_1", 8 * 24, dot_q5_1, ns_dec_q5_1},
+    {"IQ4_NL", 8 * 18, dot_iq4nl, ns_dec_iq4_nl},
     {"IQ4_XS", 136, dot_iq4xs, ns_dec_iq4_xs},
     {"Q2_K", 84, dot_q2k, ns_dec_q2_k},
     {"Q3_K", 110, dot_q3k, ns_dec_q3_k},
@@ -786,17 +950,13 @@ int32_t ns_kq_types(void) { return NTYPES; }
 const char *ns_kq_name(int32_t type) { return type >= 0 && type < NTYPES ? TYPES[type].name : ""; }
 int64_t ns_kq_block_bytes(int32_t type) { return type >= 0 && type < NTYPES ? TYPES[type].block_bytes : 0; }
 const char *ns_kq_isa(void) { return KQ_ISA; }
-/* 1 where the type multiplies float activations (the plain path), 0 where 8-bit codes per 256 */
-int32_t ns_kq_plain(int32_t type) { return type >= 0 && type < NTYPES && !TYPES[type].dot; }
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
 
 typedef struct {
     const KQuantType *type;
     const uint8_t *w;
-    Act x;           /* the activations' codes (the integer path) */
-    const float *xf; /* the activations as given (the plain path) */
-    float *scratch;  /* the plain path's decoded row, one per thread slot */
+    Act x;
     const float *bias;
     int64_t rows, out, ldy;
     float *y;
@@ -828,52 +988,6 @@ static void kq_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t sl
     }
 }
 
-/* The plain path: OUT_TILE weight rows of outputs [o0, o1) decoded to float at a time (in the thread's scratch,
- * which stays in cache while every activation row passes them), then each activation row's dot with each in LANES
- * float partial sums (lane l takes inputs 16 m + l, in order; each product rounded on its own) added in the
- * lanes' fixed tree: a row's bits do not depend on the call's other rows or the thread. */
-static float lanes_total(float *v) {
-    for (int width = LANES / 2; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++) v[l] = v[l] + v[l + width];
-    return v[0];
-}
-
-static float plain_dot(const float *w, const float *x, int64_t in) {
-    float acc[LANES] = {0.0f};
-    for (int64_t i = 0; i < in; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + w[i + l] * x[i + l];
-    return lanes_total(acc);
-}
-
-static void plain_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
-    const KMatmul *m = task;
-    int64_t o0 = m->out * chunk / chunks, o1 = m->out * (chunk + 1) / chunks, in = m->x.in, blocks = in / QK;
-    int64_t row_bytes = blocks * m->type->block_bytes;
-    float *tile = m->scratch + slot * OUT_TILE * in;
-    for (int64_t t = o0; t < o1; t += OUT_TILE) {
-        int64_t n = o1 - t < OUT_TILE ? o1 - t : OUT_TILE;
-        for (int64_t o = 0; o < n; o++) m->type->dequant(m->w + (t + o) * row_bytes, blocks, tile + o * in);
-        for (int64_t r = 0; r < m->rows; r++)
-            for (int64_t o = 0; o < n; o++) {
-                float v = plain_dot(tile + o * in, m->xf + r * in, in);
-                v = m->bias ? v + m->bias[t + o] : v;
-                float *at = m->y + r * m->ldy + t + o;
-                *at = m->accumulate ? *at + v : v;
-            }
-    }
-}
-
-static int plain_matmul(KMatmul *task, int32_t threads) {
-    int32_t slots = threads < 1 ? 1 : threads;
-    task->scratch = malloc((size_t)(slots * OUT_TILE * task->x.in) * sizeof(float));
-    if (!task->scratch) return -1;
-    int64_t chunks = (int64_t)slots * 4, tiles = (task->out + OUT_TILE - 1) / OUT_TILE;
-    if (chunks > tiles) chunks = tiles > 0 ? tiles : 1;
-    ns_pool_run(plain_chunk, task, chunks, slots);
-    free(task->scratch);
-    return 0;
-}
-
 /* y [rows, out] float32 (a row every `ldy` floats: a merged projection's shards fill columns of one output) =
  * x [rows, in] float32 . W^T (+ bias; added to y with `accumulate`), W [out, in] the file's rows of type `type`
  * (an index into TYPES); on up to `threads` threads. Returns 0, -1 out of memory, -2 for an unknown type or
@@ -881,10 +995,6 @@ static int plain_matmul(KMatmul *task, int32_t threads) {
 int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, int64_t ldy,
                  const float *bias, float *y, int32_t threads, int32_t accumulate) {
     if (type < 0 || type >= NTYPES || in % QK || ldy < out) return -2;
-    if (!TYPES[type].dot) {
-        KMatmul task = {&TYPES[type], w, {NULL, NULL, NULL, in}, x, NULL, bias, rows, out, ldy, y, accumulate};
-        return plain_matmul(&task, threads);
-    }
     int64_t blocks = in / QK;
     int8_t *xq = malloc((size_t)(rows * in));
     float *xd = malloc((size_t)(rows * blocks) * sizeof(float));
@@ -894,7 +1004,7 @@ int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, i
         return -1;
     }
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, xd + r * blocks, xs + r * (in / SUMS));
-    KMatmul task = {&TYPES[type], w, {xq, xd, xs, in}, x, NULL, bias, rows, out, ldy, y, accumulate};
+    KMatmul task = {&TYPES[type], w, {xq, xd, xs, in}, bias, rows, out, ldy, y, accumulate};
     int64_t chunks = (int64_t)(threads < 1 ? 1 : threads) * 4, tiles = (out + OUT_TILE - 1) / OUT_TILE;
     if (chunks > tiles) chunks = tiles > 0 ? tiles : 1;
     ns_pool_run(kq_chunk, &task, chunks, threads);

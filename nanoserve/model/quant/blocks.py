@@ -126,8 +126,7 @@ class Int8Blocks:
 
 SUPER_BLOCK = 256  # inputs per K-quant super-block
 # bytes per 256 inputs of the types whose rows the kernels read as the file lays them out (kernels/kquant.c's
-# table): the K-quants on integer dot products, and the rarer types (Q5_0, Q5_1, IQ4_NL: eight blocks of 32;
-# IQ4_XS, Q2_K, Q3_K) on its plain path, a row decoded to float once a call
+# table): the K-quants, IQ4_XS, and Q5_0, Q5_1, IQ4_NL (eight blocks of 32 a run)
 K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
                  "Q5_0": 8 * 22, "Q5_1": 8 * 24, "IQ4_NL": 8 * 18, "IQ4_XS": 136, "Q2_K": 84, "Q3_K": 110}
 

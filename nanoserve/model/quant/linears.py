@@ -236,10 +236,9 @@ class Int8GroupLinear(PackedLinear):
 class KQuantLinear(PackedLinear):
     """GGUF K-quant rows (KQuantBlocks: Q4_K, Q5_K, Q6_K) as the file holds them, on the fused library's K-quant
     kernels (kernels/kquant.c): float32 in, each row's super-blocks of 256 quantized to 8-bit codes inside the
-    call (the activation format llama.cpp multiplies these blocks by), float32 out. The rarer types (Q5_0, Q5_1,
-    IQ4_NL, IQ4_XS, Q2_K, Q3_K) run on the library's plain path: each weight row decoded to float and multiplied
-    by the float32 activations. A merged projection's runs of rows of different types each fill their columns of
-    the one output. An output depends on its row alone."""
+    call (the activation format llama.cpp multiplies these blocks by), float32 out; the rarer types (Q2_K, Q3_K,
+    IQ4_XS, and Q5_0, Q5_1, IQ4_NL in blocks of 32) alike. A merged projection's runs of rows of different types
+    each fill their columns of the one output. An output depends on its row alone."""
 
     format = "kquant"
     input_dtype = torch.float32
@@ -251,9 +250,6 @@ class KQuantLinear(PackedLinear):
             raise ValueError(f"K-quant weights take inputs in super-blocks of {SUPER_BLOCK}; this is {out}x{k}")
         super().__init__(out, k, bias, sizes)
         self.kernels, self.type_names = kernels, blocks.type_names
-        plain = [name in kernels.kq_plain for name in self.type_names]
-        self.activation_form = "float32" if all(plain) else "int8 per 256" if not any(plain) else \
-            "int8 per 256, float32"
         self.segments = []  # (the library's type index, first output, outputs)
         first = 0
         for i, (name, raw) in enumerate(blocks.segments):
