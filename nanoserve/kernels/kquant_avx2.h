@@ -1,0 +1,201 @@
+/* kquant.c's AVX2 build: a row's 16 lanes as two 8-lane halves (lanes 0-7, 8-15), 16-bit pair products.
+ * Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
+ * kinds of blocks of 32), where the build has this instruction set. */
+typedef struct {
+    __m256 lo, hi; /* lanes 0-7, 8-15 */
+} Facc;
+static INLINE Facc facc_zero(void) { return (Facc){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static INLINE float facc_sum(Facc a) {
+    __m256 t = _mm256_add_ps(a.lo, a.hi);
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+static INLINE __m256 scaled(float f, __m256i ints) { return _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(ints)); }
+
+/* 8 x 32 unsigned codes (at most 63) against each row's 256 signed activations in 16-bit pairs (no saturation:
+ * 2 63 127 < 2^15), each pair times its 16-bit scale, summed in 32 bits: the even vectors' lanes are lanes 0-7,
+ * the odd ones' lanes 8-15 */
+static INLINE void rows_ints(const __m256i q[8], const __m256i scale[8], const int8_t *x, int64_t ldx, int n,
+                             __m256i *lo, __m256i *hi) {
+    for (int i = 0; i < n; i++) {
+        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            const int8_t *at = x + i * ldx + 32 * j;
+            __m256i p0 = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)at));
+            __m256i p1 = _mm256_maddubs_epi16(q[j + 1], _mm256_loadu_si256((const __m256i *)(at + 32)));
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(p0, scale[j]));
+            b = _mm256_add_epi32(b, _mm256_madd_epi16(p1, scale[j + 1]));
+        }
+        lo[i] = a, hi[i] = b;
+    }
+}
+
+static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
+                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
+                             const float *dm, Facc *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256i high = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    __m256i q[8], scale[8], lo[ROWS], hi[ROWS];
+    for (int j = 0; j < 4; j++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i l = _mm256_and_si256(raw, low), h = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        if (qh) {
+            l = _mm256_or_si256(l, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j), one), 4));
+            h = _mm256_or_si256(h, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j + 1), one), 4));
+        }
+        q[2 * j] = l, q[2 * j + 1] = h;
+        scale[2 * j] = _mm256_set1_epi16(sc[2 * j]), scale[2 * j + 1] = _mm256_set1_epi16(sc[2 * j + 1]);
+    }
+    rows_ints(q, scale, x, ldx, n, lo, hi);
+    __m128i m8 = _mm_loadl_epi64((const __m128i *)m);
+    __m256i m_lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(m8, m8)); /* m0 m0 m1 m1 m2 m2 m3 m3 */
+    __m256i m_hi = _mm256_cvtepu8_epi32(_mm_srli_si128(_mm_unpacklo_epi8(m8, m8), 8));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i min_lo = _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s)),
+                min_hi = _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_sub_ps(_mm256_add_ps(acc[i].lo, scaled(dd[i], lo[i])), scaled(dm[i], min_lo));
+        acc[i].hi = _mm256_sub_ps(_mm256_add_ps(acc[i].hi, scaled(dd[i], hi[i])), scaled(dm[i], min_hi));
+    }
+}
+
+static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
+                             int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
+    __m256i q[8], scale[8], lo[ROWS], hi[ROWS];
+    for (int c = 0; c < 4; c++) {
+        int h = c >> 1, s = c & 1;
+        __m256i h32 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h)),
+                l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        q[2 * c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4 * s), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h32, 4 * s), two), 4));
+        q[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4 * s), low),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h32, 4 * s + 2), two), 4));
+        const int8_t *k = sc + 4 * c;
+        scale[2 * c] = _mm256_setr_m128i(_mm_set1_epi16(k[0]), _mm_set1_epi16(k[1]));
+        scale[2 * c + 1] = _mm256_setr_m128i(_mm_set1_epi16(k[2]), _mm_set1_epi16(k[3]));
+    }
+    rows_ints(q, scale, x, ldx, n, lo, hi);
+    __m256i off_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+            off_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i o_lo = _mm256_mullo_epi32(off_lo, _mm256_loadu_si256(s)),
+                o_hi = _mm256_mullo_epi32(off_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], _mm256_sub_epi32(lo[i], _mm256_slli_epi32(o_lo, 5))));
+        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], _mm256_sub_epi32(hi[i], _mm256_slli_epi32(o_hi, 5))));
+    }
+}
+
+/* Q2_K / Q3_K's codes (see the AVX-512 build) as 8 vectors of 32, each lane pair's scale in 16 bits */
+static INLINE void ints_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, __m256i *lo, __m256i *hi) {
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256i hm = hmask ? _mm256_loadu_si256((const __m256i *)hmask) : _mm256_setzero_si256();
+    __m256i q[8], scale[8];
+    for (int c = 0; c < 4; c++) {
+        int s = 2 * (c & 1);
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
+        q[2 * c] = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s), three);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * s + 2), three);
+        if (hmask) {
+            q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 2 * c), one), 2));
+            q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1],
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 2 * c + 1), one), 2));
+        }
+        const int8_t *k = sc + 4 * c;
+        scale[2 * c] = _mm256_setr_m128i(_mm_set1_epi16(k[0]), _mm_set1_epi16(k[1]));
+        scale[2 * c + 1] = _mm256_setr_m128i(_mm_set1_epi16(k[2]), _mm_set1_epi16(k[3]));
+    }
+    rows_ints(q, scale, x, ldx, n, lo, hi);
+}
+
+static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    __m256i lo[ROWS], hi[ROWS];
+    ints_2bit(qs, NULL, sc, x, ldx, n, lo, hi);
+    __m256i m_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)),
+            m_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 8)));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i min_lo = _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s)),
+                min_hi = _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_sub_ps(_mm256_add_ps(acc[i].lo, scaled(dd[i], lo[i])), scaled(dm[i], min_lo));
+        acc[i].hi = _mm256_sub_ps(_mm256_add_ps(acc[i].hi, scaled(dd[i], hi[i])), scaled(dm[i], min_hi));
+    }
+}
+
+static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    __m256i lo[ROWS], hi[ROWS];
+    ints_2bit(qs, hmask, sc, x, ldx, n, lo, hi);
+    __m256i off_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+            off_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i o_lo = _mm256_mullo_epi32(off_lo, _mm256_loadu_si256(s)),
+                o_hi = _mm256_mullo_epi32(off_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], _mm256_sub_epi32(lo[i], _mm256_slli_epi32(o_lo, 2))));
+        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], _mm256_sub_epi32(hi[i], _mm256_slli_epi32(o_hi, 2))));
+    }
+}
+
+/* IQ4_XS (see the AVX-512 build): signed codes, |w| times x with w's sign in 16-bit pairs */
+static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
+                               const float *dd, Facc *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NS_KVALUES));
+    __m256i size[8], q[8], scale[8];
+    for (int c = 0; c < 4; c++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, low)),
+                hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+        q[2 * c] = _mm256_permute2x128_si256(lo, hi, 0x20);
+        q[2 * c + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+        size[2 * c] = _mm256_abs_epi8(q[2 * c]), size[2 * c + 1] = _mm256_abs_epi8(q[2 * c + 1]);
+        scale[2 * c] = _mm256_set1_epi16(sc[2 * c]), scale[2 * c + 1] = _mm256_set1_epi16(sc[2 * c + 1]);
+    }
+    for (int i = 0; i < n; i++) {
+        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            const int8_t *at = x + i * ldx + 32 * j;
+            __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)at), q[j]),
+                    x1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(at + 32)), q[j + 1]);
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j], x0), scale[j]));
+            b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_maddubs_epi16(size[j + 1], x1), scale[j + 1]));
+        }
+        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], a));
+        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], b));
+    }
+}
+
+/* Blocks 2 c and 2 c + 1 of a run (see the AVX-512 build): lanes 0-7 and 8-15 of chunk c */
+static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[8], const float m[8],
+                           const int8_t *x, int64_t ldx, int n, const float *dx, Facc *acc) {
+    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    for (int c = 0; c < 4; c++) {
+        __m256i q[2] = {codes32(w + 2 * c * bytes, kind), codes32(w + (2 * c + 1) * bytes, kind)};
+        for (int i = 0; i < n; i++) {
+            __m256 f = _mm256_set1_ps(dx[i]);
+            for (int h = 0; h < 2; h++) {
+                int b = 2 * c + h;
+                __m256i v = _mm256_loadu_si256((const __m256i *)(x + i * ldx + 64 * c + 32 * h));
+                __m256i size = kind == K_Q5_1 ? q[h] : _mm256_abs_epi8(q[h]);
+                if (kind != K_Q5_1) v = _mm256_sign_epi8(v, q[h]);
+                __m256i ints = _mm256_madd_epi16(_mm256_maddubs_epi16(size, v), ones16);
+                __m256 *lanes = h ? &acc[i].hi : &acc[i].lo;
+                *lanes = _mm256_add_ps(*lanes, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d[b]), f),
+                                                             _mm256_cvtepi32_ps(ints)));
+                if (kind == K_Q5_1) {
+                    __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
+                    *lanes = _mm256_add_ps(*lanes, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(m[b]), f),
+                                                                 _mm256_cvtepi32_ps(sums)));
+                }
+            }
+        }
+    }
+}

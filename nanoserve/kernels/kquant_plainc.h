@@ -1,0 +1,144 @@
+/* kquant.c's plain C build (any CPU): each lane's integers and floats one at a time, the same values.
+ * Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
+ * kinds of blocks of 32), where the build has this instruction set. */
+typedef struct {
+    float v[LANES];
+} Facc;
+static INLINE Facc facc_zero(void) { return (Facc){{0.0f}}; }
+static INLINE float facc_sum(Facc a) {
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) a.v[l] = a.v[l] + a.v[l + width];
+    return a.v[0];
+}
+
+/* One row's 16 lanes of exact integer sums. The codes' products go through a plain array in input order first,
+ * so the compiler vectorizes that loop; lane l then adds inputs 4 l .. 4 l + 3 of each 64. */
+static INLINE void lanes_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, const uint8_t sc[8],
+                             int32_t lanes[LANES]) {
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+    for (int j = 0; j < 4; j++) {
+        int32_t p[64];
+        for (int b = 0; b < 32; b++) {
+            int h = qh ? qh[b] : 0;
+            p[b] = ((qs[32 * j + b] & 15) | (((h >> (2 * j)) & 1) << 4)) * x[64 * j + b];
+            p[32 + b] = ((qs[32 * j + b] >> 4) | (((h >> (2 * j + 1)) & 1) << 4)) * x[64 * j + 32 + b];
+        }
+        for (int l = 0; l < LANES; l++)
+            lanes[l] += sc[2 * j + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+    }
+}
+
+static INLINE void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x,
+                             int32_t lanes[LANES]) {
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+    for (int c = 0; c < 4; c++) {
+        int h = c >> 1, s = c & 1;
+        int32_t p[64];
+        for (int i = 0; i < 64; i++) /* ql byte 64 h + i, input 64 c + i */
+            p[i] = (((ql[64 * h + i] >> (4 * s)) & 15) | (((qh[32 * h + (i & 31)] >> (4 * s + 2 * (i >> 5))) & 3) << 4)) *
+                   x[64 * c + i];
+        for (int l = 0; l < LANES; l++)
+            lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+    }
+}
+
+static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
+                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
+                             const float *dm, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_k45(qs, qh, x + i * ldx, sc, ints);
+        for (int l = 0; l < LANES; l++) {
+            int32_t mins = m[l / 2] * xs[i * lds + l];
+            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)ints[l]) - dm[i] * (float)mins;
+        }
+    }
+}
+
+static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
+                             int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_q6k(ql, qh, sc, x + i * ldx, ints);
+        for (int l = 0; l < LANES; l++)
+            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 32 * (sc[l] * xs[i * lds + l]));
+    }
+}
+/* Q2_K / Q3_K's lanes for one row (see the AVX-512 build for the layout) */
+static INLINE void lanes_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                              int32_t lanes[LANES]) {
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+    for (int c = 0; c < 4; c++) {
+        int32_t p[64];
+        for (int i = 0; i < 64; i++) {
+            int e = 64 * c + i, byte = 32 * (c >> 1) + (i & 31), shift = 2 * (2 * (c & 1) + (i >> 5));
+            int u = ((qs[byte] >> shift) & 3) | (hmask ? ((hmask[i & 31] >> (e / 32)) & 1) << 2 : 0);
+            p[i] = u * x[e];
+        }
+        for (int l = 0; l < LANES; l++)
+            lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+    }
+}
+
+static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_2bit(qs, NULL, sc, x + i * ldx, ints);
+        for (int l = 0; l < LANES; l++) {
+            int32_t mins = m[l] * xs[i * lds + l];
+            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)ints[l]) - dm[i] * (float)mins;
+        }
+    }
+}
+
+static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t ints[LANES];
+        lanes_2bit(qs, hmask, sc, x + i * ldx, ints);
+        for (int l = 0; l < LANES; l++)
+            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 4 * (sc[l] * xs[i * lds + l]));
+    }
+}
+static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
+                               const float *dd, Facc *acc) {
+    for (int i = 0; i < n; i++) {
+        int32_t lanes[LANES] = {0};
+        for (int c = 0; c < 4; c++) {
+            int32_t p[64];
+            for (int e = 0; e < 64; e++) { /* block 2 c + e / 32, input e % 32 of it */
+                int byte = qs[32 * c + 16 * (e / 32) + (e & 15)];
+                p[e] = NS_KVALUES[(e & 16) ? byte >> 4 : byte & 15] * x[i * ldx + 64 * c + e];
+            }
+            for (int l = 0; l < LANES; l++)
+                lanes[l] += sc[2 * c + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+        }
+        for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)lanes[l];
+    }
+}
+
+static INLINE int code32(const uint8_t *block, int kind, int j) {
+    const uint8_t *qs = block + (kind == K_Q5_0 ? 6 : kind == K_Q5_1 ? 8 : 2);
+    int q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+    if (kind == K_IQ4_NL) return NS_KVALUES[q];
+    uint32_t qh;
+    memcpy(&qh, block + (kind == K_Q5_0 ? 2 : 4), 4);
+    q |= (int)((qh >> j) & 1) << 4;
+    return kind == K_Q5_0 ? q - 16 : q;
+}
+
+static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[8], const float m[8],
+                           const int8_t *x, int64_t ldx, int n, const float *dx, Facc *acc) {
+    for (int i = 0; i < n; i++)
+        for (int l = 0; l < LANES; l++)
+            for (int c = 0; c < 4; c++) {
+                int b = 2 * c + (l >= 8), first = 4 * (l & 7);
+                const int8_t *v = x + i * ldx + 64 * c + 32 * (l >= 8) + first;
+                int32_t ints = 0, sums = 0;
+                for (int k = 0; k < 4; k++) ints += code32(w + b * bytes, kind, first + k) * v[k], sums += v[k];
+                acc[i].v[l] = acc[i].v[l] + (d[b] * dx[i]) * (float)ints;
+                if (kind == K_Q5_1) acc[i].v[l] = acc[i].v[l] + (m[b] * dx[i]) * (float)sums;
+            }
+}
