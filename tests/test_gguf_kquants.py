@@ -130,6 +130,9 @@ def test_a_mixed_file_runs_every_projection_in_its_own_type(kernels, mixed):
     llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gib=0.01)
     linear = llm.engine.stats().features["linear"]
     assert linear["format"] == "kquant" and linear["kquant_modules"] == 2 * 4, linear
+    published = llm.engine.stats().features["fused"]["kquant"]  # what /health says runs these blocks
+    assert published["isa"] == kernels.kq_isa and published["vectorized"] == (kernels.kq_isa != "portable")
+    assert set(TYPES) <= set(published["types"])
     model = llm.engine.runner.model
     types = {tuple(m.packed.type_names) for m in model.modules() if isinstance(getattr(m, "packed", None),
                                                                                  KQuantLinear)}

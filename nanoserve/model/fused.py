@@ -23,8 +23,15 @@ class FusedStatus:
         if self.kernels is not None:
             out.update(library=self.kernels.path, calls=dict(self.kernels.calls), rows=dict(self.kernels.rows),
                        q4_isa=self.kernels.q4_isa, tiles=self.kernels.tiles,
-                       tile_rows=self.kernels.tile_rows)
+                       tile_rows=self.kernels.tile_rows, kquant=self.kquant())
         return out
+
+    def kquant(self) -> dict:
+        """The GGUF types multiplied in the file's blocks (kernels/kquant.c) and the instruction set they were
+        built for; "portable" (no vector path on this machine) is said, never a silent scalar loop."""
+        isa = self.kernels.kq_isa
+        note = "" if isa != "portable" else "plain C: this machine has neither AVX-512 VNNI nor AVX2 (no vector path yet)"
+        return {"isa": isa, "vectorized": isa != "portable", "types": sorted(self.kernels.kq_types), "note": note}
 
 
 def fused_kernels(enabled: bool, device: torch.device):
