@@ -11,22 +11,25 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.fused import load
 from nanoserve.model.quant import KQuantBlocks
 from nanoserve.model.quant.linears import KQuantLinear
-from tests.gguf_fixtures import byte_level_vocab, hf_weights, reference, write_llama_gguf
-from tests.test_model_oracle import full_prefill_logits
+from tests.gguf_oracles import (
+    assert_crowd_is_solo,
+    assert_near_llama_cpp,
+    assert_near_transformers,
+    kept_types,
+    transformers_llama,
+    write_mixed,
+)
+from tests.gguf_oracles import load as load_llm
 
 RARE = ("Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K")
 # where each type keeps its f16 scales: byte offsets within a block (random bytes there could be inf or NaN)
 HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
-VOCAB = len(byte_level_vocab()[0])
-SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2)
 # every rare type in one model, each projection in its own
 MIX = {"q_proj.weight": "IQ4_XS", "k_proj.weight": "Q3_K", "v_proj.weight": "Q2_K", "o_proj.weight": "IQ4_NL",
        "gate_proj.weight": "Q5_0", "up_proj.weight": "Q5_1", "down_proj.weight": "Q3_K", "lm_head.weight": "Q2_K"}
-IDS = [[5, 80, 81, 200, 7, 9, 120, 33, 34, 35, 290, 12], [40], list(range(3, 90, 3))]
 
 
 @pytest.fixture(scope="module")
@@ -72,71 +75,25 @@ def test_the_product_is_close_to_float64_and_a_row_is_the_same_alone(kernels, qt
 
 @pytest.fixture(scope="module")
 def rare(tmp_path_factory):
-    weights = hf_weights(VOCAB, **SHAPE)
-    path = write_llama_gguf(tmp_path_factory.mktemp("rare") / "tiny-rare.gguf", weights, qtype="Q5_0",
-                            tensor_types=MIX, **SHAPE)
-    return weights, path
-
-
-def _transformers(weights: dict[str, np.ndarray]):
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    kind = {name: next((t for end, t in MIX.items() if name.endswith(end)), "Q5_0") for name in weights}
-    state = {name: torch.from_numpy(np.ascontiguousarray(reference(w, kind[name]) if w.ndim == 2 else w))
-             for name, w in weights.items()}
-    model.load_state_dict(state)
-    return model
+    return write_mixed(tmp_path_factory.mktemp("rare") / "tiny-rare.gguf", MIX, "Q5_0")
 
 
 def test_a_file_of_every_rare_type_keeps_them_and_matches_transformers(kernels, rare):
     weights, path = rare
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gib=0.01)
+    llm = load_llm(path)
     model = llm.engine.runner.model
-    types = {tuple(m.packed.type_names) for m in model.modules() if isinstance(getattr(m, "packed", None),
-                                                                                 KQuantLinear)}
+    types = kept_types(llm)
     assert {("IQ4_XS", "Q3_K", "Q2_K"), ("IQ4_NL",), ("Q5_0", "Q5_1"), ("Q3_K",), ("Q2_K",)} <= types, types
     assert model.embed_tokens.weight.numel() == 0  # looked up in the file's Q5_0 blocks, no float32 table
     assert tuple(model.lm_head.packed.type_names) == ("Q2_K",)
-    theirs_model = _transformers(weights)
-    for ids in IDS:
-        ours = full_prefill_logits(llm, ids)
-        with torch.inference_mode():
-            theirs = theirs_model(torch.tensor([ids])).logits[0]
-        # 8-bit activation codes per 256 (llama.cpp's Q8_K): on this random model up to 5.5% of the largest logit
-        # from the float32 product, as the K-quant file's (tests/test_gguf_kquants.py)
-        assert (ours - theirs).abs().max() < 0.08 * theirs.abs().max()
-        a, b = ours.log_softmax(-1), theirs.log_softmax(-1)
-        for row in range(a.shape[0]):  # vLLM's logprobs-close rule
-            x, y = int(a[row].argmax()), int(b[row].argmax())
-            assert x == y or (x in b[row].topk(5).indices and y in a[row].topk(5).indices), (row, x, y)
+    # 8-bit activation codes per 256 (llama.cpp's Q8_K): on this random model up to 5.5% of the largest logit from
+    # the float32 product, as the K-quant file's (tests/test_gguf_kquants.py)
+    assert_near_transformers(llm, transformers_llama(weights, MIX, "Q5_0"), 0.08)
 
 
 def test_a_row_is_the_same_in_a_crowd_as_alone_on_a_rare_type_file(kernels, rare):
-    _, path = rare
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gib=0.01)
-    prompts = ["hello world", "the test is", "def (", "hello " * 20, "in"]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    solo = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-    crowd = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert crowd == solo
+    assert_crowd_is_solo(rare[1], max_tokens=10)
 
 
 def test_logits_match_llama_cpp_on_the_same_rare_type_file(kernels, rare):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's oracle needs llama-cpp-python (the peers "
-                                                        "extra)")
-    _, path = rare
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gib=0.01)
-    peer = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2)
-    for ids in IDS:
-        peer.reset()
-        peer.eval(ids)
-        theirs = torch.tensor(np.array(peer.scores[: len(ids)]), dtype=torch.float32)
-        ours = full_prefill_logits(llm, ids)
-        a, b = ours.log_softmax(-1), theirs.log_softmax(-1)
-        for row in range(a.shape[0]):  # vLLM's logprobs-close rule
-            x, y = int(a[row].argmax()), int(b[row].argmax())
-            assert x == y or (x in b[row].topk(5).indices and y in a[row].topk(5).indices), (row, x, y)
+    assert_near_llama_cpp(rare[1])

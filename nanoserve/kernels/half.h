@@ -1,9 +1,12 @@
 /* IEEE half precision to and from float32, exactly (round to nearest even), with no F16C needed: the packed
- * kernels' scales (linear.c) and GGUF's block scales (kquant.c). */
+ * kernels' scales (linear.c) and GGUF's block scales (kquant.c, kdecode.c). */
 #ifndef NS_HALF_H
 #define NS_HALF_H
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 static inline uint16_t f32_to_f16(float f) {
     uint32_t x;
@@ -36,6 +39,17 @@ static inline float f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &x, 4);
     return f;
+}
+
+/* the f16 at p (unaligned, as GGUF's block scales lie): exact either way, F16C's conversion is the same function */
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    return f16_to_f32(h);
+#endif
 }
 
 #endif

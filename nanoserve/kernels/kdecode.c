@@ -17,21 +17,8 @@
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
 #include "half.h"
 #include "kdecode.h"
-
-static inline float half_of(const uint8_t *p) { /* exact either way: F16C's conversion is the same function */
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    return f16_to_f32(h);
-#endif
-}
 
 /* the 32 codes of a block of nibbles: input j in qs[j]'s low nibble, input j + 16 in its high one */
 static inline void nibbles32(const uint8_t *qs, uint8_t q[32]) {
@@ -49,7 +36,7 @@ void ns_dec_q5_0(const uint8_t *w, int64_t blocks, float *out) {
         uint8_t q[32];
         nibbles32(w + 6, q);
         fifth_bits(w + 2, q);
-        float d = half_of(w);
+        float d = half_at(w);
         for (int j = 0; j < 32; j++) out[j] = d * (float)(q[j] - 16);
     }
 }
@@ -59,7 +46,7 @@ void ns_dec_q5_1(const uint8_t *w, int64_t blocks, float *out) {
         uint8_t q[32];
         nibbles32(w + 8, q);
         fifth_bits(w + 4, q);
-        float d = half_of(w), m = half_of(w + 2);
+        float d = half_at(w), m = half_at(w + 2);
         for (int j = 0; j < 32; j++) out[j] = d * (float)q[j] + m;
     }
 }
@@ -68,14 +55,14 @@ void ns_dec_iq4_nl(const uint8_t *w, int64_t blocks, float *out) {
     for (int64_t b = 0; b < blocks * 8; b++, w += 18, out += 32) {
         uint8_t q[32];
         nibbles32(w + 2, q);
-        float d = half_of(w);
+        float d = half_at(w);
         for (int j = 0; j < 32; j++) out[j] = d * (float)NS_KVALUES[q[j]];
     }
 }
 
 void ns_dec_iq4_xs(const uint8_t *w, int64_t blocks, float *out) {
     for (int64_t b = 0; b < blocks; b++, w += 136) {
-        float d = half_of(w);
+        float d = half_at(w);
         uint16_t high;
         memcpy(&high, w + 2, 2);
         for (int ib = 0; ib < 8; ib++, out += 32) {
@@ -91,7 +78,7 @@ void ns_dec_iq4_xs(const uint8_t *w, int64_t blocks, float *out) {
 void ns_dec_q2_k(const uint8_t *w, int64_t blocks, float *out) {
     for (int64_t b = 0; b < blocks; b++, w += 84, out += 256) {
         const uint8_t *scales = w, *qs = w + 16;
-        float d = half_of(w + 80), dmin = half_of(w + 82);
+        float d = half_at(w + 80), dmin = half_at(w + 82);
         for (int e = 0; e < 256; e++) {
             int h = e / 128, s = (e / 32) % 4, l = e % 32, k = e / 16;
             float dl = d * (float)(scales[k] & 15), ml = dmin * (float)(scales[k] >> 4);
@@ -103,7 +90,7 @@ void ns_dec_q2_k(const uint8_t *w, int64_t blocks, float *out) {
 void ns_dec_q3_k(const uint8_t *w, int64_t blocks, float *out) {
     for (int64_t b = 0; b < blocks; b++, w += 110, out += 256) {
         const uint8_t *hmask = w, *qs = w + 32, *sc = w + 96;
-        float d = half_of(w + 108), dl[16];
+        float d = half_at(w + 108), dl[16];
         for (int i = 0; i < 16; i++) {
             int low = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4, high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
             dl[i] = d * (float)((int8_t)(low | (high << 4)) - 32);

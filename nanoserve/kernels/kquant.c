@@ -27,16 +27,6 @@
 typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
 void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads); /* linear.c */
 
-static inline float half_at(const uint8_t *p) { /* exact either way: F16C's conversion is the same function */
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    return f16_to_f32(h);
-#endif
-}
-
 /* ---- activations: 8-bit codes per super-block ----------------------------------------------------------- */
 
 /* x [in] -> codes q [in], scales d [in / 256], code sums s [in / 16] */

@@ -32,6 +32,33 @@ static INLINE void rows_ints(const __m256i q[8], const __m256i scale[8], const i
     }
 }
 
+/* The k45 float step (Q4_K, Q5_K, Q2_K): a_l = (a_l + (d dx) I_l) - (dmin dx) M_l, M_l = m_l times the lane's
+ * activation code sum (m as 32-bit lanes 0-7 and 8-15) */
+static INLINE void minus_mins(Facc *acc, int n, const __m256i *lo, const __m256i *hi, __m256i m_lo, __m256i m_hi,
+                              const int32_t *xs, int64_t lds, const float *dd, const float *dm) {
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i min_lo = _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s)),
+                min_hi = _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_sub_ps(_mm256_add_ps(acc[i].lo, scaled(dd[i], lo[i])), scaled(dm[i], min_lo));
+        acc[i].hi = _mm256_sub_ps(_mm256_add_ps(acc[i].hi, scaled(dd[i], hi[i])), scaled(dm[i], min_hi));
+    }
+}
+
+/* The offset float step (Q6_K: 32 = 1 << 5, Q3_K: 4 = 1 << 2): a_l = a_l + (d dx) (I_l - (sc_l s_l << shift)) */
+static INLINE void minus_offsets(Facc *acc, int n, const __m256i *lo, const __m256i *hi, const int8_t sc[16],
+                                 int shift, const int32_t *xs, int64_t lds, const float *dd) {
+    __m256i off_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+            off_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    for (int i = 0; i < n; i++) {
+        const __m256i *s = (const __m256i *)(xs + i * lds);
+        __m256i o_lo = _mm256_mullo_epi32(off_lo, _mm256_loadu_si256(s)),
+                o_hi = _mm256_mullo_epi32(off_hi, _mm256_loadu_si256(s + 1));
+        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], _mm256_sub_epi32(lo[i], _mm256_slli_epi32(o_lo, shift))));
+        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], _mm256_sub_epi32(hi[i], _mm256_slli_epi32(o_hi, shift))));
+    }
+}
+
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
                              const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
                              const float *dm, Facc *acc) {
@@ -52,13 +79,7 @@ static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
     __m128i m8 = _mm_loadl_epi64((const __m128i *)m);
     __m256i m_lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(m8, m8)); /* m0 m0 m1 m1 m2 m2 m3 m3 */
     __m256i m_hi = _mm256_cvtepu8_epi32(_mm_srli_si128(_mm_unpacklo_epi8(m8, m8), 8));
-    for (int i = 0; i < n; i++) {
-        const __m256i *s = (const __m256i *)(xs + i * lds);
-        __m256i min_lo = _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s)),
-                min_hi = _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s + 1));
-        acc[i].lo = _mm256_sub_ps(_mm256_add_ps(acc[i].lo, scaled(dd[i], lo[i])), scaled(dm[i], min_lo));
-        acc[i].hi = _mm256_sub_ps(_mm256_add_ps(acc[i].hi, scaled(dd[i], hi[i])), scaled(dm[i], min_hi));
-    }
+    minus_mins(acc, n, lo, hi, m_lo, m_hi, xs, lds, dd, dm);
 }
 
 static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
@@ -79,15 +100,7 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
         scale[2 * c + 1] = _mm256_setr_m128i(_mm_set1_epi16(k[2]), _mm_set1_epi16(k[3]));
     }
     rows_ints(q, scale, x, ldx, n, lo, hi);
-    __m256i off_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
-            off_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
-    for (int i = 0; i < n; i++) {
-        const __m256i *s = (const __m256i *)(xs + i * lds);
-        __m256i o_lo = _mm256_mullo_epi32(off_lo, _mm256_loadu_si256(s)),
-                o_hi = _mm256_mullo_epi32(off_hi, _mm256_loadu_si256(s + 1));
-        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], _mm256_sub_epi32(lo[i], _mm256_slli_epi32(o_lo, 5))));
-        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], _mm256_sub_epi32(hi[i], _mm256_slli_epi32(o_hi, 5))));
-    }
+    minus_offsets(acc, n, lo, hi, sc, 5, xs, lds, dd);
 }
 
 /* Q2_K / Q3_K's codes (see the AVX-512 build) as 8 vectors of 32, each lane pair's scale in 16 bits */
@@ -120,28 +133,14 @@ static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8
     ints_2bit(qs, NULL, sc, x, ldx, n, lo, hi);
     __m256i m_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)),
             m_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 8)));
-    for (int i = 0; i < n; i++) {
-        const __m256i *s = (const __m256i *)(xs + i * lds);
-        __m256i min_lo = _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s)),
-                min_hi = _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s + 1));
-        acc[i].lo = _mm256_sub_ps(_mm256_add_ps(acc[i].lo, scaled(dd[i], lo[i])), scaled(dm[i], min_lo));
-        acc[i].hi = _mm256_sub_ps(_mm256_add_ps(acc[i].hi, scaled(dd[i], hi[i])), scaled(dm[i], min_hi));
-    }
+    minus_mins(acc, n, lo, hi, m_lo, m_hi, xs, lds, dd, dm);
 }
 
 static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
                              int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
     __m256i lo[ROWS], hi[ROWS];
     ints_2bit(qs, hmask, sc, x, ldx, n, lo, hi);
-    __m256i off_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
-            off_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
-    for (int i = 0; i < n; i++) {
-        const __m256i *s = (const __m256i *)(xs + i * lds);
-        __m256i o_lo = _mm256_mullo_epi32(off_lo, _mm256_loadu_si256(s)),
-                o_hi = _mm256_mullo_epi32(off_hi, _mm256_loadu_si256(s + 1));
-        acc[i].lo = _mm256_add_ps(acc[i].lo, scaled(dd[i], _mm256_sub_epi32(lo[i], _mm256_slli_epi32(o_lo, 2))));
-        acc[i].hi = _mm256_add_ps(acc[i].hi, scaled(dd[i], _mm256_sub_epi32(hi[i], _mm256_slli_epi32(o_hi, 2))));
-    }
+    minus_offsets(acc, n, lo, hi, sc, 2, xs, lds, dd);
 }
 
 /* IQ4_XS (see the AVX-512 build): signed codes, |w| times x with w's sign in 16-bit pairs */

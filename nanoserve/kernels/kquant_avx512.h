@@ -26,6 +26,26 @@ static INLINE void rows_step(__m512i *acc, __m512i q, __m512i scale, const int8_
 
 static INLINE __m512 scaled(float f, __m512i ints) { return _mm512_mul_ps(_mm512_set1_ps(f), _mm512_cvtepi32_ps(ints)); }
 
+/* The k45 float step (Q4_K, Q5_K, Q2_K): a_l = (a_l + (d dx) I_l) - (dmin dx) M_l, M_l = mins_l times the lane's
+ * activation code sum */
+static INLINE void minus_mins(Facc *acc, int n, const __m512i *ints, __m512i mins, const int32_t *xs, int64_t lds,
+                              const float *dd, const float *dm) {
+    for (int i = 0; i < n; i++) {
+        __m512i mi = _mm512_mullo_epi32(mins, _mm512_loadu_si512((const void *)(xs + i * lds)));
+        acc[i] = _mm512_sub_ps(_mm512_add_ps(acc[i], scaled(dd[i], ints[i])), scaled(dm[i], mi));
+    }
+}
+
+/* The offset float step (Q6_K: 32 = 1 << 5, Q3_K: 4 = 1 << 2): a_l = a_l + (d dx) (I_l - (sc_l s_l << shift)) */
+static INLINE void minus_offsets(Facc *acc, int n, const __m512i *ints, const int8_t sc[16], int shift,
+                                 const int32_t *xs, int64_t lds, const float *dd) {
+    __m512i offsets = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
+    for (int i = 0; i < n; i++) {
+        __m512i o = _mm512_mullo_epi32(offsets, _mm512_loadu_si512((const void *)(xs + i * lds)));
+        acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], _mm512_sub_epi32(ints[i], _mm512_slli_epi32(o, shift))));
+    }
+}
+
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
                              const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
                              const float *dm, Facc *acc) {
@@ -48,10 +68,7 @@ static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
     const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     __m512i mins = _mm512_permutexvar_epi32(
         twice, _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m))));
-    for (int i = 0; i < n; i++) {
-        __m512i mi = _mm512_mullo_epi32(mins, _mm512_loadu_si512((const void *)(xs + i * lds)));
-        acc[i] = _mm512_sub_ps(_mm512_add_ps(acc[i], scaled(dd[i], ints[i])), scaled(dm[i], mi));
-    }
+    minus_mins(acc, n, ints, mins, xs, lds, dd, dm);
 }
 
 static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
@@ -75,11 +92,7 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
         rows_step(ints, join(q0, q1), _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread)),
                   x + 64 * c, ldx, n);
     }
-    __m512i offsets = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
-    for (int i = 0; i < n; i++) {
-        __m512i o = _mm512_mullo_epi32(offsets, _mm512_loadu_si512((const void *)(xs + i * lds)));
-        acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], _mm512_sub_epi32(ints[i], _mm512_slli_epi32(o, 5))));
-    }
+    minus_offsets(acc, n, ints, sc, 5, xs, lds, dd);
 }
 
 /* Q2_K / Q3_K: 256 codes of 2 bits (input 128 h + 32 s + l at bits 2 s of qs[32 h + l]), with Q3_K's third bit
@@ -111,22 +124,14 @@ static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8
                              Facc *acc) {
     __m512i ints[ROWS];
     ints_2bit(qs, NULL, sc, x, ldx, n, ints);
-    __m512i mins = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m));
-    for (int i = 0; i < n; i++) {
-        __m512i mi = _mm512_mullo_epi32(mins, _mm512_loadu_si512((const void *)(xs + i * lds)));
-        acc[i] = _mm512_sub_ps(_mm512_add_ps(acc[i], scaled(dd[i], ints[i])), scaled(dm[i], mi));
-    }
+    minus_mins(acc, n, ints, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m)), xs, lds, dd, dm);
 }
 
 static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
                              int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
     __m512i ints[ROWS];
     ints_2bit(qs, hmask, sc, x, ldx, n, ints);
-    __m512i offsets = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
-    for (int i = 0; i < n; i++) {
-        __m512i o = _mm512_mullo_epi32(offsets, _mm512_loadu_si512((const void *)(xs + i * lds)));
-        acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], _mm512_sub_epi32(ints[i], _mm512_slli_epi32(o, 2))));
-    }
+    minus_offsets(acc, n, ints, sc, 2, xs, lds, dd);
 }
 
 /* IQ4_XS's signed codes (its table's values, at most 127 in size) against each row's activations: |w| times x with

@@ -64,6 +64,7 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
             acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 32 * (sc[l] * xs[i * lds + l]));
     }
 }
+
 /* Q2_K / Q3_K's lanes for one row (see the AVX-512 build for the layout) */
 static INLINE void lanes_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
                               int32_t lanes[LANES]) {
@@ -102,6 +103,7 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
             acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 4 * (sc[l] * xs[i * lds + l]));
     }
 }
+
 static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
                                const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
