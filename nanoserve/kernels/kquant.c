@@ -1,10 +1,11 @@
-/* GGUF's K-quant blocks multiplied as the file holds them: no repacking, no dense copy.
+/* GGUF's K-quant blocks (and IQ4_XS's, and the blocks of 32 of Q5_0, Q5_1, IQ4_NL) multiplied as the file holds
+ * them: no repacking, no dense copy.
  *
- * A weight row is the file's row: super-blocks of 256 inputs (Q4_K 144 bytes, Q5_K 176, Q6_K 210). Activations
+ * A weight row is the file's row: runs of 256 inputs (Q4_K 144 bytes, Q5_K 176, Q6_K 210, ...). Activations
  * are quantized per row and super-block to 8-bit codes with one float scale (d = max |x| / 127, round to nearest
  * even) and the codes' sums per 16, the format llama.cpp's CPU backend multiplies these blocks by (its Q8_K).
  *
- * Each type is a row of TYPES (its block bytes and its dot product), so the matmul driver and the thread pool
+ * Each type is a row of TYPES (its bytes per 256, dot product and decoder), so the matmul driver and the thread pool
  * never ask which type they run. A dot product splits into exact integer parts per super-block and lane, computed
  * by whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C) with the same integers as result, and a
  * float part every build runs as the same per-lane arithmetic in super-block order and one fixed sum of the lanes:
