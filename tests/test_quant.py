@@ -52,6 +52,29 @@ def test_gguf_blocks_reproduce_the_files_dequantized_weights(type_name):
     torch.testing.assert_close(blocks.dequantize(), torch.from_numpy(reference), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_a_files_4bit_rows_pack_straight_from_their_bytes_as_from_their_codes(type_name):
+    """GgufInt4Rows keeps the file's bytes: the fused kernel packs them with no unpacked copy, into the very bytes
+    it packs from the Int4Blocks they stand for; reordered, stacked and cut, they stay those blocks."""
+    from nanoserve.kernels.fused import load
+    from nanoserve.model.quant import GgufInt4Rows
+
+    kernels, why = load()
+    if kernels is None:
+        pytest.skip(f"the fused kernels cannot run here: {why}")
+    raw = random_blocks(type_name, 48, 256, seed=3)
+    rows, blocks = GgufInt4Rows.from_gguf(raw, type_name, (48, 256)), Int4Blocks.from_gguf(raw, type_name, (48, 256))
+    packed = kernels.q4_pack_gguf(rows.raw, type_name, 256)
+    assert torch.equal(packed, kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros))
+    assert torch.equal(rows.dequantize(), blocks.dequantize())
+    order = np.random.default_rng(4).permutation(48)
+    assert torch.equal(rows.rows(order).dequantize(), blocks.rows(order).dequantize())
+    assert torch.equal(GgufInt4Rows.cat([rows, rows.slice(0, 16, 32)]).dequantize(),
+                       Int4Blocks.cat([blocks, blocks.rows(np.arange(16, 32))]).dequantize())
+    assert torch.equal(rows.slice(1, 64, 192).dequantize(), blocks.dequantize()[:, 64:192])
+    assert rows.slice(1, 16, 64) is None  # not whole blocks of 32
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64])
 def test_int4_linear_equals_a_float64_matmul_on_the_dequantized_weight(rows):
     blocks = Int4Blocks.from_gguf(random_blocks("Q4_1", 96, 256, seed=1), "Q4_1", (96, 256))

@@ -56,6 +56,8 @@ class FusedKernels:
         self._argmax_rows.argtypes, self._argmax_rows.restype = (_ptr, _i64, _i64, _ptr), None
         self._q4_matmul.restype = ctypes.c_int
         self._q4_bytes.argtypes, self._q4_bytes.restype = (_i64, _i64), _i64
+        self._q4_pack_gguf = lib.ns_q4_pack_gguf
+        self._q4_pack_gguf.argtypes, self._q4_pack_gguf.restype = (_ptr, _i32, _i64, _i64, _ptr, _i32), None
         lib.ns_q4_isa.restype = ctypes.c_char_p
         self.q4_isa = lib.ns_q4_isa().decode()  # which integer dot product the 4-bit kernel was built on
         self._q8_pack, self._q8_matmul, self._q8_bytes = lib.ns_q8_pack, lib.ns_q8_matmul, lib.ns_q8_packed_bytes
@@ -220,6 +222,20 @@ class FusedKernels:
         scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
         packed = torch.empty(self._q4_bytes(out, k), dtype=torch.uint8)
         self._q4_pack(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out, k, packed.data_ptr())
+        return packed
+
+    def q4_pack_gguf(self, raw: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+        """A GGUF file's Q4_0 / Q4_1 rows (uint8 [out, in / 32 blocks]) -> the 4-bit kernel's packed weight, the
+        same bytes q4_pack makes from the blocks unpacked, with no unpacked copy."""
+        width = {"Q4_0": 18, "Q4_1": 20}[type_name]
+        out = raw.shape[0]
+        if out % 16 or in_features % 32 or raw.shape != (out, in_features // 32 * width) or raw.dtype != torch.uint8:
+            raise ValueError(f"cannot pack {tuple(raw.shape)} {type_name} rows of {in_features} inputs: outputs go "
+                             "in 16s and inputs in blocks of 32")
+        raw = raw.contiguous()
+        packed = torch.empty(self._q4_bytes(out, in_features), dtype=torch.uint8)
+        self._q4_pack_gguf(raw.data_ptr(), type_name == "Q4_1", out, in_features, packed.data_ptr(),
+                           torch.get_num_threads())
         return packed
 
     def q4_matmul(self, packed: torch.Tensor, x: torch.Tensor, out: int,

@@ -931,3 +931,47 @@ void ns_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
         out[r] = best;
     }
 }
+
+/* ---- packing a file's 4-bit rows ------------------------------------------------------------------------ */
+
+typedef struct {
+    const uint8_t *raw;
+    int32_t q4_1;
+    int64_t out, in;
+    uint8_t *dst;
+} GgufPack;
+
+/* Output groups [g0, g1) of a GgufPack (see ns_q4_pack_gguf) */
+static void gguf_pack_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    const GgufPack *t = task;
+    int64_t groups = t->in / GROUP, width = t->q4_1 ? 20 : 18, all = t->out / OUTS;
+    (void)slot;
+    for (int64_t g = all * chunk / chunks; g < all * (chunk + 1) / chunks; g++)
+        for (int64_t b = 0; b < groups; b++) {
+            uint8_t *p = t->dst + (g * groups + b) * GROUP_BYTES;
+            uint16_t halves[2 * OUTS];
+            for (int l = 0; l < OUTS; l++) {
+                const uint8_t *block = t->raw + ((g * OUTS + l) * groups + b) * width, *qs = block + width - 16;
+                uint8_t code[GROUP];
+                for (int j = 0; j < 16; j++) code[j] = qs[j] & 0x0f, code[j + 16] = qs[j] >> 4;
+                for (int v = 0; v < 4; v++)
+                    for (int c = 0; c < 4; c++)
+                        p[v * 64 + l * 4 + c] = (uint8_t)(code[8 * v + c] | (code[8 * v + 4 + c] << 4));
+                float d = half_at(block), zero = t->q4_1 ? half_at(block + 2) + 8.0f * d : 0.0f;
+                halves[l] = f32_to_f16(d);
+                halves[OUTS + l] = f32_to_f16(zero);
+            }
+            memcpy(p + 4 * 64, halves, sizeof halves);
+        }
+}
+
+/* GGUF Q4_0 (18-byte blocks: f16 d, 16 bytes of nibbles) or Q4_1 (`q4_1`: 20 bytes, f16 d and m first) rows
+ * [out, in / 32 blocks] -> dst, as ns_q4_pack packs the same weight from Int4Blocks (code j of a block in byte j's
+ * low nibble, code j + 16 in its high one; scale d, zero 0 or m + 8 d in float32, then f16), bit for bit, with no
+ * unpacked copy between: a file's 4-bit rows packed straight from its mapped bytes, on up to `threads` threads. */
+void ns_q4_pack_gguf(const uint8_t *raw, int32_t q4_1, int64_t out, int64_t in, uint8_t *dst, int32_t threads) {
+    GgufPack task = {raw, q4_1, out, in, dst};
+    int64_t chunks = (int64_t)(threads < 1 ? 1 : threads) * 4;
+    if (chunks > out / OUTS) chunks = out / OUTS > 0 ? out / OUTS : 1;
+    ns_pool_run(gguf_pack_chunk, &task, chunks, threads < 1 ? 1 : threads);
+}

@@ -21,7 +21,14 @@ import torch
 
 from nanoserve.errors import ConfigError
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.quant.blocks import GROUP, SUPER_BLOCK, Int4Blocks, Int8Blocks, KQuantBlocks
+from nanoserve.model.quant.blocks import (
+    GROUP,
+    SUPER_BLOCK,
+    GgufInt4Rows,
+    Int4Blocks,
+    Int8Blocks,
+    KQuantBlocks,
+)
 
 SPLITS = ("column", "row", "vocab")
 
@@ -120,12 +127,13 @@ def _slice(tensor, dim: int, start: int, stop: int, name: str = ""):
 
 def blocks_slice(blocks, dim: int, start: int, stop: int, name: str = ""):
     """Quantized blocks cut along output rows (dim 0) or whole groups of input columns (dim 1)."""
-    if isinstance(blocks, KQuantBlocks):
+    if isinstance(blocks, (KQuantBlocks, GgufInt4Rows)):
         part = blocks.slice(dim, start, stop)
         if part is None:
-            raise ConfigError(f"weight {name}: a rank's {stop - start} input columns are not whole K-quant "
-                              f"super-blocks of {SUPER_BLOCK}, so its blocks cannot be split there; use another "
-                              "tensor_parallel_size or --quantization none")
+            unit = f"K-quant super-blocks of {SUPER_BLOCK}" if isinstance(blocks, KQuantBlocks) else \
+                f"blocks of {GROUP}"
+            raise ConfigError(f"weight {name}: a rank's {stop - start} input columns are not whole {unit}, so its "
+                              "blocks cannot be split there; use another tensor_parallel_size or --quantization none")
         return part
     if dim == 0:
         index = slice(start, stop)

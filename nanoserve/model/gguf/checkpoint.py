@@ -246,7 +246,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
               keep_blocks: bool = False, cut: Callable | None = None) -> GGUFCheckpoint:
     """Read a GGUF file into HF-named tensors of `dtype` (dequantized), an HF-shaped config dict and a tokenizer.
     Refuses, with a CheckpointError naming the fix, anything it cannot load exactly. With `keep_blocks`, Q4_0 /
-    Q4_1 / Q8_0 projection weights come back as their exact blocks (`Int4Blocks`, `Int8Blocks`) instead of
+    Q4_1 / Q8_0 projection weights come back as their exact blocks (`GgufInt4Rows`, `Int8Blocks`) instead of
     dequantized, and so does the output head (or the embedding it is tied to) as `head_blocks`, beside its dense
     weight (the embedding's lookup needs that). `cut`: see read_gguf_weights."""
     header = read_gguf_header(path, dtype)

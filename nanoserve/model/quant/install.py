@@ -14,7 +14,15 @@ import torch
 from torch import nn
 
 from nanoserve.model.linear import LinearLayer, MergedColumnLinear
-from nanoserve.model.quant.blocks import GROUP, SUPER_BLOCK, Int4Blocks, Int8Blocks, KQuantBlocks, QuantBlocks
+from nanoserve.model.quant.blocks import (
+    GROUP,
+    SUPER_BLOCK,
+    GgufInt4Rows,
+    Int4Blocks,
+    Int8Blocks,
+    KQuantBlocks,
+    QuantBlocks,
+)
 from nanoserve.model.quant.linears import (
     ACT,
     BF16Linear,
@@ -83,7 +91,7 @@ def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str, kern
         forms["q8x16"] = lambda: Q8Linear(blocks, None, None, kernels)
     elif isinstance(blocks, Int8Blocks):
         forms["int8g32"] = lambda: Int8GroupLinear(blocks, kernels=kernels)
-    elif isinstance(blocks, Int4Blocks):
+    elif isinstance(blocks, (Int4Blocks, GgufInt4Rows)):
         forms["int4"] = lambda: Int4Linear(blocks, None)
     if mode in ("int4", "int8") and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         forms["int8"] = lambda: Int8Linear(weight)

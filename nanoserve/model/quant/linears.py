@@ -12,7 +12,15 @@ import torch
 from torch import nn
 
 from nanoserve.model.attrs import FastAttributes
-from nanoserve.model.quant.blocks import GROUP, SUPER_BLOCK, Int4Blocks, Int8Blocks, KQuantBlocks
+from nanoserve.model.quant.blocks import (
+    GROUP,
+    SUPER_BLOCK,
+    GgufInt4Rows,
+    Int4Blocks,
+    Int8Blocks,
+    KQuantBlocks,
+    as_int4,
+)
 from nanoserve.model.rows import linear_rows
 
 ACT = torch.bfloat16
@@ -89,8 +97,9 @@ class Int4Linear(PackedLinear):
 
     format = "int4"
 
-    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None = None,
+    def __init__(self, blocks: Int4Blocks | GgufInt4Rows, bias: torch.Tensor | None, sizes: list[int] | None = None,
                  dense_from_rows: int | None = None):
+        blocks = as_int4(blocks)
         out, k = blocks.shape
         if not int4_packable(out, k):
             raise ValueError(f"int4 weights need inputs in groups of {GROUP} and outputs in 16s; this is {out}x{k}")
@@ -143,13 +152,17 @@ class Q4Linear(KernelLinear):
 
     format = "q4x16"
 
-    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
+    def __init__(self, blocks: Int4Blocks | GgufInt4Rows, bias: torch.Tensor | None, sizes: list[int] | None,
+                 kernels):
         out, k = blocks.shape
         if not int4_packable(out, k):
             raise ValueError(f"int4 weights need inputs in groups of {GROUP} and outputs in 16s; this is {out}x{k}")
         super().__init__(out, k, bias, sizes)
         self.kernels, self.matmul = kernels, kernels.q4_call
-        self.register_buffer("packed", kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros))
+        if isinstance(blocks, GgufInt4Rows):  # straight from the file's bytes, no unpacked codes
+            self.register_buffer("packed", kernels.q4_pack_gguf(blocks.raw, blocks.type_name, k))
+        else:
+            self.register_buffer("packed", kernels.q4_pack(blocks.codes, blocks.scales, blocks.zeros))
 
     def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         return self.kernels.q4_matmul(self.packed, flat.float().contiguous(), self.out_features)

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.model.quant.blocks import SUPER_BLOCK, Int4Blocks, Int8Blocks, KQuantBlocks, QuantBlocks
+from nanoserve.model.quant.blocks import (
+    SUPER_BLOCK,
+    GgufInt4Rows,
+    Int4Blocks,
+    Int8Blocks,
+    KQuantBlocks,
+    QuantBlocks,
+)
 from nanoserve.model.quant.linears import (
     Int4Linear,
     Int8GroupLinear,
@@ -133,7 +140,7 @@ def _kquant(kernels) -> LinearMethod:
 
 
 # a file's blocks -> the method that runs them, given the fused kernels (or None)
-METHODS = {Int4Blocks: _int4, Int8Blocks: _int8, KQuantBlocks: _kquant}
+METHODS = {Int4Blocks: _int4, GgufInt4Rows: _int4, Int8Blocks: _int8, KQuantBlocks: _kquant}
 
 
 def method_for(blocks: QuantBlocks, kernels=None) -> LinearMethod:
