@@ -144,6 +144,9 @@ async def test_the_answer_is_followed_only_while_the_reader_is_at_the_bottom(tin
     app = NanoserveConsole(tiny_config, refresh_s=0.05)
     async with app.run_test(size=(100, 20)) as pilot:
         await started(app, pilot)
+        # a reader's pace: the tiny model on a busy 2-core machine could otherwise finish its 400 tokens before the
+        # transcript had grown past the reader (a CI failure)
+        pace(app.server.host.engine, 0.01)
         chat = await open_chat(app, pilot, max_tokens="400")
         log = chat.query_one("#chat-log")
         await send(pilot, chat, "Tell me a very long story")
