@@ -69,7 +69,8 @@ def _cpu_features() -> str:
 
 
 SOURCES = ("fused.c", "linear.c", "kquant.c", "kdecode.c")  # compiled together into one library
-HEADERS = ("half.h", "kdecode.h", "kquant_x86.h", "kquant_avx512.h", "kquant_avx2.h", "kquant_plainc.h")  # what they include: part of the build's key
+# what they include: part of the build's key
+HEADERS = ("half.h", "kdecode.h", "kquant_x86.h", "kquant_avx512.h", "kquant_avx2.h", "kquant_plainc.h")
 
 
 def library_path(source: bytes, compiler: str) -> Path:

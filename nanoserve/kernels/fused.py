@@ -78,8 +78,7 @@ class FusedKernels:
 
     def _bind_kquants(self, lib: ctypes.CDLL) -> None:
         """kquant.c: GGUF's K-quant (and rarer types') rows as the file holds them. `kq_types`: type name -> the
-        library's index;
-        `kq_call` the raw entry (type, rows' bytes, x, rows, in, out, ldy, bias, y, threads, accumulate) -> 0,
+        library's index; `kq_call` the raw entry (type, rows' bytes, x, rows, in, out, ldy, bias, y, threads, accumulate) -> 0,
         -1 out of memory, -2 a type or shape it does not take."""
         self.kq_call = lib.ns_kq_matmul
         self.kq_call.argtypes, self.kq_call.restype = (_i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32,

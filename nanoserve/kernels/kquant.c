@@ -89,8 +89,8 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
  * the lanes in registers across super-blocks: no horizontal sum per super-block. */
 #define LANES 16
 /* Each build's block_k45, block_q6k and the rest: one super-block of weights (unpacked once) against n <= ROWS
- * activation rows, x the first row's codes for this super-block and row i's at x + i ldx, its code sums at xs + i lds, its
- * float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. */
+ * activation rows, x the first row's codes for this super-block and row i's at x + i ldx, its code sums at
+ * xs + i lds, its float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. */
 #define ROWS 4
 /* inlined where called, so a call with one row (decode) or ROWS is compiled for that constant: measured 1.5x on
  * one row against leaving it to the compiler */
@@ -139,25 +139,6 @@ static INLINE void dot_k45(const uint8_t *w, int64_t block_bytes, int64_t qh_at,
     for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
 }
 
-/* Each dot is inlined for one row (decode), a full tile and the rest, so the compiler unrolls the first two. */
-static void dot_q4k(const uint8_t *w, Act x, int n, float *sums) {
-    if (n == 1)
-        dot_k45(w, 144, 0, x, 1, sums);
-    else if (n == ROWS)
-        dot_k45(w, 144, 0, x, ROWS, sums);
-    else
-        dot_k45(w, 144, 0, x, n, sums);
-}
-
-static void dot_q5k(const uint8_t *w, Act x, int n, float *sums) {
-    if (n == 1)
-        dot_k45(w, 176, 16, x, 1, sums);
-    else if (n == ROWS)
-        dot_k45(w, 176, 16, x, ROWS, sums);
-    else
-        dot_k45(w, 176, 16, x, n, sums);
-}
-
 /* Q6_K: each row's lanes over super-blocks, in order, then summed */
 static INLINE void rows_q6k(const uint8_t *w, Act x, int n, float *sums) {
     int64_t blocks = x.in / QK;
@@ -170,15 +151,6 @@ static INLINE void rows_q6k(const uint8_t *w, Act x, int n, float *sums) {
                   dd, acc);
     }
     for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
-}
-
-static void dot_q6k(const uint8_t *w, Act x, int n, float *sums) {
-    if (n == 1)
-        rows_q6k(w, x, 1, sums);
-    else if (n == ROWS)
-        rows_q6k(w, x, ROWS, sums);
-    else
-        rows_q6k(w, x, n, sums);
 }
 
 /* Q2_K: each row's lanes over super-blocks, the k45 formula with a scale and a min per 16 inputs */
@@ -227,24 +199,6 @@ static INLINE void rows_q3k(const uint8_t *w, Act x, int n, float *sums) {
     for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
 }
 
-static void dot_q2k(const uint8_t *w, Act x, int n, float *sums) {
-    if (n == 1)
-        rows_q2k(w, x, 1, sums);
-    else if (n == ROWS)
-        rows_q2k(w, x, ROWS, sums);
-    else
-        rows_q2k(w, x, n, sums);
-}
-
-static void dot_q3k(const uint8_t *w, Act x, int n, float *sums) {
-    if (n == 1)
-        rows_q3k(w, x, 1, sums);
-    else if (n == ROWS)
-        rows_q3k(w, x, ROWS, sums);
-    else
-        rows_q3k(w, x, n, sums);
-}
-
 /* IQ4_XS: each row's lanes over super-blocks, in order, of (d dx) ints, ints with block b's 6-bit scale less 32 */
 static INLINE void rows_iq4xs(const uint8_t *w, Act x, int n, float *sums) {
     int64_t blocks = x.in / QK;
@@ -263,15 +217,6 @@ static INLINE void rows_iq4xs(const uint8_t *w, Act x, int n, float *sums) {
     for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
 }
 
-static void dot_iq4xs(const uint8_t *w, Act x, int n, float *sums) {
-    if (n == 1)
-        rows_iq4xs(w, x, 1, sums);
-    else if (n == ROWS)
-        rows_iq4xs(w, x, ROWS, sums);
-    else
-        rows_iq4xs(w, x, n, sums);
-}
-
 /* Q5_0 / Q5_1 / IQ4_NL: each row's lanes over runs of 256, chunk by chunk, of (d_b dx) ints (+ (m_b dx) sums) */
 static INLINE void rows_32s(const uint8_t *w, int bytes, int kind, Act x, int n, float *sums) {
     int64_t blocks = x.in / QK;
@@ -279,25 +224,41 @@ static INLINE void rows_32s(const uint8_t *w, int bytes, int kind, Act x, int n,
     for (int i = 0; i < n; i++) acc[i] = facc_zero();
     for (int64_t b = 0; b < blocks; b++, w += 8 * bytes) {
         float d[8], m[8], dx[ROWS];
-        for (int k = 0; k < 8; k++) d[k] = half_at(w + k * bytes), m[k] = kind == K_Q5_1 ? half_at(w + k * bytes + 2) : 0.0f;
+        for (int k = 0; k < 8; k++)
+            d[k] = half_at(w + k * bytes), m[k] = kind == K_Q5_1 ? half_at(w + k * bytes + 2) : 0.0f;
         for (int i = 0; i < n; i++) dx[i] = x.d[i * blocks + b];
         block32(w, bytes, kind, d, m, x.q + b * QK, x.in, n, dx, acc);
     }
     for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
 }
 
-#define DOT32(name, bytes, kind)                                                                                  \
+/* A type's rows against a weight row, for the type table (one signature for all) */
+static INLINE void rows_q4k(const uint8_t *w, Act x, int n, float *sums) { dot_k45(w, 144, 0, x, n, sums); }
+static INLINE void rows_q5k(const uint8_t *w, Act x, int n, float *sums) { dot_k45(w, 176, 16, x, n, sums); }
+static INLINE void rows_q5_0(const uint8_t *w, Act x, int n, float *sums) { rows_32s(w, 22, K_Q5_0, x, n, sums); }
+static INLINE void rows_q5_1(const uint8_t *w, Act x, int n, float *sums) { rows_32s(w, 24, K_Q5_1, x, n, sums); }
+static INLINE void rows_iq4nl(const uint8_t *w, Act x, int n, float *sums) { rows_32s(w, 18, K_IQ4_NL, x, n, sums); }
+
+/* Each type's dot: its rows inlined for one row (decode), a full tile and the rest, so the compiler unrolls the
+ * first two */
+#define DOT(name, rows)                                                                                           \
     static void name(const uint8_t *w, Act x, int n, float *sums) {                                               \
         if (n == 1)                                                                                               \
-            rows_32s(w, bytes, kind, x, 1, sums);                                                                 \
+            rows(w, x, 1, sums);                                                                                  \
         else if (n == ROWS)                                                                                       \
-            rows_32s(w, bytes, kind, x, ROWS, sums);                                                              \
+            rows(w, x, ROWS, sums);                                                                               \
         else                                                                                                      \
-            rows_32s(w, bytes, kind, x, n, sums);                                                                 \
+            rows(w, x, n, sums);                                                                                  \
     }
-DOT32(dot_q5_0, 22, K_Q5_0)
-DOT32(dot_q5_1, 24, K_Q5_1)
-DOT32(dot_iq4nl, 18, K_IQ4_NL)
+DOT(dot_q4k, rows_q4k)
+DOT(dot_q5k, rows_q5k)
+DOT(dot_q6k, rows_q6k)
+DOT(dot_q2k, rows_q2k)
+DOT(dot_q3k, rows_q3k)
+DOT(dot_iq4xs, rows_iq4xs)
+DOT(dot_q5_0, rows_q5_0)
+DOT(dot_q5_1, rows_q5_1)
+DOT(dot_iq4nl, rows_iq4nl)
 
 /* ---- dequantization: gguf's arithmetic in gguf's order, so the floats are its floats --------------------- */
 

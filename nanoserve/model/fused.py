@@ -30,7 +30,8 @@ class FusedStatus:
         """The GGUF types multiplied in the file's blocks (kernels/kquant.c) and the instruction set they were
         built for; "portable" (no vector path on this machine) is said, never a silent scalar loop."""
         isa = self.kernels.kq_isa
-        note = "" if isa != "portable" else "plain C: this machine has neither AVX-512 VNNI nor AVX2 (no vector path yet)"
+        note = "" if isa != "portable" else \
+            "plain C: this machine has neither AVX-512 VNNI nor AVX2 (no vector path yet)"
         return {"isa": isa, "vectorized": isa != "portable", "types": sorted(self.kernels.kq_types), "note": note}
 
 

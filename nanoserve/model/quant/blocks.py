@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 GROUP = 32  # inputs per scale group: GGUF's Q4 and Q8 block, and the packed kernel's group size
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # GGUF's 4-bit blocks of 32: f16 d (and Q4_1's f16 m), 16 bytes of nibbles
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -54,7 +55,7 @@ class Int4Blocks:
     def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:
         """GGUF Q4_0 (w = d (q - 8)) or Q4_1 (w = d q + m) blocks, exactly: scale d, zero 0 or m + 8 d."""
         out, k = shape
-        width = {"Q4_0": 18, "Q4_1": 20}[type_name]
+        width = Q4_BLOCK_BYTES[type_name]
         blocks = raw.reshape(-1, width)
         d = _f16(blocks, 0)
         qs = blocks[:, width - 16:]
@@ -87,8 +88,6 @@ class GgufInt4Rows:
     raw: torch.Tensor  # uint8 [out, in / 32 * block bytes]
     in_features: int
 
-    WIDTH = {"Q4_0": 18, "Q4_1": 20}
-
     @property
     def shape(self) -> tuple[int, int]:
         return self.raw.shape[0], self.in_features
@@ -109,7 +108,7 @@ class GgufInt4Rows:
             return GgufInt4Rows(self.type_name, self.raw[start:stop].clone(), self.in_features)
         if start % GROUP or stop % GROUP:
             return None
-        width = self.WIDTH[self.type_name]
+        width = Q4_BLOCK_BYTES[self.type_name]
         part = self.raw[:, start // GROUP * width:stop // GROUP * width].contiguous()
         return GgufInt4Rows(self.type_name, part, stop - start)
 
