@@ -5,8 +5,8 @@ is written and quantized by llama.cpp's own quantizer to each type asked (Q4_0, 
 round, each engine loads the file in a fresh process and is timed (nanoserve/bench/sizes_arms.py), the engines'
 order alternating between rounds so drift lands on both. The table gives medians and nanoserve / llama.cpp
 ratios: load seconds, resident memory after load (and over the file's size), single-stream decode, prefill of
-one prompt, and nanoserve's concurrent streams (llama-cpp-python serves one sequence at a time: its column is
-left empty, not derived).
+one prompt, and the total tok/s of concurrent streams (llama.cpp's as llama-server's slots decode them: one batch a
+step over every sequence, nanoserve/bench/llama_cpp_slots.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="loads of each engine per file (medians)")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=512, help="the prefill prompt (llama-bench's pp512)")
-    p.add_argument("--streams", type=int, nargs="*", default=[8, 32], help="nanoserve's concurrent streams")
+    p.add_argument("--streams", type=int, nargs="*", default=[8, 32], help="concurrent streams (llama.cpp: that many slots)")
     p.add_argument("--batch-tokens", type=int, default=64, help="tokens each concurrent stream generates")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="nanoserve's KV pool (32 streams of 80 "

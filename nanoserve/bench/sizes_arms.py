@@ -3,7 +3,8 @@
 Run as `python -m nanoserve.bench.sizes_arms '{"engine": ..., "path": ..., ...}'`; prints one JSON line. A fresh
 process per arm and round, so its load time is a cold start's and its resident memory is its own: the load in
 seconds, resident memory after loading and its peak, single-stream decode tok/s (after the first token),
-prefill tok/s over one prompt, and, for nanoserve, the total tok/s of concurrent streams. Prompts are random token
+prefill tok/s over one prompt, and the total tok/s of concurrent streams (llama.cpp's as llama-server's slots run
+them: llama_cpp_slots.py). Prompts are random token
 ids (a fixed seed), the same for both engines; prefix caching is off so every repeat computes its prompt.
 """
 
@@ -68,6 +69,8 @@ def run_nanoserve(spec: dict) -> dict:
 def run_llama_cpp(spec: dict) -> dict:
     import llama_cpp
 
+    from nanoserve.bench.llama_cpp_slots import slots_tok_s
+
     threads = spec["threads"]
     started = time.perf_counter()
     llm = llama_cpp.Llama(model_path=spec["path"], n_threads=threads, n_threads_batch=threads,
@@ -96,6 +99,9 @@ def run_llama_cpp(spec: dict) -> dict:
     t = time.perf_counter()
     llm.eval(long)
     out["prefill_tok_s"] = spec["prompt_tokens"] / (time.perf_counter() - t)
+    for streams in spec["streams"]:
+        crowd = _prompts(vocab, streams, 16, spec["seed"] + 2)
+        out[f"streams_{streams}_tok_s"] = slots_tok_s(llm, crowd, spec["batch_tokens"], threads)
     out["peak_rss_mib"] = _status_mib("VmHWM")
     llm.close()
     return out
