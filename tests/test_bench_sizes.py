@@ -49,4 +49,26 @@ def test_llama_cpps_quantizer_writes_the_type_and_both_engines_run_it(tmp_path):
         got = run_arm(engine, path, args)
         assert got["load_s"] > 0 and got["decode_tok_s"] > 0 and got["prefill_tok_s"] > 0, engine
         assert got["rss_after_load_mib"] <= got["peak_rss_mib"], engine
-    assert got["kv_pool_mib"] > 0 and "streams_2_tok_s" not in got
+        assert got["kv_pool_mib"] > 0 and got["streams_2_tok_s"] > 0, engine  # llama.cpp's as two slots
+
+
+def test_llama_cpps_slots_generate_what_it_generates_alone(tmp_path):
+    """The slots arm decodes every sequence in one batch a step; on a file where greedy is decisive (a Q8_0 of
+    the smoke shape) each sequence's tokens are those llama.cpp makes for it alone."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's arm needs llama-cpp-python (the peers extra)")
+    from nanoserve.bench.llama_cpp_slots import generate_in_slots
+    from nanoserve.bench.sizes import gguf_file
+
+    path = gguf_file(tmp_path, "smoke", "Q8_0", threads=1)
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=1, n_ctx=128, verbose=False)
+    prompts = [[1000 + 7 * i for i in range(n)] for n in (5, 9, 3)]
+    alone = []
+    for prompt in prompts:
+        made = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            made.append(token)
+            if len(made) == 6:
+                break
+        alone.append(made)
+    assert generate_in_slots(llm, prompts, 6, threads=1) == alone
+    llm.close()

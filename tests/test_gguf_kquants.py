@@ -85,7 +85,7 @@ assert kernels is not None, why
 out = []
 for i, qtype in enumerate(sorted(kernels.kq_types)):
     w = np.random.default_rng(i).standard_normal((32, 512)).astype(np.float32) * 0.05
-    raw = encode(w, qtype)[0].reshape(32, -1)
+    raw = np.ascontiguousarray(encode(w, qtype)[0]).view(np.uint8).reshape(32, -1)  # F16: float16 values
     linear = KQuantLinear(KQuantBlocks(((qtype, torch.from_numpy(raw)),), 512), None, None, kernels)
     out.append(linear(torch.randn(5, 512, generator=torch.Generator().manual_seed(i))).numpy().tobytes().hex())
 print(kernels.kq_isa, *out)

@@ -16,6 +16,14 @@ import numpy as np
 def slots_tok_s(llm, prompts: list[list[int]], tokens: int, threads: int) -> float:
     """Total tok/s of `len(prompts)` sequences each generating `tokens` tokens (the prompts' evaluation
     included, as nanoserve's measure does) on a fresh context beside `llm`'s, sharing its loaded weights."""
+    started = time.perf_counter()
+    generate_in_slots(llm, prompts, tokens, threads)
+    return len(prompts) * tokens / (time.perf_counter() - started)
+
+
+def generate_in_slots(llm, prompts: list[list[int]], tokens: int, threads: int) -> list[list[int]]:
+    """Each prompt's `tokens` greedy tokens, every sequence decoded in one batch a step on a fresh context
+    beside `llm`'s (its weights shared)."""
     import llama_cpp
 
     streams = len(prompts)
@@ -30,9 +38,7 @@ def slots_tok_s(llm, prompts: list[list[int]], tokens: int, threads: int) -> flo
         raise RuntimeError("llama.cpp could not create a context for the slots")
     batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
     try:
-        started = time.perf_counter()
-        _generate(ctx, batch, prompts, tokens, llm.n_vocab())
-        return streams * tokens / (time.perf_counter() - started)
+        return _generate(ctx, batch, prompts, tokens, llm.n_vocab())
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)

@@ -77,7 +77,7 @@ class FusedKernels:
         self.rows = dict.fromkeys(self.calls, 0)
 
     def _bind_kquants(self, lib: ctypes.CDLL) -> None:
-        """kquant.c: GGUF's K-quant (and rarer types') rows as the file holds them. `kq_types`: type name -> the
+        """kquant.c: GGUF's K-quant (rarer types', 16-bit) rows as the file holds them. `kq_types`: type name -> the
         library's index; `kq_call` the raw entry (type, rows' bytes, x, rows, in, out, ldy, bias, y, threads, accumulate) -> 0,
         -1 out of memory, -2 a type or shape it does not take."""
         self.kq_call = lib.ns_kq_matmul
@@ -89,6 +89,10 @@ class FusedKernels:
         lib.ns_kq_name.argtypes, lib.ns_kq_name.restype = (_i32,), ctypes.c_char_p
         lib.ns_kq_isa.restype = ctypes.c_char_p
         self.kq_types = {lib.ns_kq_name(i).decode(): i for i in range(lib.ns_kq_types())}
+        lib.ns_kq_inputs.argtypes, lib.ns_kq_inputs.restype = (_i32,), _i64
+        lib.ns_kq_block_bytes.argtypes, lib.ns_kq_block_bytes.restype = (_i32,), _i64
+        # type name -> (inputs per unit, bytes per unit): a row is whole units (256, or 32 for 16-bit rows)
+        self.kq_units = {name: (lib.ns_kq_inputs(i), lib.ns_kq_block_bytes(i)) for name, i in self.kq_types.items()}
         self.kq_isa = lib.ns_kq_isa().decode()  # the integer dot product the K-quant kernels were built on
 
     def kq_matmul(self, type_name: str, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-/* GGUF's K-quant blocks (and IQ4_XS's, and the blocks of 32 of Q5_0, Q5_1, IQ4_NL) multiplied as the file holds
- * them: no repacking, no dense copy.
+/* GGUF's K-quant blocks (and IQ4_XS's, and the blocks of 32 of Q5_0, Q5_1, IQ4_NL, and 16-bit F16 / BF16 rows)
+ * multiplied as the file holds them: no repacking, no dense copy.
  *
  * A weight row is the file's row: runs of 256 inputs (Q4_K 144 bytes, Q5_K 176, Q6_K 210, ...). Activations
  * are quantized per row and super-block to 8-bit codes with one float scale (d = max |x| / 127, round to nearest
@@ -10,6 +10,10 @@
  * by whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C) with the same integers as result, and a
  * float part every build runs as the same per-lane arithmetic in super-block order and one fixed sum of the lanes:
  * an output's bits depend on its row alone, not on the call's other rows, the thread or the instruction set.
+ *
+ * F16 and BF16 rows (the weights of a 16-bit file) take the activations as float32, unquantized: each weight is
+ * converted exactly to float and multiplied and added in one rounding (fused multiply-add) into one of 32 lanes,
+ * lane l taking inputs l, l + 32, ... in order, the lanes then summed in the fixed tree (l + 16, l + 8, ...).
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +26,7 @@
 #include "kdecode.h"
 
 #define QK 256       /* inputs per super-block */
+#define HALF_UNIT 32 /* inputs per unit of a 16-bit row: its float lanes */
 #define SUMS 16      /* inputs per activation code sum */
 #define OUT_TILE 16  /* outputs whose weight rows stay in cache while a call's activation rows pass */
 
@@ -121,6 +126,7 @@ typedef struct {
     const float *d;
     const int32_t *s;
     int64_t in;
+    const float *f; /* the float32 rows themselves (16-bit weights take them unquantized), row i at f + i in */
 } Act;
 
 /* Q4_K (qh_at 0) and Q5_K: each row's lanes over super-blocks, in order, then summed */
@@ -238,6 +244,8 @@ static INLINE void rows_q5k(const uint8_t *w, Act x, int n, float *sums) { dot_k
 static INLINE void rows_q5_0(const uint8_t *w, Act x, int n, float *sums) { rows_32s(w, 22, K_Q5_0, x, n, sums); }
 static INLINE void rows_q5_1(const uint8_t *w, Act x, int n, float *sums) { rows_32s(w, 24, K_Q5_1, x, n, sums); }
 static INLINE void rows_iq4nl(const uint8_t *w, Act x, int n, float *sums) { rows_32s(w, 18, K_IQ4_NL, x, n, sums); }
+static INLINE void rows_f16(const uint8_t *w, Act x, int n, float *sums) { rows_half(w, 0, x.f, x.in, n, sums); }
+static INLINE void rows_bf16(const uint8_t *w, Act x, int n, float *sums) { rows_half(w, 1, x.f, x.in, n, sums); }
 
 /* Each type's dot: its rows inlined for one row (decode), a full tile and the rest, so the compiler unrolls the
  * first two */
@@ -259,6 +267,8 @@ DOT(dot_iq4xs, rows_iq4xs)
 DOT(dot_q5_0, rows_q5_0)
 DOT(dot_q5_1, rows_q5_1)
 DOT(dot_iq4nl, rows_iq4nl)
+DOT(dot_f16, rows_f16)
+DOT(dot_bf16, rows_bf16)
 
 /* ---- dequantization: gguf's arithmetic in gguf's order, so the floats are its floats --------------------- */
 
@@ -295,35 +305,57 @@ static void dequant_q6k(const uint8_t *w, int64_t blocks, float *out) {
     }
 }
 
+/* 16-bit rows to float32: exact */
+static void dequant_f16(const uint8_t *w, int64_t units, float *out) {
+    for (int64_t i = 0; i < units * HALF_UNIT; i++) out[i] = half_at(w + 2 * i);
+}
+
+static void dequant_bf16(const uint8_t *w, int64_t units, float *out) {
+    for (int64_t i = 0; i < units * HALF_UNIT; i++) {
+        uint16_t h;
+        memcpy(&h, w + 2 * i, 2);
+        uint32_t bits = (uint32_t)h << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
 /* ---- the type table ------------------------------------------------------------------------------------- */
 
 typedef void (*RowDot)(const uint8_t *w, Act x, int n, float *sums); /* one weight row, n <= ROWS rows */
-typedef void (*RowDequant)(const uint8_t *w, int64_t blocks, float *out);
+typedef void (*RowDequant)(const uint8_t *w, int64_t units, float *out);
+
+enum { ACT_Q8K, ACT_F32 }; /* the activations a type's dot takes: 8-bit codes per 256, or float32 as they are */
 
 typedef struct {
     const char *name;    /* GGUF's type name */
-    int64_t block_bytes; /* bytes per 256 inputs */
-    RowDot dot;          /* against 8-bit activation codes per 256 */
+    int64_t inputs;      /* inputs per unit (a row is whole units) */
+    int64_t block_bytes; /* bytes per unit */
+    int act;
+    RowDot dot;
     RowDequant dequant;
 } KQuantType;
 
 static const KQuantType TYPES[] = {
-    {"Q4_K", 144, dot_q4k, dequant_q4k},
-    {"Q5_K", 176, dot_q5k, dequant_q5k},
-    {"Q6_K", 210, dot_q6k, dequant_q6k},
+    {"Q4_K", QK, 144, ACT_Q8K, dot_q4k, dequant_q4k},
+    {"Q5_K", QK, 176, ACT_Q8K, dot_q5k, dequant_q5k},
+    {"Q6_K", QK, 210, ACT_Q8K, dot_q6k, dequant_q6k},
     /* the rarer types, their decoders in kdecode.c */
-    {"Q5_0", 8 * 22, dot_q5_0, ns_dec_q5_0},
-    {"Q5_1", 8 * 24, dot_q5_1, ns_dec_q5_1},
-    {"IQ4_NL", 8 * 18, dot_iq4nl, ns_dec_iq4_nl},
-    {"IQ4_XS", 136, dot_iq4xs, ns_dec_iq4_xs},
-    {"Q2_K", 84, dot_q2k, ns_dec_q2_k},
-    {"Q3_K", 110, dot_q3k, ns_dec_q3_k},
+    {"Q5_0", QK, 8 * 22, ACT_Q8K, dot_q5_0, ns_dec_q5_0},
+    {"Q5_1", QK, 8 * 24, ACT_Q8K, dot_q5_1, ns_dec_q5_1},
+    {"IQ4_NL", QK, 8 * 18, ACT_Q8K, dot_iq4nl, ns_dec_iq4_nl},
+    {"IQ4_XS", QK, 136, ACT_Q8K, dot_iq4xs, ns_dec_iq4_xs},
+    {"Q2_K", QK, 84, ACT_Q8K, dot_q2k, ns_dec_q2_k},
+    {"Q3_K", QK, 110, ACT_Q8K, dot_q3k, ns_dec_q3_k},
+    /* a 16-bit file's weights */
+    {"F16", HALF_UNIT, 2 * HALF_UNIT, ACT_F32, dot_f16, dequant_f16},
+    {"BF16", HALF_UNIT, 2 * HALF_UNIT, ACT_F32, dot_bf16, dequant_bf16},
 };
 #define NTYPES ((int32_t)(sizeof TYPES / sizeof TYPES[0]))
 
 int32_t ns_kq_types(void) { return NTYPES; }
 const char *ns_kq_name(int32_t type) { return type >= 0 && type < NTYPES ? TYPES[type].name : ""; }
 int64_t ns_kq_block_bytes(int32_t type) { return type >= 0 && type < NTYPES ? TYPES[type].block_bytes : 0; }
+int64_t ns_kq_inputs(int32_t type) { return type >= 0 && type < NTYPES ? TYPES[type].inputs : 0; }
 const char *ns_kq_isa(void) { return KQ_ISA; }
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
@@ -338,18 +370,24 @@ typedef struct {
     int accumulate;
 } KMatmul;
 
+/* The activations from row r on */
+static Act rows_from(Act x, int act, int64_t r) {
+    if (act == ACT_F32) return (Act){NULL, NULL, NULL, x.in, x.f + r * x.in};
+    return (Act){x.q + r * x.in, x.d + r * (x.in / QK), x.s + r * (x.in / SUMS), x.in, NULL};
+}
+
 /* Outputs [o0, o1) for every row: OUT_TILE weight rows at a time stay in cache while the rows pass them, ROWS
  * rows at a time against each weight super-block unpacked once */
 static void kq_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
     const KMatmul *m = task;
-    int64_t o0 = m->out * chunk / chunks, o1 = m->out * (chunk + 1) / chunks, blocks = m->x.in / QK;
-    int64_t row_bytes = blocks * m->type->block_bytes;
+    int64_t o0 = m->out * chunk / chunks, o1 = m->out * (chunk + 1) / chunks;
+    int64_t row_bytes = m->x.in / m->type->inputs * m->type->block_bytes;
     (void)slot;
     for (int64_t t = o0; t < o1; t += OUT_TILE) {
         int64_t t1 = t + OUT_TILE < o1 ? t + OUT_TILE : o1;
         for (int64_t r = 0; r < m->rows; r += ROWS) {
             int n = m->rows - r < ROWS ? (int)(m->rows - r) : ROWS;
-            Act x = {m->x.q + r * m->x.in, m->x.d + r * blocks, m->x.s + r * (m->x.in / SUMS), m->x.in};
+            Act x = rows_from(m->x, m->type->act, r);
             for (int64_t o = t; o < t1; o++) {
                 float sums[ROWS];
                 m->type->dot(m->w + o * row_bytes, x, n, sums);
@@ -363,13 +401,24 @@ static void kq_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t sl
     }
 }
 
+static void run_chunks(const KMatmul *task, int64_t out, int32_t threads) {
+    int64_t chunks = (int64_t)(threads < 1 ? 1 : threads) * 4, tiles = (out + OUT_TILE - 1) / OUT_TILE;
+    if (chunks > tiles) chunks = tiles > 0 ? tiles : 1;
+    ns_pool_run(kq_chunk, task, chunks, threads);
+}
+
 /* y [rows, out] float32 (a row every `ldy` floats: a merged projection's shards fill columns of one output) =
  * x [rows, in] float32 . W^T (+ bias; added to y with `accumulate`), W [out, in] the file's rows of type `type`
  * (an index into TYPES); on up to `threads` threads. Returns 0, -1 out of memory, -2 for an unknown type or
- * inputs not in whole runs of 256. */
+ * inputs not in whole units of the type. */
 int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, int64_t ldy,
                  const float *bias, float *y, int32_t threads, int32_t accumulate) {
-    if (type < 0 || type >= NTYPES || in % QK || ldy < out) return -2;
+    if (type < 0 || type >= NTYPES || in % TYPES[type].inputs || ldy < out) return -2;
+    if (TYPES[type].act == ACT_F32) {
+        KMatmul task = {&TYPES[type], w, {NULL, NULL, NULL, in, x}, bias, rows, out, ldy, y, accumulate};
+        run_chunks(&task, out, threads);
+        return 0;
+    }
     int64_t blocks = in / QK;
     int8_t *xq = malloc((size_t)(rows * in));
     float *xd = malloc((size_t)(rows * blocks) * sizeof(float));
@@ -379,22 +428,20 @@ int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, i
         return -1;
     }
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, xd + r * blocks, xs + r * (in / SUMS));
-    KMatmul task = {&TYPES[type], w, {xq, xd, xs, in}, bias, rows, out, ldy, y, accumulate};
-    int64_t chunks = (int64_t)(threads < 1 ? 1 : threads) * 4, tiles = (out + OUT_TILE - 1) / OUT_TILE;
-    if (chunks > tiles) chunks = tiles > 0 ? tiles : 1;
-    ns_pool_run(kq_chunk, &task, chunks, threads);
+    KMatmul task = {&TYPES[type], w, {xq, xd, xs, in, NULL}, bias, rows, out, ldy, y, accumulate};
+    run_chunks(&task, out, threads);
     free(xq), free(xd), free(xs);
     return 0;
 }
 
 /* out [n, in] float32 = rows idx[0..n) of W [rows, in] dequantized exactly as gguf does (an embedding's lookup).
- * Returns 0, -2 for an unknown type or inputs not in whole super-blocks, -3 for an index outside [0, rows). */
+ * Returns 0, -2 for an unknown type or inputs not in whole units, -3 for an index outside [0, rows). */
 int ns_kq_dequant_rows(int32_t type, const uint8_t *w, int64_t rows, int64_t in, const int64_t *idx, int64_t n,
                        float *out) {
-    if (type < 0 || type >= NTYPES || in % QK) return -2;
+    if (type < 0 || type >= NTYPES || in % TYPES[type].inputs) return -2;
     for (int64_t r = 0; r < n; r++)
         if (idx[r] < 0 || idx[r] >= rows) return -3;
-    int64_t blocks = in / QK, row_bytes = blocks * TYPES[type].block_bytes;
-    for (int64_t r = 0; r < n; r++) TYPES[type].dequant(w + idx[r] * row_bytes, blocks, out + r * in);
+    int64_t units = in / TYPES[type].inputs, row_bytes = units * TYPES[type].block_bytes;
+    for (int64_t r = 0; r < n; r++) TYPES[type].dequant(w + idx[r] * row_bytes, units, out + r * in);
     return 0;
 }

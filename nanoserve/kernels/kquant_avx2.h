@@ -198,3 +198,31 @@ static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[
         }
     }
 }
+
+/* F16 / BF16 rows: 32 float lanes a row as four 8-lane registers, each a fused multiply-add of the weight
+ * (converted exactly) and the activation, unit after unit; rows two at a time (eight accumulators: sixteen
+ * would spill), each pair converting the weights again */
+#if !defined(__FMA__) || !defined(__F16C__)
+#error "the AVX2 build of kquant.c needs FMA and F16C (every AVX2 CPU has both)"
+#endif
+static INLINE __m256 half8(const uint8_t *p, int bf16) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+
+static INLINE void pair_half(const uint8_t *w, int bf16, const float *x, int64_t in, int n, float *sums) {
+    __m256 acc[2][4];
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < 4; k++) acc[i][k] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < in; u += HALF_UNIT, w += 2 * HALF_UNIT)
+        for (int k = 0; k < 4; k++) {
+            __m256 a = half8(w + 16 * k, bf16);
+            for (int i = 0; i < n; i++) acc[i][k] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i * in + u + 8 * k), acc[i][k]);
+        }
+    for (int i = 0; i < n; i++) /* lane l + 16, then the tree */
+        sums[i] = facc_sum((Facc){_mm256_add_ps(acc[i][0], acc[i][2]), _mm256_add_ps(acc[i][1], acc[i][3])});
+}
+
+static INLINE void rows_half(const uint8_t *w, int bf16, const float *x, int64_t in, int n, float *sums) {
+    for (int i = 0; i < n; i += 2) pair_half(w, bf16, x + i * in, in, n - i < 2 ? n - i : 2, sums + i);
+}

@@ -192,3 +192,24 @@ static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[
         }
     }
 }
+
+/* F16 / BF16 rows: 32 float lanes a row as two registers (lanes 0-15, 16-31), each a fused multiply-add of the
+ * weight (converted exactly) and the activation, unit after unit; the rows go innermost so a weight vector serves
+ * n rows */
+static INLINE __m512 half16(const uint8_t *p, int bf16) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+
+static INLINE void rows_half(const uint8_t *w, int bf16, const float *x, int64_t in, int n, float *sums) {
+    __m512 lo[ROWS], hi[ROWS];
+    for (int i = 0; i < n; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < in; u += HALF_UNIT, w += 2 * HALF_UNIT) {
+        __m512 a = half16(w, bf16), b = half16(w + 32, bf16);
+        for (int i = 0; i < n; i++) {
+            lo[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * in + u), lo[i]);
+            hi[i] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * in + u + 16), hi[i]);
+        }
+    }
+    for (int i = 0; i < n; i++) sums[i] = facc_sum(_mm512_add_ps(lo[i], hi[i])); /* lane l + 16, then the tree */
+}

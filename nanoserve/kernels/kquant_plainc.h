@@ -144,3 +144,26 @@ static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[
                 if (kind == K_Q5_1) acc[i].v[l] = acc[i].v[l] + (m[b] * dx[i]) * (float)sums;
             }
 }
+
+/* F16 / BF16 rows: 32 float lanes a row, each a fused multiply-add of the weight (converted exactly) and the
+ * activation, unit after unit, then the lanes' fixed tree */
+static INLINE float half_value(const uint8_t *p, int bf16) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    if (!bf16) return f16_to_f32(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static INLINE void rows_half(const uint8_t *w, int bf16, const float *x, int64_t in, int n, float *sums) {
+    for (int i = 0; i < n; i++) {
+        float a[HALF_UNIT] = {0.0f};
+        for (int64_t u = 0; u < in; u += HALF_UNIT)
+            for (int l = 0; l < HALF_UNIT; l++) a[l] = fmaf(half_value(w + 2 * (u + l), bf16), x[i * in + u + l], a[l]);
+        for (int width = HALF_UNIT / 2; width >= 1; width /= 2)
+            for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];
+        sums[i] = a[0];
+    }
+}

@@ -23,7 +23,6 @@ from nanoserve.errors import ConfigError
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.quant.blocks import (
     GROUP,
-    SUPER_BLOCK,
     GgufInt4Rows,
     Int4Blocks,
     Int8Blocks,
@@ -130,7 +129,7 @@ def blocks_slice(blocks, dim: int, start: int, stop: int, name: str = ""):
     if isinstance(blocks, (KQuantBlocks, GgufInt4Rows)):
         part = blocks.slice(dim, start, stop)
         if part is None:
-            unit = f"K-quant super-blocks of {SUPER_BLOCK}" if isinstance(blocks, KQuantBlocks) else \
+            unit = f"{'/'.join(blocks.type_names)} units of {blocks.unit}" if isinstance(blocks, KQuantBlocks) else \
                 f"blocks of {GROUP}"
             raise ConfigError(f"weight {name}: a rank's {stop - start} input columns are not whole {unit}, so its "
                               "blocks cannot be split there; use another tensor_parallel_size or --quantization none")

@@ -18,7 +18,7 @@ from nanoserve.model.gguf.dequant import SUPPORTED_QUANT_TYPES, dequantize
 from nanoserve.model.gguf.reader import TensorInfo, parse
 from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
 from nanoserve.model.quant import KEPT_GGUF_TYPES, QuantBlocks, from_gguf
-from nanoserve.model.quant.blocks import K_QUANT_BYTES
+from nanoserve.model.quant.blocks import HALF_TYPES, K_QUANT_UNITS
 
 __all__ = ["GGUFCheckpoint", "GGUFHeader", "load_gguf", "read_gguf_header", "read_gguf_weights"]
 
@@ -179,8 +179,9 @@ def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str
         info = infos[name]
         rope_heads = None if not permuted else heads if name.endswith(".attn_q.weight") else kv_heads \
             if name.endswith(".attn_k.weight") else None
-        keep = keep_blocks and info.type_name in KEPT_GGUF_TYPES
-        if keep and info.type_name in K_QUANT_BYTES and name in ("token_embd.weight", head_name):
+        keep = keep_blocks and info.type_name in KEPT_GGUF_TYPES and \
+            (len(info.shape) == 2 or info.type_name not in HALF_TYPES)
+        if keep and info.type_name in K_QUANT_UNITS and name in ("token_embd.weight", head_name):
             # the embedding and head in K-quants: looked up and multiplied in the file's blocks, no dense copy
             tensors[hf_name] = cut(hf_name, from_gguf(_read_raw(f, info), info.type_name, info.shape))
             head_blocks = tensors[hf_name] if name == head_name else head_blocks

@@ -178,10 +178,14 @@ class Int8Blocks:
 
 
 SUPER_BLOCK = 256  # inputs per K-quant super-block
-# bytes per 256 inputs of the types whose rows the kernels read as the file lays them out (kernels/kquant.c's
-# table): the K-quants, IQ4_XS, and Q5_0, Q5_1, IQ4_NL (eight blocks of 32 a run)
-K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
-                 "Q5_0": 8 * 22, "Q5_1": 8 * 24, "IQ4_NL": 8 * 18, "IQ4_XS": 136, "Q2_K": 84, "Q3_K": 110}
+HALF_UNIT = 32  # inputs per unit of a 16-bit row (kernels/kquant.c's float lanes)
+# the GGUF types whose rows kernels/kquant.c's type table reads as the file lays them out, (inputs per unit,
+# bytes per unit): the K-quants, IQ4_XS, Q5_0, Q5_1, IQ4_NL (eight blocks of 32 a unit), and 16-bit rows
+K_QUANT_UNITS = {"Q4_K": (SUPER_BLOCK, 144), "Q5_K": (SUPER_BLOCK, 176), "Q6_K": (SUPER_BLOCK, 210),
+                 "Q5_0": (SUPER_BLOCK, 8 * 22), "Q5_1": (SUPER_BLOCK, 8 * 24), "IQ4_NL": (SUPER_BLOCK, 8 * 18),
+                 "IQ4_XS": (SUPER_BLOCK, 136), "Q2_K": (SUPER_BLOCK, 84), "Q3_K": (SUPER_BLOCK, 110),
+                 "F16": (HALF_UNIT, 2 * HALF_UNIT), "BF16": (HALF_UNIT, 2 * HALF_UNIT)}
+HALF_TYPES = ("F16", "BF16")  # kept as stored only where a tensor is a matrix (a norm's vector stays dense)
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,11 @@ class KQuantBlocks:
     def type_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.segments)
 
+    @property
+    def unit(self) -> int:
+        """The inputs a row must come in whole runs of, for every segment's type (256, or 32 for 16-bit rows)."""
+        return max(K_QUANT_UNITS[name][0] for name in self.type_names)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these blocks stand for, bit for bit gguf's reference dequantization."""
         from gguf import GGMLQuantizationType  # only where blocks came from a file
@@ -217,14 +226,14 @@ class KQuantBlocks:
 
     def slice(self, dim: int, start: int, stop: int) -> KQuantBlocks | None:
         """A copy of output rows [start, stop) (dim 0) or input columns [start, stop) (dim 1) of one tensor's
-        blocks; None when the columns are not whole super-blocks."""
+        blocks; None when the columns are not whole units of the type."""
         (name, raw), = self.segments
         if dim == 0:
             return KQuantBlocks(((name, raw[start:stop].clone()),), self.in_features)
-        if start % SUPER_BLOCK or stop % SUPER_BLOCK:
+        inputs, width = K_QUANT_UNITS[name]
+        if start % inputs or stop % inputs:
             return None
-        width = K_QUANT_BYTES[name]
-        part = raw[:, start // SUPER_BLOCK * width:stop // SUPER_BLOCK * width].contiguous()
+        part = raw[:, start // inputs * width:stop // inputs * width].contiguous()
         return KQuantBlocks(((name, part),), stop - start)
 
     @staticmethod
@@ -249,7 +258,7 @@ QuantBlocks = Int4Blocks | GgufInt4Rows | Int8Blocks | KQuantBlocks
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantBlocks:
     """The blocks of a GGUF tensor of a type kept as it is (KEPT_GGUF_TYPES)."""
-    if type_name in K_QUANT_BYTES:
+    if type_name in K_QUANT_UNITS:
         return KQuantBlocks.from_gguf(raw, type_name, shape)
     if type_name == "Q8_0":
         return Int8Blocks.from_gguf(raw, shape)
@@ -258,4 +267,4 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantB
 
 # computed by the packed kernels exactly as the file defines them (the K-quants where the fused library runs;
 # elsewhere their projections are dequantized one at a time as they are installed)
-KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", *K_QUANT_BYTES)
+KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", *K_QUANT_UNITS)

@@ -16,7 +16,6 @@ from torch import nn
 from nanoserve.model.linear import LinearLayer, MergedColumnLinear
 from nanoserve.model.quant.blocks import (
     GROUP,
-    SUPER_BLOCK,
     GgufInt4Rows,
     Int4Blocks,
     Int8Blocks,
@@ -85,7 +84,7 @@ def head_forms(weight: torch.Tensor, blocks: QuantBlocks | None, mode: str, kern
     forms = {"bfloat16": lambda: BF16Linear(weight, bf16_rows)}
     if blocks is not None and not isinstance(blocks, KQuantBlocks) and not int4_packable(*blocks.shape):
         blocks = None
-    if isinstance(blocks, KQuantBlocks) and kernels is not None and blocks.shape[1] % SUPER_BLOCK == 0:
+    if isinstance(blocks, KQuantBlocks) and kernels is not None and blocks.shape[1] % blocks.unit == 0:
         forms["kquant"] = lambda: KQuantLinear(blocks, None, None, kernels)
     elif isinstance(blocks, Int8Blocks) and kernels is not None and kernels.q8_vectorized:
         forms["q8x16"] = lambda: Q8Linear(blocks, None, None, kernels)
@@ -235,7 +234,7 @@ def _install_head(model: nn.Module, blocks: QuantBlocks | None, mode: str,
 def _blocks_head(model: nn.Module, blocks: KQuantBlocks, kernels=None) -> tuple[str, dict[str, float], int]:
     """A head that came as K-quant blocks alone runs on them where the kernels take them; elsewhere they are
     dequantized into its weight (a tied head's is the embedding's, already written by _install_embedding)."""
-    if kernels is None or blocks.shape[1] % SUPER_BLOCK:
+    if kernels is None or blocks.shape[1] % blocks.unit:
         if model.lm_head.weight.numel() == 0 or model.lm_head.weight is not model.embed_tokens.weight:
             model.lm_head.weight.data = blocks.dequantize().to(model.lm_head.weight.dtype)
         return str(model.lm_head.weight.dtype).removeprefix("torch."), {}, 0
@@ -250,7 +249,7 @@ def _install_embedding(model: nn.Module, blocks: QuantBlocks | None, kernels=Non
     if blocks is None:
         return
     embedding = model.embed_tokens
-    if kernels is not None and isinstance(blocks, KQuantBlocks) and blocks.shape[1] % SUPER_BLOCK == 0:
+    if kernels is not None and isinstance(blocks, KQuantBlocks) and blocks.shape[1] % blocks.unit == 0:
         embedding.use_blocks(KQuantRows(blocks, kernels))
     else:
         embedding.weight.data = blocks.dequantize().to(embedding.weight.dtype)

@@ -14,7 +14,6 @@ from torch import nn
 from nanoserve.model.attrs import FastAttributes
 from nanoserve.model.quant.blocks import (
     GROUP,
-    SUPER_BLOCK,
     GgufInt4Rows,
     Int4Blocks,
     Int8Blocks,
@@ -250,7 +249,8 @@ class KQuantLinear(PackedLinear):
     """GGUF K-quant rows (KQuantBlocks: Q4_K, Q5_K, Q6_K) as the file holds them, on the fused library's K-quant
     kernels (kernels/kquant.c): float32 in, each row's super-blocks of 256 quantized to 8-bit codes inside the
     call (the activation format llama.cpp multiplies these blocks by), float32 out; the rarer types (Q2_K, Q3_K,
-    IQ4_XS, and Q5_0, Q5_1, IQ4_NL in blocks of 32) alike. A merged projection's runs of rows of different types
+    IQ4_XS, and Q5_0, Q5_1, IQ4_NL in blocks of 32) alike, and a 16-bit file's F16 / BF16 rows against the float32
+    activations as they are. A merged projection's runs of rows of different types
     each fill their columns of the one output. An output depends on its row alone."""
 
     format = "kquant"
@@ -259,8 +259,9 @@ class KQuantLinear(PackedLinear):
 
     def __init__(self, blocks: KQuantBlocks, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
         out, k = blocks.shape
-        if k % SUPER_BLOCK:
-            raise ValueError(f"K-quant weights take inputs in super-blocks of {SUPER_BLOCK}; this is {out}x{k}")
+        if k % blocks.unit:
+            raise ValueError(f"{'/'.join(blocks.type_names)} weights take inputs in runs of {blocks.unit}; "
+                             f"this is {out}x{k}")
         super().__init__(out, k, bias, sizes)
         self.kernels, self.type_names = kernels, blocks.type_names
         self.segments = []  # (the library's type index, first output, outputs)

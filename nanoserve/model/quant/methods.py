@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from nanoserve.model.quant.blocks import (
-    SUPER_BLOCK,
     GgufInt4Rows,
     Int4Blocks,
     Int8Blocks,
@@ -107,11 +106,11 @@ class KQuantFused(LinearMethod):
 
     format = "kquant"
 
-    def __init__(self, kernels):
-        self.kernels = kernels
+    def __init__(self, kernels, unit: int):
+        self.kernels, self.unit = kernels, unit  # the inputs its type's rows come in whole runs of
 
     def packs(self, out: int, k: int) -> bool:
-        return k % SUPER_BLOCK == 0
+        return k % self.unit == 0
 
     def process(self, blocks, bias, sizes):
         return KQuantLinear(blocks, bias, sizes, self.kernels)
@@ -127,16 +126,16 @@ class Dequantized(LinearMethod):
         return False
 
 
-def _int4(kernels) -> LinearMethod:
+def _int4(kernels, blocks) -> LinearMethod:
     return Q4Fused(kernels) if kernels is not None else Int4Torch()
 
 
-def _int8(kernels) -> LinearMethod:
+def _int8(kernels, blocks) -> LinearMethod:
     return Q8Fused(kernels) if kernels is not None and kernels.q8_vectorized else Int8Planes(kernels)
 
 
-def _kquant(kernels) -> LinearMethod:
-    return KQuantFused(kernels) if kernels is not None else Dequantized()
+def _kquant(kernels, blocks) -> LinearMethod:
+    return KQuantFused(kernels, blocks.unit) if kernels is not None else Dequantized()
 
 
 # a file's blocks -> the method that runs them, given the fused kernels (or None)
@@ -145,14 +144,15 @@ METHODS = {Int4Blocks: _int4, GgufInt4Rows: _int4, Int8Blocks: _int8, KQuantBloc
 
 def method_for(blocks: QuantBlocks, kernels=None) -> LinearMethod:
     """The method for a projection whose weights came as `blocks`, on this machine."""
-    return METHODS[type(blocks)](kernels)
+    return METHODS[type(blocks)](kernels, blocks)
 
 
 def quantizing_method(mode: str, weight: torch.Tensor, kernels=None) -> tuple[LinearMethod, object] | None:
     """(method, the weights it processes) for a dense projection under --quantization `mode`: "int4" rounds the
     weight to 4-bit blocks (where the kernel takes its shape), "int8" to int8 rows; None: it stays dense."""
     if mode == "int4" and int4_packable(*weight.shape):
-        return _int4(kernels), Int4Blocks.quantize(weight)
+        blocks = Int4Blocks.quantize(weight)
+        return _int4(kernels, blocks), blocks
     if mode == "int8":
         return Int8Rows(), weight
     return None
