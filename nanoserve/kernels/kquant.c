@@ -27,6 +27,7 @@
 
 #define QK 256       /* inputs per super-block */
 #define HALF_UNIT 32 /* inputs per unit of a 16-bit row: its float lanes */
+#define HALF_ROWS 4  /* activation rows a 16-bit dot takes (eight measured 0.5x on AVX-512) */
 #define SUMS 16      /* inputs per activation code sum */
 #define OUT_TILE 16  /* outputs whose weight rows stay in cache while a call's activation rows pass */
 
@@ -95,8 +96,14 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
 #define LANES 16
 /* Each build's block_k45, block_q6k and the rest: one super-block of weights (unpacked once) against n <= ROWS
  * activation rows, x the first row's codes for this super-block and row i's at x + i ldx, its code sums at
- * xs + i lds, its float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. */
+ * xs + i lds, its float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. ROWS is the build's: eight
+ * where 32 vector registers hold their lanes (AVX-512: measured 1.07x on Q4_K, 1.18x on Q6_K at 8-64 rows against
+ * four), else four. How many rows share a weight's unpacking changes no output's arithmetic. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ROWS 8
+#else
 #define ROWS 4
+#endif
 /* inlined where called, so a call with one row (decode) or ROWS is compiled for that constant: measured 1.5x on
  * one row against leaving it to the compiler */
 #define INLINE inline __attribute__((always_inline))
@@ -247,28 +254,28 @@ static INLINE void rows_iq4nl(const uint8_t *w, Act x, int n, float *sums) { row
 static INLINE void rows_f16(const uint8_t *w, Act x, int n, float *sums) { rows_half(w, 0, x.f, x.in, n, sums); }
 static INLINE void rows_bf16(const uint8_t *w, Act x, int n, float *sums) { rows_half(w, 1, x.f, x.in, n, sums); }
 
-/* Each type's dot: its rows inlined for one row (decode), a full tile and the rest, so the compiler unrolls the
- * first two */
-#define DOT(name, rows)                                                                                           \
+/* Each type's dot: its rows inlined for one row (decode), a full group of `tile` rows and the rest, so the
+ * compiler unrolls the first two */
+#define DOT(name, rows, tile)                                                                                     \
     static void name(const uint8_t *w, Act x, int n, float *sums) {                                               \
         if (n == 1)                                                                                               \
             rows(w, x, 1, sums);                                                                                  \
-        else if (n == ROWS)                                                                                       \
-            rows(w, x, ROWS, sums);                                                                               \
+        else if (n == tile)                                                                                       \
+            rows(w, x, tile, sums);                                                                               \
         else                                                                                                      \
             rows(w, x, n, sums);                                                                                  \
     }
-DOT(dot_q4k, rows_q4k)
-DOT(dot_q5k, rows_q5k)
-DOT(dot_q6k, rows_q6k)
-DOT(dot_q2k, rows_q2k)
-DOT(dot_q3k, rows_q3k)
-DOT(dot_iq4xs, rows_iq4xs)
-DOT(dot_q5_0, rows_q5_0)
-DOT(dot_q5_1, rows_q5_1)
-DOT(dot_iq4nl, rows_iq4nl)
-DOT(dot_f16, rows_f16)
-DOT(dot_bf16, rows_bf16)
+DOT(dot_q4k, rows_q4k, ROWS)
+DOT(dot_q5k, rows_q5k, ROWS)
+DOT(dot_q6k, rows_q6k, ROWS)
+DOT(dot_q2k, rows_q2k, ROWS)
+DOT(dot_q3k, rows_q3k, ROWS)
+DOT(dot_iq4xs, rows_iq4xs, ROWS)
+DOT(dot_q5_0, rows_q5_0, ROWS)
+DOT(dot_q5_1, rows_q5_1, ROWS)
+DOT(dot_iq4nl, rows_iq4nl, ROWS)
+DOT(dot_f16, rows_f16, HALF_ROWS)
+DOT(dot_bf16, rows_bf16, HALF_ROWS)
 
 /* ---- dequantization: gguf's arithmetic in gguf's order, so the floats are its floats --------------------- */
 
@@ -331,24 +338,25 @@ typedef struct {
     int64_t inputs;      /* inputs per unit (a row is whole units) */
     int64_t block_bytes; /* bytes per unit */
     int act;
+    int rows; /* activation rows a dot takes at most (that share one unpacking of the weight row) */
     RowDot dot;
     RowDequant dequant;
 } KQuantType;
 
 static const KQuantType TYPES[] = {
-    {"Q4_K", QK, 144, ACT_Q8K, dot_q4k, dequant_q4k},
-    {"Q5_K", QK, 176, ACT_Q8K, dot_q5k, dequant_q5k},
-    {"Q6_K", QK, 210, ACT_Q8K, dot_q6k, dequant_q6k},
+    {"Q4_K", QK, 144, ACT_Q8K, ROWS, dot_q4k, dequant_q4k},
+    {"Q5_K", QK, 176, ACT_Q8K, ROWS, dot_q5k, dequant_q5k},
+    {"Q6_K", QK, 210, ACT_Q8K, ROWS, dot_q6k, dequant_q6k},
     /* the rarer types, their decoders in kdecode.c */
-    {"Q5_0", QK, 8 * 22, ACT_Q8K, dot_q5_0, ns_dec_q5_0},
-    {"Q5_1", QK, 8 * 24, ACT_Q8K, dot_q5_1, ns_dec_q5_1},
-    {"IQ4_NL", QK, 8 * 18, ACT_Q8K, dot_iq4nl, ns_dec_iq4_nl},
-    {"IQ4_XS", QK, 136, ACT_Q8K, dot_iq4xs, ns_dec_iq4_xs},
-    {"Q2_K", QK, 84, ACT_Q8K, dot_q2k, ns_dec_q2_k},
-    {"Q3_K", QK, 110, ACT_Q8K, dot_q3k, ns_dec_q3_k},
+    {"Q5_0", QK, 8 * 22, ACT_Q8K, ROWS, dot_q5_0, ns_dec_q5_0},
+    {"Q5_1", QK, 8 * 24, ACT_Q8K, ROWS, dot_q5_1, ns_dec_q5_1},
+    {"IQ4_NL", QK, 8 * 18, ACT_Q8K, ROWS, dot_iq4nl, ns_dec_iq4_nl},
+    {"IQ4_XS", QK, 136, ACT_Q8K, ROWS, dot_iq4xs, ns_dec_iq4_xs},
+    {"Q2_K", QK, 84, ACT_Q8K, ROWS, dot_q2k, ns_dec_q2_k},
+    {"Q3_K", QK, 110, ACT_Q8K, ROWS, dot_q3k, ns_dec_q3_k},
     /* a 16-bit file's weights */
-    {"F16", HALF_UNIT, 2 * HALF_UNIT, ACT_F32, dot_f16, dequant_f16},
-    {"BF16", HALF_UNIT, 2 * HALF_UNIT, ACT_F32, dot_bf16, dequant_bf16},
+    {"F16", HALF_UNIT, 2 * HALF_UNIT, ACT_F32, HALF_ROWS, dot_f16, dequant_f16},
+    {"BF16", HALF_UNIT, 2 * HALF_UNIT, ACT_F32, HALF_ROWS, dot_bf16, dequant_bf16},
 };
 #define NTYPES ((int32_t)(sizeof TYPES / sizeof TYPES[0]))
 
@@ -385,8 +393,8 @@ static void kq_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t sl
     (void)slot;
     for (int64_t t = o0; t < o1; t += OUT_TILE) {
         int64_t t1 = t + OUT_TILE < o1 ? t + OUT_TILE : o1;
-        for (int64_t r = 0; r < m->rows; r += ROWS) {
-            int n = m->rows - r < ROWS ? (int)(m->rows - r) : ROWS;
+        for (int64_t r = 0; r < m->rows; r += m->type->rows) {
+            int n = m->rows - r < m->type->rows ? (int)(m->rows - r) : m->type->rows;
             Act x = rows_from(m->x, m->type->act, r);
             for (int64_t o = t; o < t1; o++) {
                 float sums[ROWS];

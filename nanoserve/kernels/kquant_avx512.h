@@ -202,7 +202,7 @@ static INLINE __m512 half16(const uint8_t *p, int bf16) {
 }
 
 static INLINE void rows_half(const uint8_t *w, int bf16, const float *x, int64_t in, int n, float *sums) {
-    __m512 lo[ROWS], hi[ROWS];
+    __m512 lo[HALF_ROWS], hi[HALF_ROWS];
     for (int i = 0; i < n; i++) lo[i] = hi[i] = _mm512_setzero_ps();
     for (int64_t u = 0; u < in; u += HALF_UNIT, w += 2 * HALF_UNIT) {
         __m512 a = half16(w, bf16), b = half16(w + 32, bf16);
