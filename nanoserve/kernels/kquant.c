@@ -398,7 +398,8 @@ static void kq_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t sl
             Act x = rows_from(m->x, m->type->act, r);
             for (int64_t o = t; o < t1; o++) {
                 float sums[ROWS];
-                if (r == 0 && o + 1 < o1) /* the first pass over a tile reads it from memory: ask for the next row */
+                if (r == 0 && m->rows > 1 && o + 1 < o1) /* the first pass over a tile reads it from memory: ask
+                                                          * for the next row (one row: the hardware's prefetch) */
                     for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(m->w + (o + 1) * row_bytes + at);
                 m->type->dot(m->w + o * row_bytes, x, n, sums);
                 for (int i = 0; i < n; i++) {

@@ -681,8 +681,12 @@ static void kernel_groups(const Kernel *k, const uint8_t *w, int64_t in, int64_t
 #else
     (void)tiles;
 #endif
+    int64_t group_bytes = groups * k->group_bytes;
     for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *wg = w + g * groups * k->group_bytes;
+        const uint8_t *wg = w + g * group_bytes;
+        if (rows > 1 && g + 1 < g1) /* this group was read from memory: ask for the next while it computes (one
+                                     * row computes too little to hide it: the hardware's prefetch does better) */
+            for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(wg + group_bytes + at);
         for (int64_t r0 = 0; r0 < rows;) {
             float acc[ROW_TILE * OUTS];
             int n = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
