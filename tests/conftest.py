@@ -61,6 +61,7 @@ def _write_tiny(kind: str, out, tokenizer_dir, **overrides):
     import transformers
 
     shard = overrides.pop("_shard", "2GB")
+    dtype = getattr(torch, overrides.pop("_dtype", "float32"))  # the checkpoint's stored dtype
     torch.manual_seed(0)
     cls_cfg, cls_model = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -77,7 +78,7 @@ def _write_tiny(kind: str, out, tokenizer_dir, **overrides):
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-    model.save_pretrained(out, max_shard_size=shard)
+    model.to(dtype).save_pretrained(out, max_shard_size=shard)
     for f in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, f), out)
     return out
@@ -85,7 +86,8 @@ def _write_tiny(kind: str, out, tokenizer_dir, **overrides):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, hf_tokenizer_dir):
-    """Factory: tiny_checkpoint('llama' | 'mistral' | 'qwen2' | 'qwen3', **config overrides) -> directory."""
+    """Factory: tiny_checkpoint('llama' | 'mistral' | 'qwen2' | 'qwen3', **config overrides) -> directory
+    (`_shard`: safetensors' max shard size; `_dtype`: the stored dtype, float32 unless named)."""
     made = {}
 
     def make(kind: str = "llama", **overrides):

@@ -105,3 +105,31 @@ def test_a_row_is_the_same_in_a_crowd_as_alone_on_a_16_bit_file(kernels, half_fi
 
 def test_logits_match_llama_cpp_on_the_same_16_bit_file(kernels, half_file):
     assert_near_llama_cpp(half_file[2])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_hf_checkpoint_keeps_its_bits_and_matches_transformers(kernels, tiny_checkpoint, dtype):
+    """A Hugging Face checkpoint stored in 16 bits runs its matrices in those bits (the same table rows as a GGUF
+    file's), not on a float32 copy; its logits are transformers' float32 ones on the same weights up to summation
+    order, and --quantization none still gives the dense float32 model."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve import LLM
+    from tests.test_model_oracle import PROMPTS, full_prefill_logits
+
+    path = tiny_checkpoint("qwen2", _dtype=dtype)
+    llm = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01)
+    name = {"bfloat16": "BF16", "float16": "F16"}[dtype]
+    assert kept_types(llm) == {(name,)}
+    model = llm.engine.runner.model
+    assert model.embed_tokens.weight.numel() == 0 and tuple(model.lm_head.packed.type_names) == (name,)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dense = LLM(model=str(path), max_model_len=128, kv_cache_gib=0.01, quantization="none")
+    assert not kept_types(dense)
+    for prompt in PROMPTS[:2]:
+        ids = llm.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([ids])).logits[0]
+        for engine in (llm, dense):
+            ours = full_prefill_logits(engine, ids)
+            assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()

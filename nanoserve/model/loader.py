@@ -17,7 +17,15 @@ from nanoserve.model.fused import FusedStatus, fused_status
 from nanoserve.model.hub import looks_like_repo_id, resolve_repo_id
 from nanoserve.model.linear import MergedColumnLinear
 from nanoserve.model.platform import Platform
-from nanoserve.model.quant import QuantBlocks, QuantStats, int4_supported, int8_supported, process_weights
+from nanoserve.model.quant import (
+    HALF_UNIT,
+    KQuantBlocks,
+    QuantBlocks,
+    QuantStats,
+    int4_supported,
+    int8_supported,
+    process_weights,
+)
 from nanoserve.model.rows import row_multiples
 from nanoserve.model.targets import split_of, weight_target
 from nanoserve.models.registry import model_class
@@ -205,8 +213,10 @@ def _load_hf_dir(p: Path, dtype, max_positions, name: str, quantization: str, sh
     platform, fused = _platform(runs_on, dtype, shard, config)
     model = _construct(shard.local_config(config) if shard is not None else config, dtype, runs_on.device,
                        max_positions, platform)
-    quant = _load_weights(model, _safetensors_items(p, shard, model), quantization, None, runs_on.invariant,
-                          platform)
+    items = _safetensors_items(p, shard, model)
+    if quantization == "auto" and platform.kernels is not None:
+        items = _sixteen_bit_rows(items)
+    quant = _load_weights(model, items, quantization, None, runs_on.invariant, platform)
     return LoadedModel(name, config, model, tokenizer, quant, fused)
 
 
@@ -243,6 +253,20 @@ def _safetensors_items(p: Path, shard: TensorShard | None = None,
         with safe_open(str(p / name), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key) if shard is None else _read_slice(f, key, shard, split_of(model, key))
+
+
+def _sixteen_bit_rows(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+    """A 16-bit checkpoint's matrices (projections, embedding, head) as the type table's F16 / BF16 rows, kept in
+    their 16 bits for the fused kernels (kernels/kquant.c) instead of a float32 copy of the model: the product is
+    float32's up to summation order at half the bytes read. Vectors (norms, biases) and rows not in whole units
+    stay as they are."""
+    names = {torch.float16: "F16", torch.bfloat16: "BF16"}
+    for name, tensor in items:
+        if tensor.dim() == 2 and tensor.dtype in names and tensor.shape[1] % HALF_UNIT == 0:
+            raw = tensor.contiguous().view(torch.uint8)
+            yield name, KQuantBlocks(((names[tensor.dtype], raw),), tensor.shape[1])
+        else:
+            yield name, tensor
 
 
 def _read_slice(f, key: str, shard: TensorShard, split: str | None) -> torch.Tensor:
@@ -288,6 +312,9 @@ def _load_weights(model: torch.nn.Module, items, quantization: str, head_blocks:
         )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+        embedding = kept.get("embed_tokens", {}).get("weight")
+        if head_blocks is None and isinstance(embedding, KQuantBlocks):  # a tied head multiplies the same rows
+            head_blocks = embedding
     if head_blocks is not None:
         kept["lm_head"] = {"weight": head_blocks}
     quant = process_weights(model, kept, quantization, invariant, platform.kernels,

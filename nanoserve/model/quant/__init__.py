@@ -12,6 +12,7 @@ linears, attention included, stays in the model's own dtype.
 
 from nanoserve.model.quant.blocks import (
     GROUP,
+    HALF_UNIT,
     KEPT_GGUF_TYPES,
     GgufInt4Rows,
     Int4Blocks,
@@ -43,7 +44,7 @@ from nanoserve.model.quant.linears import (
 )
 
 __all__ = [
-    "ACT", "DENSE_MARGIN", "GROUP", "KEPT_GGUF_TYPES", "BF16Linear", "GgufInt4Rows", "Int4Blocks", "Int4Linear",
+    "ACT", "DENSE_MARGIN", "GROUP", "HALF_UNIT", "KEPT_GGUF_TYPES", "BF16Linear", "GgufInt4Rows", "Int4Blocks", "Int4Linear",
     "Int8Blocks",
     "Int8GroupLinear", "Int8Linear", "KQuantBlocks", "KQuantLinear", "PackedLinear", "Q4Linear", "QuantBlocks", "QuantStats", "dense_crossover",
     "fastest_head", "from_gguf", "head_forms", "head_timings", "int4_supported", "process_weights",
