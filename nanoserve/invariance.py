@@ -99,7 +99,7 @@ def report(model: torch.nn.Module, device: torch.device) -> str | None:
     if reason is not None:
         return reason
     packed = {m.format for m in model.modules() if isinstance(m, PackedLinear)}
-    for kind in sorted(packed - {"q4x16", "q8x16"}):  # those run on nanoserve's own row-invariant kernels
+    for kind in sorted(packed - {"q4x16", "q4x8", "q8x16", "kquant"}):  # nanoserve's own row-invariant kernels
         base = "int8" if kind == "int8" else "int4"  # int8g32 runs on the int4 kernel
         if not packed_holds(base):
             return f"torch's packed {base} kernel is not row-invariant on this machine"

@@ -60,7 +60,7 @@ def test_bench_throughput_puts_nanoserve_its_dense_self_and_transformers_in_one_
     rows, result = run_bench(["--model", str(tiny_gguf), *WORKLOAD, "--skip-llama-cpp"], tmp_path)
     check_arms(rows, result, ["nanoserve", "nanoserve --no-batch-invariant", BUDGET_OFF, *EAGER, "nanoserve dense",
                               "transformers"])
-    assert result["linear"]["format"] == ("q4x16" if EAGER else "int4")  # on the fused library where it runs
+    assert result["linear"]["format"] == ("q4x8" if EAGER else "int4")  # Q4_0 on the fused library where it runs
     peers = ("nanoserve_no_batch_invariant", "nanoserve_max_step_ms_0",
              *(["nanoserve_no_fused_cpu_kernels"] if EAGER else []),
              "nanoserve_dense", "transformers")

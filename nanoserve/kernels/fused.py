@@ -67,6 +67,10 @@ class FusedKernels:
         # the raw C entries (packed, x, rows, in, out, bias, y, threads, accumulate) -> 0, or -1 out of memory: for
         # a caller that checked its tensors once (model/quant/linears.py's KernelLinear)
         self.q4_call, self.q8_call = self._q4_matmul, self._q8_matmul
+        self.q4x8_call = lib.ns_q4x8_matmul  # Q4_0's 4-bit x 8-bit kernel (q4x8.c), q4x16's packing and arguments
+        self.q4x8_call.argtypes, self.q4x8_call.restype = self._q4_matmul.argtypes, ctypes.c_int
+        lib.ns_q4x8_isa.restype = ctypes.c_char_p
+        self.q4x8_isa = lib.ns_q4x8_isa().decode()
         self._bind_kquants(lib)
         self._set_tiles, self._tile_rows = lib.ns_set_tiles, lib.ns_tile_rows
         self._set_tiles.argtypes, self._set_tiles.restype = (ctypes.c_int,), ctypes.c_int
@@ -240,6 +244,18 @@ class FusedKernels:
         self._q4_pack_gguf(raw.data_ptr(), type_name == "Q4_1", out, in_features, packed.data_ptr(),
                            torch.get_num_threads())
         return packed
+
+    def q4x8_matmul(self, packed: torch.Tensor, x: torch.Tensor, out: int) -> torch.Tensor:
+        """x [rows, in] float32 (contiguous) . W^T -> [rows, out] float32 on q4x8 (8-bit activation codes per 32),
+        W packed by q4_pack / q4_pack_gguf."""
+        rows, k = x.shape
+        if x.dtype is not torch.float32 or not x.is_contiguous() or packed.numel() != self._q4_bytes(out, k):
+            raise ValueError(f"the q4x8 kernel takes contiguous float32 rows of the weight's {k} inputs")
+        y = torch.empty(rows, out)
+        if rows and self.q4x8_call(packed.data_ptr(), x.data_ptr(), rows, k, out, None, y.data_ptr(),
+                                   torch.get_num_threads(), 0):
+            raise MemoryError(f"the q4x8 kernel could not allocate the int8 copy of {rows} x {k} activations")
+        return y
 
     def q4_matmul(self, packed: torch.Tensor, x: torch.Tensor, out: int,
                   add_to: torch.Tensor | None = None) -> torch.Tensor:

@@ -271,7 +271,7 @@ def process_weights(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], m
     run on its kernels instead of torch's. `bf16_rows`: the row multiple of a bfloat16 head
     (nanoserve/model/rows.py)."""
     _install_embedding(model, kept.get("embed_tokens", {}).get("weight"), kernels)
-    calls = {"int4": 0, "q4x16": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "kquant": 0, "dense": 0}
+    calls = {"int4": 0, "q4x16": 0, "q4x8": 0, "q8x16": 0, "int8": 0, "int8g32": 0, "kquant": 0, "dense": 0}
     served_rows = dict.fromkeys(calls, 0)
     formats: dict[str, int] = {}
     crossover: dict[str, int | None] = {}

@@ -167,6 +167,23 @@ class Q4Linear(KernelLinear):
         return self.kernels.q4_matmul(self.packed, flat.float().contiguous(), self.out_features)
 
 
+class Q4x8Linear(Q4Linear):
+    """A GGUF file's Q4_0 rows on the fused library's q4x8 kernel (kernels/q4x8.c): the 4-bit kernel's packing,
+    each row's groups of 32 quantized to 8-bit codes inside the call (the format llama.cpp multiplies Q4_0 by; half
+    the integer work of q4x16's 16-bit codes). Q4_1 (the default model's) keeps q4x16. An output depends on its row
+    alone, whatever the call's rows, threads or vector width."""
+
+    format = "q4x8"
+    activation_form = "int8 per 32"
+
+    def __init__(self, blocks: GgufInt4Rows, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
+        super().__init__(blocks, bias, sizes, kernels)
+        self.matmul = kernels.q4x8_call
+
+    def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q4x8_matmul(self.packed, flat.float().contiguous(), self.out_features)
+
+
 class Int8Linear(PackedLinear):
     """A weight quantized to int8 per output row (symmetric) on torch's int8 weight-only CPU kernel: for dense
     checkpoints under --quantization int8, and for the output head over a GGUF file's Q8_0 embedding, whose

@@ -25,6 +25,7 @@ from nanoserve.model.quant.linears import (
     KQuantLinear,
     PackedLinear,
     Q4Linear,
+    Q4x8Linear,
     Q8Linear,
     int4_packable,
 )
@@ -53,6 +54,8 @@ class Q4Fused(LinearMethod):
         self.kernels = kernels
 
     def process(self, blocks, bias, sizes):
+        if isinstance(blocks, GgufInt4Rows) and blocks.type_name == "Q4_0":  # llama.cpp's 8-bit activations
+            return Q4x8Linear(blocks, bias, sizes, self.kernels)
         return Q4Linear(blocks, bias, sizes, self.kernels)
 
 

@@ -1,0 +1,220 @@
+/* GGUF Q4_0 weights times 8-bit activations: q4x8, the activation format llama.cpp multiplies Q4_0 by.
+ *
+ * Weights: linear.c's q4x16 packing (ns_q4_pack / ns_q4_pack_gguf: 16 outputs a group of 32 inputs, their 4-bit
+ * codes, then 16 f16 scales s and 16 f16 zeros z; w = (q - 8) s + z). Activations: each row's group of 32 to
+ * 8-bit codes v = round(x 127 / max |x|) (to nearest even) with one scale d = max |x| / 127 and the codes' sum.
+ * A group's product is the exact integer c = sum (q - 8) v, half the integer work of q4x16's 16-bit codes (one
+ * 8-bit plane, not two), and the float part is q4x16's, y += fma(s, d c, z (d sum v)) group by group in order, on
+ * every path (AVX-512 VNNI, AVX2, plain C). So an output's bits depend on its row alone: not on the call's other
+ * rows, the thread or the instruction set.
+ *
+ * Used for Q4_0 files only: the default model's Q4_1 weights keep q4x16 (8-bit codes flipped near-ties of its
+ * greedy text there). No tile (AMX) path: a call of any size runs the vector path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include "half.h"
+
+#define GROUP 32
+#define OUTS 16                                       /* outputs packed together (linear.c) */
+#define GROUP_BYTES (OUTS * GROUP / 2 + 2 * OUTS * 2) /* nibbles, 16 f16 scales, 16 f16 zeros: 320 (linear.c) */
+#define ROWS 4                                        /* activation rows a group's unpacked codes serve at once */
+#define QUANTIZE_POOLED_FROM 16
+
+typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
+void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads); /* linear.c */
+
+/* ---- activations ---------------------------------------------------------------------------------------- */
+
+/* x [in] -> codes [in], scales d [in / 32], code sums [in / 32] */
+static void quantize_row(const float *x, int64_t in, int8_t *codes, float *d, int32_t *sums) {
+    for (int64_t b = 0; b < in / GROUP; b++) {
+        const float *v = x + b * GROUP;
+        float top = 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            float a = fabsf(v[i]);
+            top = a > top ? a : top;
+        }
+        float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < GROUP; i++) {
+            float t = (v[i] * inv + 12582912.0f) - 12582912.0f; /* to nearest even */
+            codes[b * GROUP + i] = (int8_t)(t > 127.0f ? 127.0f : t);
+            sum += codes[b * GROUP + i];
+        }
+        d[b] = top / 127.0f;
+        sums[b] = sum;
+    }
+}
+
+typedef struct {
+    const float *x;
+    int64_t in, rows;
+    int8_t *codes;
+    float *d;
+    int32_t *sums;
+} Quantize;
+
+static void quantize_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    const Quantize *q = task;
+    int64_t groups = q->in / GROUP, r0 = q->rows * chunk / chunks, r1 = q->rows * (chunk + 1) / chunks;
+    (void)slot;
+    for (int64_t r = r0; r < r1; r++)
+        quantize_row(q->x + r * q->in, q->in, q->codes + r * q->in, q->d + r * groups, q->sums + r * groups);
+}
+
+/* ---- one group of 16 outputs against up to ROWS rows -----------------------------------------------------
+ * The packing: vector v (64 bytes) holds, for output l, bytes 4 l .. 4 l + 3: inputs 8 v + k in their low
+ * nibbles and 8 v + 4 + k in their high ones. x: the first row's codes of this group, row i's at x + i in. */
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ISA "avx512-vnni"
+static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *d, const int32_t *sums,
+                       float (*acc)[OUTS]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i nib[8];
+    for (int v = 0; v < 4; v++) {
+        __m512i packed = _mm512_loadu_si512(p + v * 64);
+        nib[2 * v] = _mm512_and_si512(packed, low);
+        nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+    __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+    for (int i = 0; i < n; i++) {
+        int32_t quads[8];
+        memcpy(quads, x + i * in, 32);
+        __m512i c = _mm512_set1_epi32(-8 * sums[i]);
+        for (int j = 0; j < 8; j++) c = _mm512_dpbusd_epi32(c, nib[j], _mm512_set1_epi32(quads[j]));
+        __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d[i]), _mm512_cvtepi32_ps(c)),
+                                   _mm512_mul_ps(zero, _mm512_set1_ps(d[i] * (float)sums[i])));
+        _mm512_storeu_ps(acc[i], _mm512_add_ps(_mm512_loadu_ps(acc[i]), t));
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ISA "avx2"
+/* Eight outputs (half h of the group) at a time: the codes (0..15) unsigned against the activation codes in
+ * maddubs' 16-bit pair sums, eight quads of them added in 16 bits (at most 8 x 2 x 15 x 127 = 30480: exact), then
+ * the pairs summed to 32 bits */
+static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *d, const int32_t *sums,
+                       float (*acc)[OUTS]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256i q[8];
+        for (int v = 0; v < 4; v++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(p + v * 64 + h * 32));
+            q[2 * v] = _mm256_and_si256(packed, low);
+            q[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        }
+        __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * h)));
+        __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * h)));
+        for (int i = 0; i < n; i++) {
+            __m256i s = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                int32_t quad;
+                memcpy(&quad, x + i * in + 4 * j, 4);
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[j], _mm256_set1_epi32(quad)));
+            }
+            __m256i c = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), _mm256_set1_epi32(8 * sums[i]));
+            __m256 t = _mm256_fmadd_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d[i]), _mm256_cvtepi32_ps(c)),
+                                       _mm256_mul_ps(zero, _mm256_set1_ps(d[i] * (float)sums[i])));
+            _mm256_storeu_ps(acc[i] + 8 * h, _mm256_add_ps(_mm256_loadu_ps(acc[i] + 8 * h), t));
+        }
+    }
+}
+#else
+#define ISA "portable"
+static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *d, const int32_t *sums,
+                       float (*acc)[OUTS]) {
+    uint16_t halves[2 * OUTS];
+    memcpy(halves, p + 256, sizeof halves);
+    for (int i = 0; i < n; i++) {
+        const int8_t *row = x + i * in;
+        for (int l = 0; l < OUTS; l++) {
+            int32_t c = -8 * sums[i];
+            for (int v = 0; v < 4; v++)
+                for (int k = 0; k < 4; k++) {
+                    uint8_t byte = p[v * 64 + l * 4 + k];
+                    c += (byte & 0x0f) * row[8 * v + k] + (byte >> 4) * row[8 * v + 4 + k];
+                }
+            acc[i][l] = acc[i][l] + fmaf(f16_to_f32(halves[l]), d[i] * (float)c,
+                                         f16_to_f32(halves[OUTS + l]) * (d[i] * (float)sums[i]));
+        }
+    }
+}
+#endif
+
+const char *ns_q4x8_isa(void) { return ISA; }
+
+/* ---- the call ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const uint8_t *w;
+    const int8_t *codes;
+    const float *d, *bias;
+    const int32_t *sums;
+    int64_t in, out, rows;
+    float *y;
+    int accumulate;
+} Q4x8;
+
+/* Output groups [g0, g1) for every row, ROWS rows against each group's codes unpacked once; the groups of 32
+ * inputs in order, so each output's float part runs as on one row alone */
+static void q4x8_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    const Q4x8 *m = task;
+    int64_t groups = m->in / GROUP, total = m->out / OUTS;
+    int64_t g0 = total * chunk / chunks, g1 = total * (chunk + 1) / chunks, group_bytes = groups * GROUP_BYTES;
+    (void)slot;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *wg = m->w + g * group_bytes;
+        if (m->rows > 1 && g + 1 < g1) /* the first rows read this group from memory: ask for the next meanwhile */
+            for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(wg + group_bytes + at);
+        for (int64_t r = 0; r < m->rows; r += ROWS) {
+            int n = m->rows - r < ROWS ? (int)(m->rows - r) : ROWS;
+            float acc[ROWS][OUTS] = {{0.0f}};
+            float d[ROWS];
+            int32_t sums[ROWS];
+            for (int64_t b = 0; b < groups; b++) {
+                for (int i = 0; i < n; i++) d[i] = m->d[(r + i) * groups + b], sums[i] = m->sums[(r + i) * groups + b];
+                group_rows(wg + b * GROUP_BYTES, m->codes + r * m->in + b * GROUP, m->in, n, d, sums, acc);
+            }
+            for (int i = 0; i < n; i++)
+                for (int l = 0; l < OUTS; l++) {
+                    float v = m->bias ? acc[i][l] + m->bias[g * OUTS + l] : acc[i][l];
+                    float *at = m->y + (r + i) * m->out + g * OUTS + l;
+                    *at = m->accumulate ? *at + v : v;
+                }
+        }
+    }
+}
+
+/* y [rows, out] float32 = x [rows, in] float32 . W^T (+ bias; added to y with `accumulate`), W packed by
+ * ns_q4_pack / ns_q4_pack_gguf (out in 16s, in in 32s); on up to `threads` threads. Returns 0, -1 out of
+ * memory. */
+int ns_q4x8_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
+                   float *y, int32_t threads, int32_t accumulate) {
+    int64_t groups = in / GROUP;
+    int8_t *codes = malloc((size_t)(rows * in));
+    float *d = malloc((size_t)(rows * groups) * sizeof(float));
+    int32_t *sums = malloc((size_t)(rows * groups) * sizeof(int32_t));
+    if (!codes || !d || !sums) {
+        free(codes), free(d), free(sums);
+        return -1;
+    }
+    threads = threads < 1 ? 1 : threads;
+    Quantize q = {x, in, rows, codes, d, sums};
+    if (rows >= QUANTIZE_POOLED_FROM)
+        ns_pool_run(quantize_chunk, &q, threads, threads);
+    else
+        quantize_chunk(&q, 0, 1, 0);
+    Q4x8 task = {w, codes, d, bias, sums, in, out, rows, y, accumulate};
+    int64_t chunks = (int64_t)threads * 4, out_groups = out / OUTS;
+    if (chunks > out_groups) chunks = out_groups > 0 ? out_groups : 1;
+    ns_pool_run(q4x8_chunk, &task, chunks, threads);
+    free(codes), free(d), free(sums);
+    return 0;
+}
