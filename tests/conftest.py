@@ -101,6 +101,17 @@ def tiny_checkpoint(tmp_path_factory, hf_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """The fused CPU library (built for this machine), or the test skipped where it cannot be built."""
+    from nanoserve.kernels.fused import load
+
+    kernels, why = load()
+    if kernels is None:
+        pytest.skip(f"the fused kernels cannot run here: {why}")
+    return kernels
+
+
+@pytest.fixture(scope="session")
 def default_llm():
     """The embedded default model as users run it (4-bit linears where the machine has the kernel), loaded once
     for the tests that need real text."""

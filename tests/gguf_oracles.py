@@ -3,6 +3,10 @@ llama.cpp on the same file, and the engine itself alone against a crowd."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -92,3 +96,19 @@ def assert_near_llama_cpp(path) -> None:
         peer.eval(ids)
         theirs = torch.tensor(np.array(peer.scores[: len(ids)]), dtype=torch.float32)
         assert_rows_logprobs_close(full_prefill_logits(llm, ids), theirs)
+
+
+def bits_on_every_isa(probe: str) -> dict[str, list[str]]:
+    """What `probe` (Python source printing the build's ISA, then its outputs as hex) prints on each build
+    $NANOSERVE_CPU_ISA makes (native, AVX2, plain C), by the ISA each reports: for tests that the builds agree
+    bit for bit."""
+    runs = {}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cap in ("native", "avx2", "portable"):
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "NANOSERVE_CPU_ISA": cap}, cwd=root)
+        assert done.returncode == 0, done.stderr[-2000:]
+        isa, *products = done.stdout.split()
+        runs[isa] = products
+    assert "portable" in runs and len(runs) >= 2, runs.keys()
+    return runs

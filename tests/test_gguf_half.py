@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.kernels.fused import load
 from nanoserve.model.quant import KQuantBlocks
 from nanoserve.model.quant.linears import KQuantLinear
 from tests.gguf_oracles import (
@@ -25,14 +24,6 @@ from tests.gguf_oracles import (
 from tests.gguf_oracles import load as load_llm
 
 HALF = ("F16", "BF16")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels, why = load()
-    if kernels is None:
-        pytest.skip(f"the fused kernels cannot run here: {why}")
-    return kernels
 
 
 def _rows(qtype: str, out: int, k: int, seed: int, specials: bool = False) -> tuple[torch.Tensor, np.ndarray]:

@@ -5,10 +5,7 @@ own type, close to transformers on the dequantized weights and to llama.cpp on t
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -16,7 +13,6 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels.fused import load
 from nanoserve.model.quant import KQuantBlocks
 from nanoserve.model.quant.linears import KQuantLinear
 from tests.gguf_fixtures import hf_weights, reference, write_llama_gguf
@@ -26,6 +22,7 @@ from tests.gguf_oracles import (
     assert_crowd_is_solo,
     assert_near_llama_cpp,
     assert_near_transformers,
+    bits_on_every_isa,
     kept_types,
     transformers_llama,
     write_mixed,
@@ -36,14 +33,6 @@ from tests.kquant_encode import encode_k
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
 # Q4_K_M's pattern (v and the head in Q6_K), with down in Q5_K so every type runs in one model
 MIX = {"v_proj.weight": "Q6_K", "down_proj.weight": "Q5_K", "lm_head.weight": "Q6_K"}
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels, why = load()
-    if kernels is None:
-        pytest.skip(f"the fused kernels cannot run here: {why}")
-    return kernels
 
 
 def _blocks(qtype: str, out: int = 48, k: int = 512, seed: int = 0) -> tuple[KQuantBlocks, np.ndarray]:
@@ -97,15 +86,7 @@ def test_every_instruction_set_gives_the_same_bits(kernels):
     """The AVX-512, AVX2 and plain-C builds of the K-quant kernels (as $NANOSERVE_CPU_ISA builds them) agree bit
     for bit, every type of the table: their integer parts are exact and their float parts the same arithmetic
     lane by lane (the rarer types' plain path is one C code)."""
-    runs = {}
-    for cap in ("native", "avx2", "portable"):
-        done = subprocess.run([sys.executable, "-c", _ISA_PROBE], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "NANOSERVE_CPU_ISA": cap}, cwd=os.path.dirname(os.path.dirname(
-                                  os.path.abspath(__file__))))
-        assert done.returncode == 0, done.stderr[-2000:]
-        isa, *products = done.stdout.split()
-        runs[isa] = products
-    assert "portable" in runs and len(runs) >= 2, runs.keys()
+    runs = bits_on_every_isa(_ISA_PROBE)
     first = next(iter(runs.values()))
     assert all(products == first for products in runs.values()), sorted(runs)
 

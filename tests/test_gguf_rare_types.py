@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.kernels.fused import load
 from nanoserve.model.quant import KQuantBlocks
 from nanoserve.model.quant.linears import KQuantLinear
 from tests.gguf_oracles import (
@@ -30,14 +29,6 @@ HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": 
 # every rare type in one model, each projection in its own
 MIX = {"q_proj.weight": "IQ4_XS", "k_proj.weight": "Q3_K", "v_proj.weight": "Q2_K", "o_proj.weight": "IQ4_NL",
        "gate_proj.weight": "Q5_0", "up_proj.weight": "Q5_1", "down_proj.weight": "Q3_K", "lm_head.weight": "Q2_K"}
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels, why = load()
-    if kernels is None:
-        pytest.skip(f"the fused kernels cannot run here: {why}")
-    return kernels
 
 
 def _random_blocks(qtype: str, out: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:

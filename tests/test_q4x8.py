@@ -6,17 +6,13 @@ Q4_1 (the default model's type) stays on q4x16."""
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from nanoserve.kernels.fused import load
 from nanoserve.model.quant.blocks import from_gguf
 from nanoserve.model.quant.linears import PackedLinear, Q4Linear, Q4x8Linear
 from nanoserve.model.quant.methods import method_for
@@ -24,18 +20,11 @@ from tests.gguf_oracles import (
     assert_crowd_is_solo,
     assert_near_llama_cpp,
     assert_near_transformers,
+    bits_on_every_isa,
     transformers_llama,
     write_mixed,
 )
 from tests.gguf_oracles import load as load_llm
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels, why = load()
-    if kernels is None:
-        pytest.skip(f"the fused kernels cannot run here: {why}")
-    return kernels
 
 
 def _blocks(qtype: str, out: int, k: int, seed: int):
@@ -81,15 +70,7 @@ print(kernels.q4x8_isa, *(o.numpy().tobytes().hex() for o in outs))
 def test_every_instruction_set_gives_the_same_bits(kernels):
     """The AVX-512 VNNI, AVX2 and plain-C builds of q4x8 (as $NANOSERVE_CPU_ISA builds them) agree bit for bit:
     the same exact integers, the same float operations group by group."""
-    runs = {}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for cap in ("native", "avx2", "portable"):
-        done = subprocess.run([sys.executable, "-c", _ISA_PROBE], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "NANOSERVE_CPU_ISA": cap}, cwd=root)
-        assert done.returncode == 0, done.stderr[-2000:]
-        isa, *products = done.stdout.split()
-        runs[isa] = products
-    assert "portable" in runs and len(runs) >= 2, runs.keys()
+    runs = bits_on_every_isa(_ISA_PROBE)
     first = next(iter(runs.values()))
     assert all(products == first for products in runs.values()), sorted(runs)
 
