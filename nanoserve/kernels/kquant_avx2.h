@@ -217,7 +217,8 @@ static INLINE void pair_half(const uint8_t *w, int bf16, const float *x, int64_t
     for (int64_t u = 0; u < in; u += HALF_UNIT, w += 2 * HALF_UNIT)
         for (int k = 0; k < 4; k++) {
             __m256 a = half8(w + 16 * k, bf16);
-            for (int i = 0; i < n; i++) acc[i][k] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i * in + u + 8 * k), acc[i][k]);
+            for (int i = 0; i < n; i++)
+                acc[i][k] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i * in + u + 8 * k), acc[i][k]);
         }
     for (int i = 0; i < n; i++) /* lane l + 16, then the tree */
         sums[i] = facc_sum((Facc){_mm256_add_ps(acc[i][0], acc[i][2]), _mm256_add_ps(acc[i][1], acc[i][3])});

@@ -146,7 +146,8 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
 }
 
 /* IQ4_XS's signed codes (its table's values, at most 127 in size) against each row's activations: |w| times x with
- * w's sign, byte pairs to 16 bits (at most 2 127 127 < 2^15), then times the 16-bit scales (a 32-bit lane's scale in both halves) */
+ * w's sign, byte pairs to 16 bits (at most 2 127 127 < 2^15), then times the 16-bit scales (a 32-bit lane's
+ * scale in both halves) */
 static INLINE void rows_step_signed(__m512i *acc, __m512i q, __m512i scale, const int8_t *x, int64_t ldx, int n) {
     __m512i scale16 = _mm512_or_si512(_mm512_and_si512(scale, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(scale, 16));
     __m512i size = _mm512_abs_epi8(q);
