@@ -67,8 +67,11 @@ class FusedKernels:
         # the raw C entries (packed, x, rows, in, out, bias, y, threads, accumulate) -> 0, or -1 out of memory: for
         # a caller that checked its tensors once (model/quant/linears.py's KernelLinear)
         self.q4_call, self.q8_call = self._q4_matmul, self._q8_matmul
-        self.q4x8_call = lib.ns_q4x8_matmul  # Q4_0's 4-bit x 8-bit kernel (q4x8.c), q4x16's packing and arguments
+        self.q4x8_call = lib.ns_q4x8_matmul  # Q4_0's 4-bit x 8-bit kernel (q4x8.c), q4x16's arguments
         self.q4x8_call.argtypes, self.q4x8_call.restype = self._q4_matmul.argtypes, ctypes.c_int
+        self._q4x8_pack_gguf, self._q4x8_bytes = lib.ns_q4x8_pack_gguf, lib.ns_q4x8_packed_bytes
+        self._q4x8_pack_gguf.argtypes, self._q4x8_pack_gguf.restype = (_ptr, _i64, _i64, _ptr, _i32), None
+        self._q4x8_bytes.argtypes, self._q4x8_bytes.restype = (_i64, _i64), _i64
         lib.ns_q4x8_isa.restype = ctypes.c_char_p
         self.q4x8_isa = lib.ns_q4x8_isa().decode()
         self._bind_kquants(lib)
@@ -245,11 +248,23 @@ class FusedKernels:
                            torch.get_num_threads())
         return packed
 
+    def q4x8_pack_gguf(self, raw: torch.Tensor, in_features: int) -> torch.Tensor:
+        """A GGUF file's Q4_0 rows (uint8 [out, in / 32 blocks of 18 bytes]) -> q4x8's packed weight (the file's
+        4.5 bits a weight)."""
+        out = raw.shape[0]
+        if out % 16 or in_features % 32 or raw.shape != (out, in_features // 32 * 18) or raw.dtype != torch.uint8:
+            raise ValueError(f"cannot pack {tuple(raw.shape)} Q4_0 rows of {in_features} inputs: outputs go in 16s "
+                             "and inputs in blocks of 32")
+        raw = raw.contiguous()
+        packed = torch.empty(self._q4x8_bytes(out, in_features), dtype=torch.uint8)
+        self._q4x8_pack_gguf(raw.data_ptr(), out, in_features, packed.data_ptr(), torch.get_num_threads())
+        return packed
+
     def q4x8_matmul(self, packed: torch.Tensor, x: torch.Tensor, out: int) -> torch.Tensor:
         """x [rows, in] float32 (contiguous) . W^T -> [rows, out] float32 on q4x8 (8-bit activation codes per 32),
-        W packed by q4_pack / q4_pack_gguf."""
+        W packed by q4x8_pack_gguf."""
         rows, k = x.shape
-        if x.dtype is not torch.float32 or not x.is_contiguous() or packed.numel() != self._q4_bytes(out, k):
+        if x.dtype is not torch.float32 or not x.is_contiguous() or packed.numel() != self._q4x8_bytes(out, k):
             raise ValueError(f"the q4x8 kernel takes contiguous float32 rows of the weight's {k} inputs")
         y = torch.empty(rows, out)
         if rows and self.q4x8_call(packed.data_ptr(), x.data_ptr(), rows, k, out, None, y.data_ptr(),

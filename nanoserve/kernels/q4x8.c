@@ -1,12 +1,12 @@
 /* GGUF Q4_0 weights times 8-bit activations: q4x8, the activation format llama.cpp multiplies Q4_0 by.
  *
- * Weights: linear.c's q4x16 packing (ns_q4_pack / ns_q4_pack_gguf: 16 outputs a group of 32 inputs, their 4-bit
- * codes, then 16 f16 scales s and 16 f16 zeros z; w = (q - 8) s + z). Activations: each row's group of 32 to
- * 8-bit codes v = round(x 127 / max |x|) (to nearest even) with one scale d = max |x| / 127 and the codes' sum.
- * A group's product is the exact integer c = sum (q - 8) v, half the integer work of q4x16's 16-bit codes (one
- * 8-bit plane, not two), and the float part is q4x16's, y += fma(s, d c, z (d sum v)) group by group in order, on
- * every path (AVX-512 VNNI, AVX2, plain C). So an output's bits depend on its row alone: not on the call's other
- * rows, the thread or the instruction set.
+ * Weights: a Q4_0 file's blocks repacked 16 outputs a group of 32 inputs as linear.c's q4x16 lays its codes out,
+ * then the 16 outputs' f16 scales s as the file has them (w = (q - 8) s; no zeros: 288 bytes a group, the file's
+ * 4.5 bits a weight). Activations: each row's group of 32 to 8-bit codes v = round(x 127 / max |x|) (to nearest
+ * even) with one scale d = max |x| / 127 and the codes' sum. A group's product is the exact integer
+ * c = sum (q - 8) v, half the integer work of q4x16's 16-bit codes (one 8-bit plane, not two), and the float part
+ * y += s (d c) group by group in order, on every path (AVX-512 VNNI, AVX2, plain C). So an output's bits depend on
+ * its row alone: not on the call's other rows, the thread or the instruction set.
  *
  * Used for Q4_0 files only: the default model's Q4_1 weights keep q4x16 (8-bit codes flipped near-ties of its
  * greedy text there). No tile (AMX) path: a call of any size runs the vector path.
@@ -22,7 +22,8 @@
 
 #define GROUP 32
 #define OUTS 16                                       /* outputs packed together (linear.c) */
-#define GROUP_BYTES (OUTS * GROUP / 2 + 2 * OUTS * 2) /* nibbles, 16 f16 scales, 16 f16 zeros: 320 (linear.c) */
+#define GROUP_BYTES (OUTS * GROUP / 2 + OUTS * 2)     /* nibbles, then 16 f16 scales: 288 */
+#define Q4_0_BYTES 18                                 /* a file's block: f16 d, 16 bytes of nibbles */
 #define ROWS 4                                        /* activation rows a group's unpacked codes serve at once */
 #define QUANTIZE_POOLED_FROM 16
 
@@ -84,14 +85,12 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
         nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
     }
     __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
-    __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
     for (int i = 0; i < n; i++) {
         int32_t quads[8];
         memcpy(quads, x + i * in, 32);
         __m512i c = _mm512_set1_epi32(-8 * sums[i]);
         for (int j = 0; j < 8; j++) c = _mm512_dpbusd_epi32(c, nib[j], _mm512_set1_epi32(quads[j]));
-        __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d[i]), _mm512_cvtepi32_ps(c)),
-                                   _mm512_mul_ps(zero, _mm512_set1_ps(d[i] * (float)sums[i])));
+        __m512 t = _mm512_mul_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d[i]), _mm512_cvtepi32_ps(c)));
         _mm512_storeu_ps(acc[i], _mm512_add_ps(_mm512_loadu_ps(acc[i]), t));
     }
 }
@@ -111,7 +110,6 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
             q[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
         }
         __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * h)));
-        __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * h)));
         for (int i = 0; i < n; i++) {
             __m256i s = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
@@ -120,8 +118,7 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[j], _mm256_set1_epi32(quad)));
             }
             __m256i c = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), _mm256_set1_epi32(8 * sums[i]));
-            __m256 t = _mm256_fmadd_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d[i]), _mm256_cvtepi32_ps(c)),
-                                       _mm256_mul_ps(zero, _mm256_set1_ps(d[i] * (float)sums[i])));
+            __m256 t = _mm256_mul_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d[i]), _mm256_cvtepi32_ps(c)));
             _mm256_storeu_ps(acc[i] + 8 * h, _mm256_add_ps(_mm256_loadu_ps(acc[i] + 8 * h), t));
         }
     }
@@ -130,7 +127,7 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
 #define ISA "portable"
 static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *d, const int32_t *sums,
                        float (*acc)[OUTS]) {
-    uint16_t halves[2 * OUTS];
+    uint16_t halves[OUTS];
     memcpy(halves, p + 256, sizeof halves);
     for (int i = 0; i < n; i++) {
         const int8_t *row = x + i * in;
@@ -141,14 +138,54 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
                     uint8_t byte = p[v * 64 + l * 4 + k];
                     c += (byte & 0x0f) * row[8 * v + k] + (byte >> 4) * row[8 * v + 4 + k];
                 }
-            acc[i][l] = acc[i][l] + fmaf(f16_to_f32(halves[l]), d[i] * (float)c,
-                                         f16_to_f32(halves[OUTS + l]) * (d[i] * (float)sums[i]));
+            acc[i][l] = acc[i][l] + f16_to_f32(halves[l]) * (d[i] * (float)c);
         }
     }
 }
 #endif
 
 const char *ns_q4x8_isa(void) { return ISA; }
+
+/* ---- packing -------------------------------------------------------------------------------------------- */
+
+int64_t ns_q4x8_packed_bytes(int64_t out, int64_t in) { return (out / OUTS) * (in / GROUP) * GROUP_BYTES; }
+
+typedef struct {
+    const uint8_t *raw;
+    int64_t out, in;
+    uint8_t *dst;
+} Pack;
+
+/* Output groups of a chunk: per group of 32 inputs, vector v (64 bytes) holds for output l, at byte 4 l + c, input
+ * 8 v + c in its low nibble and 8 v + 4 + c in its high one (a Q4_0 block: input j < 16 in qs[j]'s low nibble,
+ * j + 16 in its high one); then the 16 blocks' d, their f16 bits as they are */
+static void pack_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    const Pack *t = task;
+    int64_t groups = t->in / GROUP, all = t->out / OUTS;
+    (void)slot;
+    for (int64_t g = all * chunk / chunks; g < all * (chunk + 1) / chunks; g++)
+        for (int64_t b = 0; b < groups; b++) {
+            uint8_t *p = t->dst + (g * groups + b) * GROUP_BYTES;
+            for (int l = 0; l < OUTS; l++) {
+                const uint8_t *block = t->raw + ((g * OUTS + l) * groups + b) * Q4_0_BYTES, *qs = block + 2;
+                uint8_t code[GROUP];
+                for (int j = 0; j < 16; j++) code[j] = qs[j] & 0x0f, code[j + 16] = qs[j] >> 4;
+                for (int v = 0; v < 4; v++)
+                    for (int c = 0; c < 4; c++)
+                        p[v * 64 + l * 4 + c] = (uint8_t)(code[8 * v + c] | (code[8 * v + 4 + c] << 4));
+                memcpy(p + 4 * 64 + 2 * l, block, 2);
+            }
+        }
+}
+
+/* A Q4_0 file's rows raw [out, in / 32 blocks of 18 bytes] -> dst (ns_q4x8_packed_bytes), on the thread pool */
+void ns_q4x8_pack_gguf(const uint8_t *raw, int64_t out, int64_t in, uint8_t *dst, int32_t threads) {
+    Pack task = {raw, out, in, dst};
+    threads = threads < 1 ? 1 : threads;
+    int64_t chunks = (int64_t)threads * 4;
+    if (chunks > out / OUTS) chunks = out / OUTS > 0 ? out / OUTS : 1;
+    ns_pool_run(pack_chunk, &task, chunks, threads);
+}
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
 
@@ -193,8 +230,7 @@ static void q4x8_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
 }
 
 /* y [rows, out] float32 = x [rows, in] float32 . W^T (+ bias; added to y with `accumulate`), W packed by
- * ns_q4_pack / ns_q4_pack_gguf (out in 16s, in in 32s); on up to `threads` threads. Returns 0, -1 out of
- * memory. */
+ * ns_q4x8_pack_gguf (out in 16s, in in 32s); on up to `threads` threads. Returns 0, -1 out of memory. */
 int ns_q4x8_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
                    float *y, int32_t threads, int32_t accumulate) {
     int64_t groups = in / GROUP;

@@ -167,18 +167,24 @@ class Q4Linear(KernelLinear):
         return self.kernels.q4_matmul(self.packed, flat.float().contiguous(), self.out_features)
 
 
-class Q4x8Linear(Q4Linear):
-    """A GGUF file's Q4_0 rows on the fused library's q4x8 kernel (kernels/q4x8.c): the 4-bit kernel's packing,
-    each row's groups of 32 quantized to 8-bit codes inside the call (the format llama.cpp multiplies Q4_0 by; half
-    the integer work of q4x16's 16-bit codes). Q4_1 (the default model's) keeps q4x16. An output depends on its row
-    alone, whatever the call's rows, threads or vector width."""
+class Q4x8Linear(KernelLinear):
+    """A GGUF file's Q4_0 rows on the fused library's q4x8 kernel (kernels/q4x8.c): the 4-bit kernel's layout of
+    codes with the file's scales and no zeros (4.5 bits a weight, as the file), each row's groups of 32 quantized to
+    8-bit codes inside the call (the format llama.cpp multiplies Q4_0 by; half the integer work of q4x16's 16-bit
+    codes). Q4_1 (the default model's) keeps q4x16. An output depends on its row alone, whatever the call's rows,
+    threads or vector width."""
 
     format = "q4x8"
     activation_form = "int8 per 32"
 
     def __init__(self, blocks: GgufInt4Rows, bias: torch.Tensor | None, sizes: list[int] | None, kernels):
-        super().__init__(blocks, bias, sizes, kernels)
-        self.matmul = kernels.q4x8_call
+        out, k = blocks.shape
+        if blocks.type_name != "Q4_0" or not int4_packable(out, k):
+            raise ValueError(f"q4x8 takes Q4_0 rows with inputs in groups of {GROUP} and outputs in 16s; this is "
+                             f"{blocks.type_name} {out}x{k}")
+        super().__init__(out, k, bias, sizes)
+        self.kernels, self.matmul = kernels, kernels.q4x8_call
+        self.register_buffer("packed", kernels.q4x8_pack_gguf(blocks.raw, k))
 
     def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         return self.kernels.q4x8_matmul(self.packed, flat.float().contiguous(), self.out_features)
