@@ -49,7 +49,7 @@ def product(kernels, type_name: str, raw: torch.Tensor, k: int):
     from nanoserve.model.quant.linears import Q4Linear, Q4x8Linear
 
     gguf_type, kernel = type_name.split("/")
-    linear = (Q4x8Linear if kernel == "q4x8" else Q4Linear)(GgufInt4Rows(gguf_type, raw, k), None, None, kernels)
+    linear = (Q4x8Linear if kernel == "q4x8" else Q4Linear)(GgufInt4Rows(gguf_type, (raw,), k), None, None, kernels)
     return lambda x: linear(x)
 
 

@@ -248,16 +248,21 @@ class FusedKernels:
                            torch.get_num_threads())
         return packed
 
-    def q4x8_pack_gguf(self, raw: torch.Tensor, in_features: int) -> torch.Tensor:
-        """A GGUF file's Q4_0 rows (uint8 [out, in / 32 blocks of 18 bytes]) -> q4x8's packed weight (the file's
-        4.5 bits a weight)."""
-        out = raw.shape[0]
-        if out % 16 or in_features % 32 or raw.shape != (out, in_features // 32 * 18) or raw.dtype != torch.uint8:
-            raise ValueError(f"cannot pack {tuple(raw.shape)} Q4_0 rows of {in_features} inputs: outputs go in 16s "
-                             "and inputs in blocks of 32")
-        raw = raw.contiguous()
-        packed = torch.empty(self._q4x8_bytes(out, in_features), dtype=torch.uint8)
-        self._q4x8_pack_gguf(raw.data_ptr(), out, in_features, packed.data_ptr(), torch.get_num_threads())
+    def q4x8_pack_gguf(self, parts: tuple[torch.Tensor, ...], in_features: int) -> torch.Tensor:
+        """A GGUF file's Q4_0 rows (runs of them stacked along the outputs, each uint8 [rows, in / 32 blocks of 18
+        bytes]) -> q4x8's packed weight (the file's 4.5 bits a weight), each run packed in place."""
+        for raw in parts:
+            out = raw.shape[0]
+            if out % 16 or in_features % 32 or raw.shape != (out, in_features // 32 * 18) or raw.dtype != torch.uint8:
+                raise ValueError(f"cannot pack {tuple(raw.shape)} Q4_0 rows of {in_features} inputs: outputs go in "
+                                 "16s and inputs in blocks of 32")
+        packed = torch.empty(self._q4x8_bytes(sum(p.shape[0] for p in parts), in_features), dtype=torch.uint8)
+        at = 0
+        for raw in parts:
+            raw = raw.contiguous()
+            self._q4x8_pack_gguf(raw.data_ptr(), raw.shape[0], in_features, packed.data_ptr() + at,
+                                 torch.get_num_threads())
+            at += self._q4x8_bytes(raw.shape[0], in_features)
         return packed
 
     def q4x8_matmul(self, packed: torch.Tensor, x: torch.Tensor, out: int) -> torch.Tensor:

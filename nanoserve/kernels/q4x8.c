@@ -167,12 +167,15 @@ static void pack_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
         for (int64_t b = 0; b < groups; b++) {
             uint8_t *p = t->dst + (g * groups + b) * GROUP_BYTES;
             for (int l = 0; l < OUTS; l++) {
-                const uint8_t *block = t->raw + ((g * OUTS + l) * groups + b) * Q4_0_BYTES, *qs = block + 2;
-                uint8_t code[GROUP];
-                for (int j = 0; j < 16; j++) code[j] = qs[j] & 0x0f, code[j + 16] = qs[j] >> 4;
-                for (int v = 0; v < 4; v++)
-                    for (int c = 0; c < 4; c++)
-                        p[v * 64 + l * 4 + c] = (uint8_t)(code[8 * v + c] | (code[8 * v + 4 + c] << 4));
+                const uint8_t *block = t->raw + ((g * OUTS + l) * groups + b) * Q4_0_BYTES;
+                uint32_t q[4], v[4]; /* the nibble bytes four at a time: qs[4 k .. 4 k + 3] */
+                memcpy(q, block + 2, 16);
+                const uint32_t low = 0x0f0f0f0fu, high = 0xf0f0f0f0u;
+                v[0] = (q[0] & low) | ((q[1] & low) << 4);        /* inputs 0-3 and 4-7 */
+                v[1] = (q[2] & low) | ((q[3] & low) << 4);        /* 8-11 and 12-15 */
+                v[2] = ((q[0] >> 4) & low) | (q[1] & high);       /* 16-19 and 20-23 */
+                v[3] = ((q[2] >> 4) & low) | (q[3] & high);       /* 24-27 and 28-31 */
+                for (int k = 0; k < 4; k++) memcpy(p + k * 64 + l * 4, &v[k], 4);
                 memcpy(p + 4 * 64 + 2 * l, block, 2);
             }
         }

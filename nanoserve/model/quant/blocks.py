@@ -81,16 +81,23 @@ class Int4Blocks:
 @dataclass(frozen=True)
 class GgufInt4Rows:
     """A [out, in] weight as a GGUF file's Q4_0 / Q4_1 rows, the file's bytes as they lie (blocks of 32: an f16
-    d, Q4_1's f16 m, 16 bytes of nibbles). The fused 4-bit kernel packs its weight straight from these bytes (no
-    unpacked copy of the codes at load); everything else takes them as the Int4Blocks they stand for (`int4`)."""
+    d, Q4_1's f16 m, 16 bytes of nibbles). The fused 4-bit kernels pack their weight straight from these bytes (no
+    unpacked copy of the codes at load); everything else takes them as the Int4Blocks they stand for (`int4`). A
+    merged projection's shards stay separate runs of rows (`parts`, stacked along the outputs): q4x8 packs each in
+    place, where a copy of them all cost a 3B file's load half a second."""
 
     type_name: str  # "Q4_0" or "Q4_1"
-    raw: torch.Tensor  # uint8 [out, in / 32 * block bytes]
+    parts: tuple[torch.Tensor, ...]  # uint8 [rows, in / 32 * block bytes] each
     in_features: int
 
     @property
+    def raw(self) -> torch.Tensor:
+        """Every row's bytes in one tensor (a copy where there are several parts)."""
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.raw.shape[0], self.in_features
+        return sum(p.shape[0] for p in self.parts), self.in_features
 
     def int4(self) -> Int4Blocks:
         return Int4Blocks.from_gguf(self.raw.contiguous().numpy().reshape(-1), self.type_name, self.shape)
@@ -99,30 +106,32 @@ class GgufInt4Rows:
         return self.int4().dequantize()
 
     def rows(self, order: np.ndarray) -> GgufInt4Rows:
-        return GgufInt4Rows(self.type_name, self.raw[torch.from_numpy(np.ascontiguousarray(order))], self.in_features)
+        return GgufInt4Rows(self.type_name, (self.raw[torch.from_numpy(np.ascontiguousarray(order))],),
+                            self.in_features)
 
     def slice(self, dim: int, start: int, stop: int) -> GgufInt4Rows | None:
         """A copy of output rows [start, stop) (dim 0) or input columns [start, stop) (dim 1); None when the columns
         are not whole blocks of 32."""
         if dim == 0:
-            return GgufInt4Rows(self.type_name, self.raw[start:stop].clone(), self.in_features)
+            return GgufInt4Rows(self.type_name, (self.raw[start:stop].clone(),), self.in_features)
         if start % GROUP or stop % GROUP:
             return None
         width = Q4_BLOCK_BYTES[self.type_name]
         part = self.raw[:, start // GROUP * width:stop // GROUP * width].contiguous()
-        return GgufInt4Rows(self.type_name, part, stop - start)
+        return GgufInt4Rows(self.type_name, (part,), stop - start)
 
     @staticmethod
     def cat(parts: list[GgufInt4Rows]) -> GgufInt4Rows | Int4Blocks:
-        """Stacked along the output rows: the file's rows where they share a type, else their Int4Blocks."""
+        """Stacked along the output rows (no copy): the file's rows where they share a type, else their
+        Int4Blocks."""
         if len({p.type_name for p in parts}) > 1:
             return Int4Blocks.cat([p.int4() for p in parts])
-        return GgufInt4Rows(parts[0].type_name, torch.cat([p.raw for p in parts]), parts[0].in_features)
+        return GgufInt4Rows(parts[0].type_name, tuple(t for p in parts for t in p.parts), parts[0].in_features)
 
     @staticmethod
     def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GgufInt4Rows:
         out, k = shape
-        return GgufInt4Rows(type_name, torch.from_numpy(raw.reshape(out, -1)), k)
+        return GgufInt4Rows(type_name, (torch.from_numpy(raw.reshape(out, -1)),), k)
 
 
 def as_int4(blocks: Int4Blocks | GgufInt4Rows) -> Int4Blocks:

@@ -184,7 +184,7 @@ class Q4x8Linear(KernelLinear):
                              f"{blocks.type_name} {out}x{k}")
         super().__init__(out, k, bias, sizes)
         self.kernels, self.matmul = kernels, kernels.q4x8_call
-        self.register_buffer("packed", kernels.q4x8_pack_gguf(blocks.raw, k))
+        self.register_buffer("packed", kernels.q4x8_pack_gguf(blocks.parts, k))
 
     def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         return self.kernels.q4x8_matmul(self.packed, flat.float().contiguous(), self.out_features)
