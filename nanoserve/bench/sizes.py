@@ -38,8 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--streams", type=int, nargs="*", default=[8, 32], help="concurrent streams (llama.cpp: that many slots)")
     p.add_argument("--batch-tokens", type=int, default=64, help="tokens each concurrent stream generates")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--kv-cache-gib", type=float, default=0.25, help="nanoserve's KV pool (32 streams of 80 "
-                                                                       "tokens fit an 8B model's in 0.25)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="nanoserve's KV pool; default: what the largest workload holds (the prefill prompt and its "
+                        "decode, or every concurrent stream's 16-token prompt and its tokens), in float32")
     p.add_argument("--files", default="bench-files", help="where the GGUF files are written (and reused)")
     p.add_argument("--skip-llama-cpp", action="store_true", help="nanoserve alone (the files still need "
                                                                    "llama-cpp-python's quantizer)")
