@@ -35,10 +35,9 @@ def _blocks(qtype: str, out: int, k: int, seed: int):
 
 
 def test_q4_0_takes_q4x8_and_q4_1_keeps_q4x16(kernels):
-    assert type(method_for(_blocks("Q4_0", 32, 64, 0)[0], kernels).process(_blocks("Q4_0", 32, 64, 0)[0], None,
-                                                                            None)) is Q4x8Linear
-    assert type(method_for(_blocks("Q4_1", 32, 64, 0)[0], kernels).process(_blocks("Q4_1", 32, 64, 0)[0], None,
-                                                                            None)) is Q4Linear
+    for qtype, linear in (("Q4_0", Q4x8Linear), ("Q4_1", Q4Linear)):
+        blocks = _blocks(qtype, 32, 64, 0)[0]
+        assert type(method_for(blocks, kernels).process(blocks, None, None)) is linear
 
 
 def test_the_product_is_close_to_float64_and_a_row_is_the_same_alone(kernels):

@@ -237,12 +237,8 @@ class FusedKernels:
     def q4_pack_gguf(self, raw: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
         """A GGUF file's Q4_0 / Q4_1 rows (uint8 [out, in / 32 blocks]) -> the 4-bit kernel's packed weight, the
         same bytes q4_pack makes from the blocks unpacked, with no unpacked copy."""
-        width = {"Q4_0": 18, "Q4_1": 20}[type_name]
-        out = raw.shape[0]
-        if out % 16 or in_features % 32 or raw.shape != (out, in_features // 32 * width) or raw.dtype != torch.uint8:
-            raise ValueError(f"cannot pack {tuple(raw.shape)} {type_name} rows of {in_features} inputs: outputs go "
-                             "in 16s and inputs in blocks of 32")
-        raw = raw.contiguous()
+        _check_gguf_rows(raw, type_name, in_features)
+        out, raw = raw.shape[0], raw.contiguous()
         packed = torch.empty(self._q4_bytes(out, in_features), dtype=torch.uint8)
         self._q4_pack_gguf(raw.data_ptr(), type_name == "Q4_1", out, in_features, packed.data_ptr(),
                            torch.get_num_threads())
@@ -252,10 +248,7 @@ class FusedKernels:
         """A GGUF file's Q4_0 rows (runs of them stacked along the outputs, each uint8 [rows, in / 32 blocks of 18
         bytes]) -> q4x8's packed weight (the file's 4.5 bits a weight), each run packed in place."""
         for raw in parts:
-            out = raw.shape[0]
-            if out % 16 or in_features % 32 or raw.shape != (out, in_features // 32 * 18) or raw.dtype != torch.uint8:
-                raise ValueError(f"cannot pack {tuple(raw.shape)} Q4_0 rows of {in_features} inputs: outputs go in "
-                                 "16s and inputs in blocks of 32")
+            _check_gguf_rows(raw, "Q4_0", in_features)
         packed = torch.empty(self._q4x8_bytes(sum(p.shape[0] for p in parts), in_features), dtype=torch.uint8)
         at = 0
         for raw in parts:
@@ -358,6 +351,15 @@ class FusedKernels:
         self._silu_mul(gate_up.data_ptr(), _kind(gate_up), rows, width // 2, out.data_ptr())
         self._count("silu_mul", rows)
         return out
+
+
+def _check_gguf_rows(raw: torch.Tensor, type_name: str, in_features: int) -> None:
+    """A GGUF file's Q4_0 / Q4_1 rows as the 4-bit packers take them: uint8 [out in 16s, in / 32 blocks]."""
+    width = {"Q4_0": 18, "Q4_1": 20}[type_name]
+    out = raw.shape[0]
+    if out % 16 or in_features % 32 or raw.shape != (out, in_features // 32 * width) or raw.dtype != torch.uint8:
+        raise ValueError(f"cannot pack {tuple(raw.shape)} {type_name} rows of {in_features} inputs: outputs go in "
+                         "16s and inputs in blocks of 32")
 
 
 def load() -> tuple[FusedKernels | None, str]:

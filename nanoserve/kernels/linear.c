@@ -34,6 +34,7 @@
 #define GROUP_BYTES (OUTS * GROUP / 2 + 2 * OUTS * 2) /* nibbles, then 16 f16 scales and 16 f16 zeros: 320 */
 
 #include "half.h"
+#include "q4pack.h"
 
 /* ---- packing -------------------------------------------------------------------------------------------- */
 
@@ -955,12 +956,8 @@ static void gguf_pack_chunk(const void *task, int64_t chunk, int64_t chunks, int
             uint8_t *p = t->dst + (g * groups + b) * GROUP_BYTES;
             uint16_t halves[2 * OUTS];
             for (int l = 0; l < OUTS; l++) {
-                const uint8_t *block = t->raw + ((g * OUTS + l) * groups + b) * width, *qs = block + width - 16;
-                uint8_t code[GROUP];
-                for (int j = 0; j < 16; j++) code[j] = qs[j] & 0x0f, code[j + 16] = qs[j] >> 4;
-                for (int v = 0; v < 4; v++)
-                    for (int c = 0; c < 4; c++)
-                        p[v * 64 + l * 4 + c] = (uint8_t)(code[8 * v + c] | (code[8 * v + 4 + c] << 4));
+                const uint8_t *block = t->raw + ((g * OUTS + l) * groups + b) * width;
+                q4_interleave(block + width - 16, p, l);
                 float d = half_at(block), zero = t->q4_1 ? half_at(block + 2) + 8.0f * d : 0.0f;
                 halves[l] = f32_to_f16(d);
                 halves[OUTS + l] = f32_to_f16(zero);

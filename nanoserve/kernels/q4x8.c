@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 #include "half.h"
+#include "q4pack.h"
 
 #define GROUP 32
 #define OUTS 16                                       /* outputs packed together (linear.c) */
@@ -156,9 +157,8 @@ typedef struct {
     uint8_t *dst;
 } Pack;
 
-/* Output groups of a chunk: per group of 32 inputs, vector v (64 bytes) holds for output l, at byte 4 l + c, input
- * 8 v + c in its low nibble and 8 v + 4 + c in its high one (a Q4_0 block: input j < 16 in qs[j]'s low nibble,
- * j + 16 in its high one); then the 16 blocks' d, their f16 bits as they are */
+/* Output groups of a chunk: per group of 32 inputs, the 16 blocks' codes (q4_interleave), then their d, the f16
+ * bits as they are */
 static void pack_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
     const Pack *t = task;
     int64_t groups = t->in / GROUP, all = t->out / OUTS;
@@ -168,14 +168,7 @@ static void pack_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
             uint8_t *p = t->dst + (g * groups + b) * GROUP_BYTES;
             for (int l = 0; l < OUTS; l++) {
                 const uint8_t *block = t->raw + ((g * OUTS + l) * groups + b) * Q4_0_BYTES;
-                uint32_t q[4], v[4]; /* the nibble bytes four at a time: qs[4 k .. 4 k + 3] */
-                memcpy(q, block + 2, 16);
-                const uint32_t low = 0x0f0f0f0fu, high = 0xf0f0f0f0u;
-                v[0] = (q[0] & low) | ((q[1] & low) << 4);        /* inputs 0-3 and 4-7 */
-                v[1] = (q[2] & low) | ((q[3] & low) << 4);        /* 8-11 and 12-15 */
-                v[2] = ((q[0] >> 4) & low) | (q[1] & high);       /* 16-19 and 20-23 */
-                v[3] = ((q[2] >> 4) & low) | (q[3] & high);       /* 24-27 and 28-31 */
-                for (int k = 0; k < 4; k++) memcpy(p + k * 64 + l * 4, &v[k], 4);
+                q4_interleave(block + 2, p, l);
                 memcpy(p + 4 * 64 + 2 * l, block, 2);
             }
         }
