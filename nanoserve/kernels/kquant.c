@@ -37,7 +37,7 @@ void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads)
 /* ---- activations: 8-bit codes per super-block ----------------------------------------------------------- */
 
 /* x [in] -> codes q [in], scales d [in / 256], code sums s [in / 16] */
-static void quantize_row(const float *x, int64_t in, int8_t *q, float *d, int32_t *s) {
+static void quantize_row(const float *x, int64_t in, int8_t *q, float *d, int16_t *s) {
     for (int64_t b = 0; b < in / QK; b++) {
         const float *v = x + b * QK;
         float top = 0.0f;
@@ -54,7 +54,7 @@ static void quantize_row(const float *x, int64_t in, int8_t *q, float *d, int32_
         for (int k = 0; k < QK / SUMS; k++) {
             int32_t sum = 0;
             for (int i = 0; i < SUMS; i++) sum += q[b * QK + k * SUMS + i];
-            s[b * (QK / SUMS) + k] = sum;
+            s[b * (QK / SUMS) + k] = (int16_t)sum; /* at most 16 128 in size */
         }
     }
 }
@@ -67,7 +67,7 @@ typedef struct {
     int64_t in, rows;
     int8_t *q;
     float *d;
-    int32_t *s;
+    int16_t *s;
 } Quantize;
 
 static void quantize_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
@@ -100,19 +100,22 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
  * Q6_K: ql[128], qh[64], scales[16] (int8, one per 16), d; element 128 h + 64 s + i: nibble s of ql[64 h + i],
  *       and bits 2 t.. of qh[32 h + (i mod 32)] with t = 2 s + i / 32, as bits 4-5; q - 32. */
 
-/* The float part keeps LANES partial sums a row, the same in every build: lane l takes, for each super-block,
- * the exact integer sum over the inputs {64 j + 4 l + k : j, k < 4} of weight code times activation code times
- * the code's sub-block scale (I_l), and for Q4_K / Q5_K the min term m_{l/2} times the activations' code sum
- * over inputs 16 l .. 16 l + 15 (M_l); Q6_K's offset sc_l times that sum (O_l). Per super-block, lane by lane,
- * each product rounded on its own (no fused multiply-add):
+/* The float part keeps LANES partial sums a row, the same in every build. For each super-block, lane l takes the
+ * exact integer sum over its 32 inputs {64 j + 4 l + k, 64 j + 32 + 4 l + k : j, k < 4} of weight code times
+ * activation code times the code's sub-block scale (I_l), and a correction over inputs 32 l .. 32 l + 31 (the
+ * activations' code sums S_g over 16 inputs 16 g .. 16 g + 15, g = 2 l, 2 l + 1, times their group's factor):
+ * Q4_K / Q5_K's mins M_l = m_l (S_2l + S_2l+1), Q2_K's M_l = m_2l S_2l + m_2l+1 S_2l+1, Q6_K's offsets
+ * O_l = sc_2l S_2l + sc_2l+1 S_2l+1. Per super-block, lane by lane, each product rounded on its own (no fused
+ * multiply-add):
  *   Q4_K / Q5_K  a_l = (a_l + (d dx) I_l) - (dmin dx) M_l      Q6_K  a_l = a_l + (d dx) (I_l - 32 O_l)
  * Q2_K goes as Q4_K (a scale and a min per 16 inputs), Q3_K as Q6_K with 4 for 32, IQ4_XS as Q6_K with no
- * offset (its codes signed). The types in blocks of 32 (Q5_0, Q5_1, IQ4_NL) scale each chunk j of 64 inputs by
- * its two blocks' factors, lanes 0-7 block 2 j and 8-15 block 2 j + 1, I_l and S_l (the activation codes' sum)
- * over the lane's 4 inputs of the chunk:  a_l = a_l + (d_b dx) I_l, and for Q5_1 then a_l = a_l + (m_b dx) S_l.
- * The row's sum is the lanes added in one fixed tree (l + 8, then l + 4, l + 2, l + 1). The vector builds hold
- * the lanes in registers across super-blocks: no horizontal sum per super-block. */
-#define LANES 16
+ * offset (its codes signed). The types in blocks of 32 (Q5_0, Q5_1, IQ4_NL) take each chunk j of 64 inputs as its
+ * two blocks b = 2 j, 2 j + 1 in turn, I_bl and S_bl (the activation codes' sum) over block b's inputs 4 l .. 4 l
+ * + 3:  a_l = a_l + (d_b dx) I_bl, and for Q5_1 then a_l = a_l + (m_b dx) S_bl. The row's sum is the lanes added
+ * in one fixed tree (l + 4, then l + 2, l + 1). Eight lanes are one AVX2 register: the float part, a fifth of the
+ * work at 16 lanes, costs one instruction per step on either x86 build (AVX-512 adds its integer halves first).
+ * The vector builds hold the lanes in registers across super-blocks: no horizontal sum per super-block. */
+#define LANES 8
 /* Each build's block_k45, block_q6k and the rest: one super-block of weights (unpacked once) against n <= ROWS
  * activation rows, x the first row's codes for this super-block and row i's at x + i ldx, its code sums at
  * xs + i lds, its float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. ROWS is the build's: eight
@@ -121,7 +124,7 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ROWS 8
 #else
-#define ROWS 4
+#define ROWS 8
 #endif
 /* inlined where called, so a call with one row (decode) or ROWS is compiled for that constant: measured 1.5x on
  * one row against leaving it to the compiler */
@@ -150,7 +153,7 @@ enum { K_Q5_0, K_Q5_1, K_IQ4_NL };
 typedef struct {
     const int8_t *q;
     const float *d;
-    const int32_t *s;
+    const int16_t *s; /* code sums per 16 inputs, 16-bit: two of them times their 16-bit factors in one pair product */
     int64_t in;
     const float *f; /* the float32 rows themselves (16-bit weights take them unquantized), row i at f + i in */
 } Act;
@@ -452,7 +455,7 @@ int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, i
     int64_t blocks = in / QK;
     int8_t *xq = malloc((size_t)(rows * in));
     float *xd = malloc((size_t)(rows * blocks) * sizeof(float));
-    int32_t *xs = malloc((size_t)(rows * (in / SUMS)) * sizeof(int32_t));
+    int16_t *xs = malloc((size_t)(rows * (in / SUMS)) * sizeof(int16_t));
     if (!xq || !xd || !xs) {
         free(xq), free(xd), free(xs);
         return -1;

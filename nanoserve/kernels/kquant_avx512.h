@@ -1,13 +1,9 @@
 /* kquant.c's AVX-512 VNNI build: 64-byte codes, a row's 16 integer and float lanes in one register each.
  * Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
  * kinds of blocks of 32), where the build has this instruction set. */
-typedef __m512 Facc;
-static INLINE Facc facc_zero(void) { return _mm512_setzero_ps(); }
-static INLINE float facc_sum(Facc a) {
-    __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+/* The integer lanes l and l + 8 of a 16-lane register added: the float part's 8 lanes (kquant.c) */
+static INLINE __m256i fold(__m512i ints) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(ints), _mm512_extracti64x4_epi64(ints, 1));
 }
 
 static inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
@@ -29,30 +25,13 @@ static INLINE void rows_step2(__m512i *acc, __m512i qa, __m512i sa, __m512i qb, 
     }
 }
 
-static INLINE __m512 scaled(float f, __m512i ints) { return _mm512_mul_ps(_mm512_set1_ps(f), _mm512_cvtepi32_ps(ints)); }
-
-/* The k45 float step (Q4_K, Q5_K, Q2_K): a_l = (a_l + (d dx) I_l) - (dmin dx) M_l, M_l = mins_l times the lane's
- * activation code sum */
-static INLINE void minus_mins(Facc *acc, int n, const __m512i *ints, __m512i mins, const int32_t *xs, int64_t lds,
-                              const float *dd, const float *dm) {
-    for (int i = 0; i < n; i++) {
-        __m512i mi = _mm512_mullo_epi32(mins, _mm512_loadu_si512((const void *)(xs + i * lds)));
-        acc[i] = _mm512_sub_ps(_mm512_add_ps(acc[i], scaled(dd[i], ints[i])), scaled(dm[i], mi));
-    }
-}
-
-/* The offset float step (Q6_K: 32 = 1 << 5, Q3_K: 4 = 1 << 2): a_l = a_l + (d dx) (I_l - (sc_l s_l << shift)) */
-static INLINE void minus_offsets(Facc *acc, int n, const __m512i *ints, const int8_t sc[16], int shift,
-                                 const int32_t *xs, int64_t lds, const float *dd) {
-    __m512i offsets = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
-    for (int i = 0; i < n; i++) {
-        __m512i o = _mm512_mullo_epi32(offsets, _mm512_loadu_si512((const void *)(xs + i * lds)));
-        acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], _mm512_sub_epi32(ints[i], _mm512_slli_epi32(o, shift))));
-    }
+/* Each row's folded lanes */
+static INLINE void fold_rows(int n, const __m512i *ints, __m256i *lanes) {
+    for (int i = 0; i < n; i++) lanes[i] = fold(ints[i]);
 }
 
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
+                             const uint8_t sc[8], const uint8_t m[8], const int16_t *xs, int64_t lds, const float *dd,
                              const float *dm, Facc *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256i high = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
@@ -73,14 +52,13 @@ static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
     }
     rows_step2(ints, q[0], scale[0], q[1], scale[1], x, ldx, n);
     rows_step2(ints, q[2], scale[2], q[3], scale[3], x + 128, ldx, n);
-    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512i mins = _mm512_permutexvar_epi32(
-        twice, _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m))));
-    minus_mins(acc, n, ints, mins, xs, lds, dd, dm);
+    __m256i lanes[ROWS];
+    fold_rows(n, ints, lanes);
+    minus_mins(acc, n, lanes, mins_twice(m), xs, lds, dd, dm);
 }
 
 static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
-                             int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+                             int n, const int16_t *xs, int64_t lds, const float *dd, Facc *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
     const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512i ints[ROWS], q[4], scale[4];
@@ -101,7 +79,9 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
     }
     rows_step2(ints, q[0], scale[0], q[1], scale[1], x, ldx, n);
     rows_step2(ints, q[2], scale[2], q[3], scale[3], x + 128, ldx, n);
-    minus_offsets(acc, n, ints, sc, 5, xs, lds, dd);
+    __m256i lanes[ROWS];
+    fold_rows(n, ints, lanes);
+    minus_offsets(acc, n, lanes, sc, 5, xs, lds, dd);
 }
 
 /* Q2_K / Q3_K: 256 codes of 2 bits (input 128 h + 32 s + l at bits 2 s of qs[32 h + l]), with Q3_K's third bit
@@ -131,18 +111,22 @@ static INLINE void ints_2bit(const uint8_t *qs, const uint8_t *hmask, const int8
 }
 
 static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
-                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, const float *dm,
+                             int64_t ldx, int n, const int16_t *xs, int64_t lds, const float *dd, const float *dm,
                              Facc *acc) {
     __m512i ints[ROWS];
+    __m256i lanes[ROWS];
     ints_2bit(qs, NULL, sc, x, ldx, n, ints);
-    minus_mins(acc, n, ints, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m)), xs, lds, dd, dm);
+    fold_rows(n, ints, lanes);
+    minus_mins(acc, n, lanes, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)m)), xs, lds, dd, dm);
 }
 
 static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
-                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+                             int64_t ldx, int n, const int16_t *xs, int64_t lds, const float *dd, Facc *acc) {
     __m512i ints[ROWS];
+    __m256i lanes[ROWS];
     ints_2bit(qs, hmask, sc, x, ldx, n, ints);
-    minus_offsets(acc, n, ints, sc, 2, xs, lds, dd);
+    fold_rows(n, ints, lanes);
+    minus_offsets(acc, n, lanes, sc, 2, xs, lds, dd);
 }
 
 /* IQ4_XS's signed codes (its table's values, at most 127 in size) against each row's activations: |w| times x with
@@ -176,30 +160,35 @@ static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8
         __m512i pick = join(_mm256_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1));
         rows_step_signed(ints, q, _mm512_permutexvar_epi32(pick, scales), x + 64 * c, ldx, n);
     }
-    for (int i = 0; i < n; i++) acc[i] = _mm512_add_ps(acc[i], scaled(dd[i], ints[i]));
+    for (int i = 0; i < n; i++) acc[i] = _mm256_add_ps(acc[i], scaled(dd[i], fold(ints[i])));
 }
 
 /* Blocks 2 c and 2 c + 1 of a run against each row's chunk c: lane l's sum of code times activation code over its
- * 4 inputs (and Q5_1's sum of activation codes), times its block's d dx (and m dx), into the row's lanes */
+ * 4 inputs (and Q5_1's sum of activation codes) in lanes l (block 2 c) and l + 8 (block 2 c + 1), then block 2 c's
+ * (d dx) I (and (m dx) S) into the row's 8 float lanes, then block 2 c + 1's (kquant.c) */
 static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[8], const float m[8],
                            const int8_t *x, int64_t ldx, int n, const float *dx, Facc *acc) {
     const __m512i ones16 = _mm512_set1_epi16(1), ones8 = _mm512_set1_epi8(1);
-    __m512 dv = _mm512_castps256_ps512(_mm256_loadu_ps(d)), mv = _mm512_castps256_ps512(_mm256_loadu_ps(m));
     for (int c = 0; c < 4; c++) {
         __m512i q = join(codes32(w + 2 * c * bytes, kind), codes32(w + (2 * c + 1) * bytes, kind));
-        __m512i pick = join(_mm256_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1));
-        __m512 dc = _mm512_permutexvar_ps(pick, dv), mc = _mm512_permutexvar_ps(pick, mv);
         __m512i size = kind == K_Q5_1 ? q : _mm512_abs_epi8(q);
         __mmask64 negative = kind == K_Q5_1 ? 0 : _mm512_movepi8_mask(q);
         for (int i = 0; i < n; i++) {
             __m512i v = _mm512_loadu_si512((const void *)(x + i * ldx + 64 * c));
-            __m512 f = _mm512_set1_ps(dx[i]);
+            __m256 f = _mm256_set1_ps(dx[i]);
             if (kind != K_Q5_1) v = _mm512_mask_sub_epi8(v, negative, _mm512_setzero_si512(), v);
-            __m512i ints = _mm512_madd_epi16(_mm512_maddubs_epi16(size, v), ones16);
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dc, f), _mm512_cvtepi32_ps(ints)));
-            if (kind == K_Q5_1) {
-                __m512i sums = _mm512_madd_epi16(_mm512_maddubs_epi16(ones8, v), ones16);
-                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(mc, f), _mm512_cvtepi32_ps(sums)));
+            __m512i ints = _mm512_madd_epi16(_mm512_maddubs_epi16(size, v), ones16), sums = _mm512_setzero_si512();
+            if (kind == K_Q5_1) sums = _mm512_madd_epi16(_mm512_maddubs_epi16(ones8, v), ones16);
+            for (int h = 0; h < 2; h++) {
+                int b = 2 * c + h;
+                __m256i half_ints = h ? _mm512_extracti64x4_epi64(ints, 1) : _mm512_castsi512_si256(ints);
+                acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d[b]), f),
+                                                             _mm256_cvtepi32_ps(half_ints)));
+                if (kind == K_Q5_1) {
+                    __m256i half_sums = h ? _mm512_extracti64x4_epi64(sums, 1) : _mm512_castsi512_si256(sums);
+                    acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(m[b]), f),
+                                                                 _mm256_cvtepi32_ps(half_sums)));
+                }
             }
         }
     }
@@ -223,5 +212,9 @@ static INLINE void rows_half(const uint8_t *w, int bf16, const float *x, int64_t
             hi[i] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * in + u + 16), hi[i]);
         }
     }
-    for (int i = 0; i < n; i++) sums[i] = facc_sum(_mm512_add_ps(lo[i], hi[i])); /* lane l + 16, then the tree */
+    for (int i = 0; i < n; i++) { /* lane l + 16, l + 8, then the tree */
+        __m512 s = _mm512_add_ps(lo[i], hi[i]);
+        sums[i] = facc_sum(_mm256_add_ps(_mm512_castps512_ps256(s),
+                                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))));
+    }
 }

@@ -11,11 +11,13 @@ static INLINE float facc_sum(Facc a) {
     return a.v[0];
 }
 
-/* One row's 16 lanes of exact integer sums. The codes' products go through a plain array in input order first,
- * so the compiler vectorizes that loop; lane l then adds inputs 4 l .. 4 l + 3 of each 64. */
+/* One row's exact integer sums per 4 inputs of each 64 (QUADS of them: quad q takes inputs 4 q .. 4 q + 3 of each
+ * chunk), times their sub-block scale; lane l of the float part takes quads l and l + 8 (kquant.c). The codes'
+ * products go through a plain array in input order first, so the compiler vectorizes that loop. */
+#define QUADS 16
 static INLINE void lanes_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, const uint8_t sc[8],
-                             int32_t lanes[LANES]) {
-    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+                             int32_t lanes[QUADS]) {
+    for (int l = 0; l < QUADS; l++) lanes[l] = 0;
     for (int j = 0; j < 4; j++) {
         int32_t p[64];
         for (int b = 0; b < 32; b++) {
@@ -23,52 +25,58 @@ static INLINE void lanes_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
             p[b] = ((qs[32 * j + b] & 15) | (((h >> (2 * j)) & 1) << 4)) * x[64 * j + b];
             p[32 + b] = ((qs[32 * j + b] >> 4) | (((h >> (2 * j + 1)) & 1) << 4)) * x[64 * j + 32 + b];
         }
-        for (int l = 0; l < LANES; l++)
+        for (int l = 0; l < QUADS; l++)
             lanes[l] += sc[2 * j + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
 
 static INLINE void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x,
-                             int32_t lanes[LANES]) {
-    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+                             int32_t lanes[QUADS]) {
+    for (int l = 0; l < QUADS; l++) lanes[l] = 0;
     for (int c = 0; c < 4; c++) {
         int h = c >> 1, s = c & 1;
         int32_t p[64];
         for (int i = 0; i < 64; i++) /* ql byte 64 h + i, input 64 c + i */
             p[i] = (((ql[64 * h + i] >> (4 * s)) & 15) | (((qh[32 * h + (i & 31)] >> (4 * s + 2 * (i >> 5))) & 3) << 4)) *
                    x[64 * c + i];
-        for (int l = 0; l < LANES; l++)
+        for (int l = 0; l < QUADS; l++)
             lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
 
+/* Q6_K / Q3_K's O_l: the lane's two 16-input groups' code sums times their scales */
+static INLINE int32_t offsets(const int8_t sc[16], const int16_t *s, int l) {
+    return sc[2 * l] * s[2 * l] + sc[2 * l + 1] * s[2 * l + 1];
+}
+
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                             const uint8_t sc[8], const uint8_t m[8], const int32_t *xs, int64_t lds, const float *dd,
+                             const uint8_t sc[8], const uint8_t m[8], const int16_t *xs, int64_t lds, const float *dd,
                              const float *dm, Facc *acc) {
     for (int i = 0; i < n; i++) {
-        int32_t ints[LANES];
+        int32_t ints[QUADS];
         lanes_k45(qs, qh, x + i * ldx, sc, ints);
         for (int l = 0; l < LANES; l++) {
-            int32_t mins = m[l / 2] * xs[i * lds + l];
-            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)ints[l]) - dm[i] * (float)mins;
+            const int16_t *s = xs + i * lds + 2 * l;
+            int32_t mins = m[l] * s[0] + m[l] * s[1];
+            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)(ints[l] + ints[l + 8])) - dm[i] * (float)mins;
         }
     }
 }
 
 static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,
-                             int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+                             int n, const int16_t *xs, int64_t lds, const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
-        int32_t ints[LANES];
+        int32_t ints[QUADS];
         lanes_q6k(ql, qh, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++)
-            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 32 * (sc[l] * xs[i * lds + l]));
+            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] + ints[l + 8] - 32 * offsets(sc, xs + i * lds, l));
     }
 }
 
 /* Q2_K / Q3_K's lanes for one row (see the AVX-512 build for the layout) */
 static INLINE void lanes_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
-                              int32_t lanes[LANES]) {
-    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+                              int32_t lanes[QUADS]) {
+    for (int l = 0; l < QUADS; l++) lanes[l] = 0;
     for (int c = 0; c < 4; c++) {
         int32_t p[64];
         for (int i = 0; i < 64; i++) {
@@ -76,48 +84,49 @@ static INLINE void lanes_2bit(const uint8_t *qs, const uint8_t *hmask, const int
             int u = ((qs[byte] >> shift) & 3) | (hmask ? ((hmask[i & 31] >> (e / 32)) & 1) << 2 : 0);
             p[i] = u * x[e];
         }
-        for (int l = 0; l < LANES; l++)
+        for (int l = 0; l < QUADS; l++)
             lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
 
 static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
-                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, const float *dm,
+                             int64_t ldx, int n, const int16_t *xs, int64_t lds, const float *dd, const float *dm,
                              Facc *acc) {
     for (int i = 0; i < n; i++) {
-        int32_t ints[LANES];
+        int32_t ints[QUADS];
         lanes_2bit(qs, NULL, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++) {
-            int32_t mins = m[l] * xs[i * lds + l];
-            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)ints[l]) - dm[i] * (float)mins;
+            const int16_t *s = xs + i * lds + 2 * l;
+            int32_t mins = m[2 * l] * s[0] + m[2 * l + 1] * s[1];
+            acc[i].v[l] = (acc[i].v[l] + dd[i] * (float)(ints[l] + ints[l + 8])) - dm[i] * (float)mins;
         }
     }
 }
 
 static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
-                             int64_t ldx, int n, const int32_t *xs, int64_t lds, const float *dd, Facc *acc) {
+                             int64_t ldx, int n, const int16_t *xs, int64_t lds, const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
-        int32_t ints[LANES];
+        int32_t ints[QUADS];
         lanes_2bit(qs, hmask, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++)
-            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] - 4 * (sc[l] * xs[i * lds + l]));
+            acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] + ints[l + 8] - 4 * offsets(sc, xs + i * lds, l));
     }
 }
 
 static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
                                const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
-        int32_t lanes[LANES] = {0};
+        int32_t lanes[QUADS] = {0};
         for (int c = 0; c < 4; c++) {
             int32_t p[64];
             for (int e = 0; e < 64; e++) { /* block 2 c + e / 32, input e % 32 of it */
                 int byte = qs[32 * c + 16 * (e / 32) + (e & 15)];
                 p[e] = NS_KVALUES[(e & 16) ? byte >> 4 : byte & 15] * x[i * ldx + 64 * c + e];
             }
-            for (int l = 0; l < LANES; l++)
+            for (int l = 0; l < QUADS; l++)
                 lanes[l] += sc[2 * c + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
         }
-        for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)lanes[l];
+        for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(lanes[l] + lanes[l + 8]);
     }
 }
 
@@ -134,14 +143,16 @@ static INLINE int code32(const uint8_t *block, int kind, int j) {
 static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[8], const float m[8],
                            const int8_t *x, int64_t ldx, int n, const float *dx, Facc *acc) {
     for (int i = 0; i < n; i++)
-        for (int l = 0; l < LANES; l++)
-            for (int c = 0; c < 4; c++) {
-                int b = 2 * c + (l >= 8), first = 4 * (l & 7);
-                const int8_t *v = x + i * ldx + 64 * c + 32 * (l >= 8) + first;
-                int32_t ints = 0, sums = 0;
-                for (int k = 0; k < 4; k++) ints += code32(w + b * bytes, kind, first + k) * v[k], sums += v[k];
-                acc[i].v[l] = acc[i].v[l] + (d[b] * dx[i]) * (float)ints;
-                if (kind == K_Q5_1) acc[i].v[l] = acc[i].v[l] + (m[b] * dx[i]) * (float)sums;
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) { /* block 2 c, then 2 c + 1 */
+                int b = 2 * c + h;
+                for (int l = 0; l < LANES; l++) {
+                    const int8_t *v = x + i * ldx + 64 * c + 32 * h + 4 * l;
+                    int32_t ints = 0, sums = 0;
+                    for (int k = 0; k < 4; k++) ints += code32(w + b * bytes, kind, 4 * l + k) * v[k], sums += v[k];
+                    acc[i].v[l] = acc[i].v[l] + (d[b] * dx[i]) * (float)ints;
+                    if (kind == K_Q5_1) acc[i].v[l] = acc[i].v[l] + (m[b] * dx[i]) * (float)sums;
+                }
             }
 }
 

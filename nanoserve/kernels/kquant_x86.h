@@ -1,6 +1,46 @@
 /* kquant.c's helpers both x86 vector builds share (AVX2 instructions).
  * Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
  * kinds of blocks of 32), where the build has this instruction set. */
+/* The float part (see kquant.c): a row's 8 lanes in one AVX2 register in either build */
+typedef __m256 Facc;
+static INLINE Facc facc_zero(void) { return _mm256_setzero_ps(); }
+static INLINE float facc_sum(Facc a) { /* l + 4, l + 2, l + 1 */
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+static INLINE __m256 scaled(float f, __m256i ints) { return _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(ints)); }
+
+/* Each lane's two 16-input code sums times their factors (16-bit each), in one pair product: exact */
+static INLINE __m256i group_sums(const int16_t *xs, __m256i factors) {
+    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xs), factors);
+}
+
+/* The k45 float step (Q4_K, Q5_K, Q2_K): a_l = (a_l + (d dx) I_l) - (dmin dx) M_l; mins: each 16-input group's */
+static INLINE void minus_mins(Facc *acc, int n, const __m256i *ints, __m256i mins, const int16_t *xs, int64_t lds,
+                              const float *dd, const float *dm) {
+    for (int i = 0; i < n; i++)
+        acc[i] = _mm256_sub_ps(_mm256_add_ps(acc[i], scaled(dd[i], ints[i])),
+                               scaled(dm[i], group_sums(xs + i * lds, mins)));
+}
+
+/* The offset float step (Q6_K: 32 = 1 << 5, Q3_K: 4 = 1 << 2): a_l = a_l + (d dx) (I_l - (O_l << shift)) */
+static INLINE void minus_offsets(Facc *acc, int n, const __m256i *ints, const int8_t sc[16], int shift,
+                                 const int16_t *xs, int64_t lds, const float *dd) {
+    __m256i offsets = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    for (int i = 0; i < n; i++) {
+        __m256i o = _mm256_slli_epi32(group_sums(xs + i * lds, offsets), shift);
+        acc[i] = _mm256_add_ps(acc[i], scaled(dd[i], _mm256_sub_epi32(ints[i], o)));
+    }
+}
+
+/* Q4_K / Q5_K's 8 mins as the 16 groups' (m_l twice) */
+static INLINE __m256i mins_twice(const uint8_t m[8]) {
+    __m128i m8 = _mm_loadl_epi64((const __m128i *)m);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+}
+
 /* bit j of the 32 bits at qh -> 0x10 in byte j (the fifth bit of Q5_0 / Q5_1's code j) */
 static INLINE __m256i fifth_bits(const uint8_t *qh) {
     uint32_t v;
