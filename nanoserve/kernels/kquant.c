@@ -116,16 +116,13 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
  * work at 16 lanes, costs one instruction per step on either x86 build (AVX-512 adds its integer halves first).
  * The vector builds hold the lanes in registers across super-blocks: no horizontal sum per super-block. */
 #define LANES 8
-/* Each build's block_k45, block_q6k and the rest: one super-block of weights (unpacked once) against n <= ROWS
+/* Each build's block_k45 (its 12 scale bytes unpacked as scale_min_k4 does), block_q6k and the rest: one
+ * super-block of weights (unpacked once) against n <= ROWS
  * activation rows, x the first row's codes for this super-block and row i's at x + i ldx, its code sums at
- * xs + i lds, its float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. ROWS is the build's: eight
- * where 32 vector registers hold their lanes (AVX-512: measured 1.07x on Q4_K, 1.18x on Q6_K at 8-64 rows against
- * four), else four. How many rows share a weight's unpacking changes no output's arithmetic. */
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+ * xs + i lds, its float factors dd[i] (and dm[i]); the lanes of row i in acc[i]. ROWS = 8 (against
+ * four: AVX-512 1.07x on Q4_K, 1.18x on Q6_K at 8-64 rows; AVX2, whose eight lanes a row are one register, 1.25x on
+ * Q4_K). How many rows share a weight's unpacking changes no output's arithmetic. */
 #define ROWS 8
-#else
-#define ROWS 8
-#endif
 /* inlined where called, so a call with one row (decode) or ROWS is compiled for that constant: measured 1.5x on
  * one row against leaving it to the compiler */
 #define INLINE inline __attribute__((always_inline))
@@ -175,12 +172,10 @@ static INLINE void dot_k45(const uint8_t *w, int64_t block_bytes, int64_t qh_at,
     for (int i = 0; i < n; i++) acc[i] = facc_zero();
     for (int64_t b = 0; b < blocks; b++, w += block_bytes) {
         ahead(w, block_bytes, n);
-        uint8_t sc[8], m[8];
-        scale_min_k4(w + 4, sc, m);
         const uint8_t *qh = qh_at ? w + qh_at : NULL, *qs = w + (qh_at ? qh_at + 32 : 16);
         float d = half_at(w), dmin = half_at(w + 2), dd[ROWS], dm[ROWS];
         for (int i = 0; i < n; i++) dd[i] = d * x.d[i * blocks + b], dm[i] = dmin * x.d[i * blocks + b];
-        block_k45(qs, qh, x.q + b * QK, x.in, n, sc, m, x.s + b * (QK / SUMS), x.in / SUMS, dd, dm, acc);
+        block_k45(qs, qh, x.q + b * QK, x.in, n, w + 4, x.s + b * (QK / SUMS), x.in / SUMS, dd, dm, acc);
     }
     for (int i = 0; i < n; i++) sums[i] = facc_sum(acc[i]);
 }

@@ -37,11 +37,12 @@ static INLINE void ints_zero(int n, __m256i *ints) {
 }
 
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                             const uint8_t sc[8], const uint8_t m[8], const int16_t *xs, int64_t lds, const float *dd,
-                             const float *dm, Facc *acc) {
+                             const uint8_t *scales12, const int16_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    __m128i scales_mins = scales_mins_k4(scales12);
     const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256i high = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-    __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+    __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
     __m256i ints[ROWS];
     ints_zero(n, ints);
     for (int j = 0; j < 4; j++) {
@@ -54,7 +55,7 @@ static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
         rows_chunk(l, word_everywhere(scales, 2 * j, 2 * j), h, word_everywhere(scales, 2 * j + 1, 2 * j + 1), x + 64 * j,
                    ldx, n, ints);
     }
-    minus_mins(acc, n, ints, mins_twice(m), xs, lds, dd, dm);
+    minus_mins(acc, n, ints, mins_twice(scales_mins), xs, lds, dd, dm);
 }
 
 static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,

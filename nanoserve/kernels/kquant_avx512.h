@@ -31,11 +31,12 @@ static INLINE void fold_rows(int n, const __m512i *ints, __m256i *lanes) {
 }
 
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                             const uint8_t sc[8], const uint8_t m[8], const int16_t *xs, int64_t lds, const float *dd,
-                             const float *dm, Facc *acc) {
+                             const uint8_t *scales12, const int16_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    __m128i scales_mins = scales_mins_k4(scales12);
     const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256i high = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-    __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(scales_mins));
     __m512i ints[ROWS];
     __m512i q[4], scale[4];
     for (int i = 0; i < n; i++) ints[i] = _mm512_setzero_si512();
@@ -54,7 +55,7 @@ static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
     rows_step2(ints, q[2], scale[2], q[3], scale[3], x + 128, ldx, n);
     __m256i lanes[ROWS];
     fold_rows(n, ints, lanes);
-    minus_mins(acc, n, lanes, mins_twice(m), xs, lds, dd, dm);
+    minus_mins(acc, n, lanes, mins_twice(scales_mins), xs, lds, dd, dm);
 }
 
 static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x, int64_t ldx,

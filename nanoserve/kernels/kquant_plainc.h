@@ -50,8 +50,10 @@ static INLINE int32_t offsets(const int8_t sc[16], const int16_t *s, int l) {
 }
 
 static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, int64_t ldx, int n,
-                             const uint8_t sc[8], const uint8_t m[8], const int16_t *xs, int64_t lds, const float *dd,
-                             const float *dm, Facc *acc) {
+                             const uint8_t *scales12, const int16_t *xs, int64_t lds, const float *dd, const float *dm,
+                             Facc *acc) {
+    uint8_t sc[8], m[8];
+    scale_min_k4(scales12, sc, m);
     for (int i = 0; i < n; i++) {
         int32_t ints[QUADS];
         lanes_k45(qs, qh, x + i * ldx, sc, ints);
