@@ -18,7 +18,7 @@ import time
 import torch
 
 
-def nanoserve_timer(path: str, threads: int):
+def nanoserve_timer(path: str):
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model=path, max_model_len=512, kv_cache_gib=0.1, enable_prefix_caching=False)
@@ -61,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from nanoserve.bench.common import machine
 
-    engines = {"nanoserve": nanoserve_timer(args.path, args.threads),
+    engines = {"nanoserve": nanoserve_timer(args.path),
                "llama.cpp": llama_cpp_timer(args.path, args.threads)}
     for seconds in engines.values():
         seconds(4)  # warm-up

@@ -1,4 +1,4 @@
-/* kquant.c's AVX2 build: a row's 16 lanes as two 8-lane halves (lanes 0-7, 8-15), 16-bit pair products.
+/* kquant.c's AVX2 build: a row's 8 integer and 8 float lanes in one register each, 16-bit pair products.
  * Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
  * kinds of blocks of 32), where the build has this instruction set. */
 /* 16 float lanes (the 16-bit rows' first tree step, l + 8, then facc_sum) */

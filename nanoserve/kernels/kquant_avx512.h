@@ -1,4 +1,5 @@
-/* kquant.c's AVX-512 VNNI build: 64-byte codes, a row's 16 integer and float lanes in one register each.
+/* kquant.c's AVX-512 VNNI build: 64-byte codes, a row's 16 integer lanes in one register, folded to the 8 float
+ * lanes (kquant_x86.h's float steps).
  * Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
  * kinds of blocks of 32), where the build has this instruction set. */
 /* The integer lanes l and l + 8 of a 16-lane register added: the float part's 8 lanes (kquant.c) */

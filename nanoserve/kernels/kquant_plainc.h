@@ -15,9 +15,9 @@ static INLINE float facc_sum(Facc a) {
  * chunk), times their sub-block scale; lane l of the float part takes quads l and l + 8 (kquant.c). The codes'
  * products go through a plain array in input order first, so the compiler vectorizes that loop. */
 #define QUADS 16
-static INLINE void lanes_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, const uint8_t sc[8],
-                             int32_t lanes[QUADS]) {
-    for (int l = 0; l < QUADS; l++) lanes[l] = 0;
+static INLINE void quads_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, const uint8_t sc[8],
+                             int32_t quads[QUADS]) {
+    for (int l = 0; l < QUADS; l++) quads[l] = 0;
     for (int j = 0; j < 4; j++) {
         int32_t p[64];
         for (int b = 0; b < 32; b++) {
@@ -26,13 +26,13 @@ static INLINE void lanes_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
             p[32 + b] = ((qs[32 * j + b] >> 4) | (((h >> (2 * j + 1)) & 1) << 4)) * x[64 * j + 32 + b];
         }
         for (int l = 0; l < QUADS; l++)
-            lanes[l] += sc[2 * j + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+            quads[l] += sc[2 * j + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
 
-static INLINE void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x,
-                             int32_t lanes[QUADS]) {
-    for (int l = 0; l < QUADS; l++) lanes[l] = 0;
+static INLINE void quads_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *x,
+                             int32_t quads[QUADS]) {
+    for (int l = 0; l < QUADS; l++) quads[l] = 0;
     for (int c = 0; c < 4; c++) {
         int h = c >> 1, s = c & 1;
         int32_t p[64];
@@ -40,7 +40,7 @@ static INLINE void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
             p[i] = (((ql[64 * h + i] >> (4 * s)) & 15) | (((qh[32 * h + (i & 31)] >> (4 * s + 2 * (i >> 5))) & 3) << 4)) *
                    x[64 * c + i];
         for (int l = 0; l < QUADS; l++)
-            lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+            quads[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
 
@@ -56,7 +56,7 @@ static INLINE void block_k45(const uint8_t *qs, const uint8_t *qh, const int8_t 
     scale_min_k4(scales12, sc, m);
     for (int i = 0; i < n; i++) {
         int32_t ints[QUADS];
-        lanes_k45(qs, qh, x + i * ldx, sc, ints);
+        quads_k45(qs, qh, x + i * ldx, sc, ints);
         for (int l = 0; l < LANES; l++) {
             const int16_t *s = xs + i * lds + 2 * l;
             int32_t mins = m[l] * s[0] + m[l] * s[1];
@@ -69,16 +69,16 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
                              int n, const int16_t *xs, int64_t lds, const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
         int32_t ints[QUADS];
-        lanes_q6k(ql, qh, sc, x + i * ldx, ints);
+        quads_q6k(ql, qh, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++)
             acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] + ints[l + 8] - 32 * offsets(sc, xs + i * lds, l));
     }
 }
 
-/* Q2_K / Q3_K's lanes for one row (see the AVX-512 build for the layout) */
-static INLINE void lanes_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
-                              int32_t lanes[QUADS]) {
-    for (int l = 0; l < QUADS; l++) lanes[l] = 0;
+/* Q2_K / Q3_K's quads for one row (see the AVX-512 build for the layout) */
+static INLINE void quads_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
+                              int32_t quads[QUADS]) {
+    for (int l = 0; l < QUADS; l++) quads[l] = 0;
     for (int c = 0; c < 4; c++) {
         int32_t p[64];
         for (int i = 0; i < 64; i++) {
@@ -87,7 +87,7 @@ static INLINE void lanes_2bit(const uint8_t *qs, const uint8_t *hmask, const int
             p[i] = u * x[e];
         }
         for (int l = 0; l < QUADS; l++)
-            lanes[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+            quads[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
 
@@ -96,7 +96,7 @@ static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8
                              Facc *acc) {
     for (int i = 0; i < n; i++) {
         int32_t ints[QUADS];
-        lanes_2bit(qs, NULL, sc, x + i * ldx, ints);
+        quads_2bit(qs, NULL, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++) {
             const int16_t *s = xs + i * lds + 2 * l;
             int32_t mins = m[2 * l] * s[0] + m[2 * l + 1] * s[1];
@@ -109,7 +109,7 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
                              int64_t ldx, int n, const int16_t *xs, int64_t lds, const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
         int32_t ints[QUADS];
-        lanes_2bit(qs, hmask, sc, x + i * ldx, ints);
+        quads_2bit(qs, hmask, sc, x + i * ldx, ints);
         for (int l = 0; l < LANES; l++)
             acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(ints[l] + ints[l + 8] - 4 * offsets(sc, xs + i * lds, l));
     }
@@ -118,7 +118,7 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
 static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
                                const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
-        int32_t lanes[QUADS] = {0};
+        int32_t quads[QUADS] = {0};
         for (int c = 0; c < 4; c++) {
             int32_t p[64];
             for (int e = 0; e < 64; e++) { /* block 2 c + e / 32, input e % 32 of it */
@@ -126,9 +126,9 @@ static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8
                 p[e] = NS_KVALUES[(e & 16) ? byte >> 4 : byte & 15] * x[i * ldx + 64 * c + e];
             }
             for (int l = 0; l < QUADS; l++)
-                lanes[l] += sc[2 * c + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+                quads[l] += sc[2 * c + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
         }
-        for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(lanes[l] + lanes[l + 8]);
+        for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(quads[l] + quads[l + 8]);
     }
 }
 
