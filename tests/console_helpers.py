@@ -27,6 +27,21 @@ async def wait_until(pilot, predicate, timeout: float = 15.0, what: str = "condi
         await pilot.pause(0.02)
 
 
+async def held_still(app, pilot, ticks: int = 3, interval: float = 0.15, timeout: float = 10.0) -> None:
+    """Let the app run until its picture is the same `ticks` times running, `interval` apart (a snapshot's
+    moment: a busy machine can leave a refresh half-applied when a fixed pause ends)."""
+    timeout = max(timeout, BUSY_FLOOR_S)
+    deadline = time.monotonic() + timeout
+    last, same = None, 0
+    while same < ticks:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the picture still changed after {timeout}s")
+        await pilot.pause(interval)
+        picture = app.export_screenshot()
+        same = same + 1 if picture == last else 0
+        last = picture
+
+
 def text(app, selector: str) -> str:
     """The rendered content of the widget `selector` on the screen in view."""
     return str(app.screen.query_one(selector).content)

@@ -18,7 +18,7 @@ from textual.widgets import Input  # noqa: E402
 from console.app import SCREENS, NanoserveConsole  # noqa: E402
 from console.screens.help import HelpScreen  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from tests.console_helpers import LOAD_S, wait_until  # noqa: E402
+from tests.console_helpers import LOAD_S, held_still, wait_until  # noqa: E402
 
 PORT = 18765  # fixed so the URL on the status line is the same every run; below Linux's ephemeral range
 SIZE = (150, 44)
@@ -105,7 +105,7 @@ def test_attached_busy_snapshot(snap_compare, size):
         table = app.screen.query_one(RowsTable)
         await wait_until(pilot, lambda: table.row_count == 34, 5, "every row")
         await wait_until(pilot, lambda: columns_fit_their_cells(table), 5, "the columns sized to their rows")
-        await pilot.pause(0.3)
+        await held_still(app, pilot)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
@@ -151,6 +151,6 @@ def test_request_screen_snapshot(snap_compare, size):
         await pilot.press("enter")
         await wait_until(pilot, lambda: isinstance(app.screen, RequestScreen) and app.screen.sequences, 5,
                          "the request's timeline")
-        await pilot.pause(0.3)
+        await held_still(app, pilot)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)

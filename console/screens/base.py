@@ -113,10 +113,11 @@ class ConsoleScreen(Screen):
     def show_status(self) -> None:
         for tabs in self.query(ServerTabs):
             tabs.follow(self.app.selected)
-        status = self.query_one("#status", TextPanel)
-        status.set_text(self.status_text())  # an unchanged line costs no repaint
-        status.set_class(self.app.load_error is not None or not self.app.phase == "serving" and self.app.attached,
-                         "failed")
+        # The phase clock's timer can tick between a screen's push and its compose: no status line yet, none to set.
+        for status in self.query("#status").results(TextPanel):
+            status.set_text(self.status_text())  # an unchanged line costs no repaint
+            status.set_class(self.app.load_error is not None or not self.app.phase == "serving" and self.app.attached,
+                             "failed")
 
     def refresh_header(self) -> None:
         self.show_status()
