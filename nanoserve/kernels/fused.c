@@ -232,6 +232,23 @@ typedef __m256 vec;
 static inline vec vpow2(vec n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+typedef float32x4_t vec;
+#define VLEN 4
+#define vload vld1q_f32
+#define vstore vst1q_f32
+#define vset1 vdupq_n_f32
+#define vadd vaddq_f32
+#define vsub vsubq_f32
+#define vmul vmulq_f32
+static inline vec vfma(vec a, vec b, vec c) { return vfmaq_f32(c, a, b); } /* a b + c, one rounding: fmaf's */
+/* x86's max and min, a > b ? a : b and a < b ? a : b (NEON's own return a NaN from either side) */
+static inline vec vmax(vec a, vec b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+static inline vec vmin(vec a, vec b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+static inline vec vpow2(vec n) {
+    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
 #else
 typedef struct { float x[4]; } vec;
 #define VLEN 4
@@ -280,15 +297,6 @@ static inline vec vexp(vec x) {
 #endif
 }
 
-/* the lanes of v added pairwise */
-static inline float lanes_sum(vec v) {
-    float x[VLEN];
-    vstore(x, v);
-    for (int width = VLEN / 2; width; width /= 2)
-        for (int k = 0; k < width; k++) x[k] += x[k + width];
-    return x[0];
-}
-
 /* the largest of x[0, n) (n > 0), in four running maxima (max is exact in any order; a NaN makes every output
  * of the softmax NaN whichever maximum it meets) */
 static float max_of(const float *x, int64_t n) {
@@ -311,13 +319,20 @@ static float max_of(const float *x, int64_t n) {
     return top;
 }
 
-/* x[0, n) summed in VLEN running sums (element j into lane j % VLEN), the lanes then added pairwise, the tail
- * after them in order */
+/* x[0, n) summed in 16 running sums in every build (element j into sum j % 16, VLEN of them a vector, so the
+ * width changes no number), the sums then added pairwise (l + 8, l + 4, ...), the tail after them in order */
+#define SUM_LANES 16
 static float sum_of(const float *x, int64_t n) {
-    vec acc = vset1(0.0f);
+    vec acc[SUM_LANES / VLEN];
+    for (int v = 0; v < SUM_LANES / VLEN; v++) acc[v] = vset1(0.0f);
     int64_t j = 0;
-    for (; j + VLEN <= n; j += VLEN) acc = vadd(acc, vload(x + j));
-    float total = lanes_sum(acc);
+    for (; j + SUM_LANES <= n; j += SUM_LANES)
+        for (int v = 0; v < SUM_LANES / VLEN; v++) acc[v] = vadd(acc[v], vload(x + j + v * VLEN));
+    float lanes[SUM_LANES];
+    for (int v = 0; v < SUM_LANES / VLEN; v++) vstore(lanes + v * VLEN, acc[v]);
+    for (int width = SUM_LANES / 2; width; width /= 2)
+        for (int k = 0; k < width; k++) lanes[k] += lanes[k + width];
+    float total = lanes[0];
     for (; j < n; j++) total += x[j];
     return total;
 }

@@ -288,9 +288,10 @@ class FusedKernels:
 
     @property
     def q8_vectorized(self) -> bool:
-        """Whether the 8-bit kernel has a vector path here (AVX-512 VNNI, or AVX2's exact 16-bit products); in a
-        plain-C build it runs one scalar product at a time and two 4-bit planes on the 4-bit kernel are faster."""
-        return self.q4_isa in ("avx512-vnni", "avx2")
+        """Whether the 8-bit kernel has a vector path here (AVX-512 VNNI, AVX2's exact 16-bit products, NEON's
+        dot products); in a plain-C build it runs one scalar product at a time and two 4-bit planes on the 4-bit
+        kernel are faster."""
+        return self.q4_isa in ("avx512-vnni", "avx2", "neon-dotprod")
 
     def q8_pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Int8Blocks' codes [out, in] (int8) and scales [out, in / 32] -> the 8-bit kernel's packed weight

@@ -7,9 +7,10 @@
  *
  * Each type is a row of TYPES (its bytes per 256, dot product and decoder), so the matmul driver and the thread pool
  * never ask which type they run. A dot product splits into exact integer parts per super-block and lane, computed
- * by whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C) with the same integers as result, and a
- * float part every build runs as the same per-lane arithmetic in super-block order and one fixed sum of the lanes:
- * an output's bits depend on its row alone, not on the call's other rows, the thread or the instruction set.
+ * by whichever instruction set the build has (AVX-512 VNNI, AVX2, NEON dotprod, plain C) with the same integers as
+ * result, and a float part every build runs as the same per-lane arithmetic in super-block order and one fixed sum
+ * of the lanes: an output's bits depend on its row alone, not on the call's other rows, the thread or the
+ * instruction set.
  *
  * F16 and BF16 rows (the weights of a 16-bit file) take the activations as float32, unquantized: each weight is
  * converted exactly to float and multiplied and added in one rounding (fused multiply-add) into one of 32 lanes,
@@ -139,6 +140,10 @@ enum { K_Q5_0, K_Q5_1, K_IQ4_NL };
 #define KQ_ISA "avx2"
 #include "kquant_x86.h"
 #include "kquant_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define KQ_ISA "neon-dotprod"
+#include "kquant_neon.h"
+#include "kquant_plainc.h"
 #else
 #define KQ_ISA "portable"
 #include "kquant_plainc.h"

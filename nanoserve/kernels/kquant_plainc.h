@@ -1,5 +1,5 @@
-/* kquant.c's plain C build (any CPU): each lane's integers and floats one at a time, the same values.
- * Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
+/* kquant.c's plain C build (any CPU): each lane's integers and floats one at a time, the same values. The NEON
+ * build takes its float part and replaces its integer parts (NS_KQ_NEON). Included by kquant.c alone, after its shared definitions (QK, SUMS, LANES, ROWS, INLINE, NS_KVALUES, the K_
  * kinds of blocks of 32), where the build has this instruction set. */
 typedef struct {
     float v[LANES];
@@ -15,6 +15,7 @@ static INLINE float facc_sum(Facc a) {
  * chunk), times their sub-block scale; lane l of the float part takes quads l and l + 8 (kquant.c). The codes'
  * products go through a plain array in input order first, so the compiler vectorizes that loop. */
 #define QUADS 16
+#ifndef NS_KQ_NEON /* the NEON build's own quads (kquant_neon.h): the same integers by SDOT */
 static INLINE void quads_k45(const uint8_t *qs, const uint8_t *qh, const int8_t *x, const uint8_t sc[8],
                              int32_t quads[QUADS]) {
     for (int l = 0; l < QUADS; l++) quads[l] = 0;
@@ -43,6 +44,8 @@ static INLINE void quads_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
             quads[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
+
+#endif
 
 /* Q6_K / Q3_K's O_l: the lane's two 16-input groups' code sums times their scales */
 static INLINE int32_t offsets(const int8_t sc[16], const int16_t *s, int l) {
@@ -75,6 +78,7 @@ static INLINE void block_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
     }
 }
 
+#ifndef NS_KQ_NEON
 /* Q2_K / Q3_K's quads for one row (see the AVX-512 build for the layout) */
 static INLINE void quads_2bit(const uint8_t *qs, const uint8_t *hmask, const int8_t sc[16], const int8_t *x,
                               int32_t quads[QUADS]) {
@@ -90,6 +94,8 @@ static INLINE void quads_2bit(const uint8_t *qs, const uint8_t *hmask, const int
             quads[l] += sc[4 * c + l / 4] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
     }
 }
+
+#endif
 
 static INLINE void block_q2k(const uint8_t *qs, const int8_t sc[16], const uint8_t m[16], const int8_t *x,
                              int64_t ldx, int n, const int16_t *xs, int64_t lds, const float *dd, const float *dm,
@@ -115,19 +121,27 @@ static INLINE void block_q3k(const uint8_t *qs, const uint8_t *hmask, const int8
     }
 }
 
+#ifndef NS_KQ_NEON
+/* IQ4_XS's quads for one row: its nibbles' NS_KVALUES times the activations, at their block's scale */
+static INLINE void quads_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int32_t quads[QUADS]) {
+    for (int l = 0; l < QUADS; l++) quads[l] = 0;
+    for (int c = 0; c < 4; c++) {
+        int32_t p[64];
+        for (int e = 0; e < 64; e++) { /* block 2 c + e / 32, input e % 32 of it */
+            int byte = qs[32 * c + 16 * (e / 32) + (e & 15)];
+            p[e] = NS_KVALUES[(e & 16) ? byte >> 4 : byte & 15] * x[64 * c + e];
+        }
+        for (int l = 0; l < QUADS; l++)
+            quads[l] += sc[2 * c + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
+    }
+}
+#endif
+
 static INLINE void block_iq4xs(const uint8_t *qs, const int8_t sc[8], const int8_t *x, int64_t ldx, int n,
                                const float *dd, Facc *acc) {
     for (int i = 0; i < n; i++) {
-        int32_t quads[QUADS] = {0};
-        for (int c = 0; c < 4; c++) {
-            int32_t p[64];
-            for (int e = 0; e < 64; e++) { /* block 2 c + e / 32, input e % 32 of it */
-                int byte = qs[32 * c + 16 * (e / 32) + (e & 15)];
-                p[e] = NS_KVALUES[(e & 16) ? byte >> 4 : byte & 15] * x[i * ldx + 64 * c + e];
-            }
-            for (int l = 0; l < QUADS; l++)
-                quads[l] += sc[2 * c + (l >= 8)] * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
-        }
+        int32_t quads[QUADS];
+        quads_iq4xs(qs, sc, x + i * ldx, quads);
         for (int l = 0; l < LANES; l++) acc[i].v[l] = acc[i].v[l] + dd[i] * (float)(quads[l] + quads[l + 8]);
     }
 }
@@ -158,6 +172,7 @@ static INLINE void block32(const uint8_t *w, int bytes, int kind, const float d[
             }
 }
 
+#ifndef NS_KQ_NEON
 /* F16 / BF16 rows: 32 float lanes a row, each a fused multiply-add of the weight (converted exactly) and the
  * activation, unit after unit, then the lanes' fixed tree */
 static INLINE float half_value(const uint8_t *p, int bf16) {
@@ -180,3 +195,4 @@ static INLINE void rows_half(const uint8_t *w, int bf16, const float *x, int64_t
         sums[i] = a[0];
     }
 }
+#endif

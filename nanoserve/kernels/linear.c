@@ -290,6 +290,69 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
         _mm256_storeu_ps(out + i * OUTS + 8, acc[i][1]);
     }
 }
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#define ISA "neon-dotprod"
+#define NEON_DOT 1
+static inline int8x16_t broadcast4(const int8_t *bytes) {
+    int32_t four;
+    memcpy(&four, bytes, 4);
+    return vreinterpretq_s8_s32(vdupq_n_s32(four));
+}
+
+/* A group's lo plane (unsigned bytes) less 128, as SDOT's signed bytes */
+static inline void lo_signed(const int8_t *lo, int8_t out[GROUP]) {
+    for (int h = 0; h < 2; h++)
+        vst1q_s8(out + 16 * h, vreinterpretq_s8_u8(veorq_u8(vld1q_u8((const uint8_t *)lo + 16 * h), vdupq_n_u8(0x80))));
+}
+
+/* Four outputs' exact c = sum q (256 hi + lo) over a group, codes[j] their signed codes for inputs 4 j .. 4 j + 3:
+ * 256 sum q hi + sum q (lo - 128) + 128 sum q, each sum by SDOT (|c| < 2^28, as every path's) */
+static inline int32x4_t group_ints(const int8x16_t codes[8], const int8_t *hi, const int8_t *lo_minus_128) {
+    int32x4_t h = vdupq_n_s32(0), l = h, q = h;
+    const int8x16_t ones = vdupq_n_s8(1);
+    for (int j = 0; j < 8; j++) {
+        h = vdotq_s32(h, codes[j], broadcast4(hi + 4 * j));
+        l = vdotq_s32(l, codes[j], broadcast4(lo_minus_128 + 4 * j));
+        q = vdotq_s32(q, codes[j], ones);
+    }
+    return vaddq_s32(vshlq_n_s32(h, 8), vaddq_s32(l, vshlq_n_s32(q, 7)));
+}
+
+static inline float32x4_t halves4(const uint8_t *p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p)));
+}
+
+/* One row against 16 outputs' 4-bit weights on NEON: vector v's slice m (outputs 4 m ..) holds the codes of inputs
+ * 8 v .. (low nibbles, quad 2 v) and 8 v + 4 .. (high, quad 2 v + 1); less 8, then the plain build's float
+ * operations four outputs a register */
+static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
+                    float out[OUTS]) {
+    float32x4_t acc[4];
+    for (int m = 0; m < 4; m++) acc[m] = vdupq_n_f32(0.0f);
+    const uint8x16_t low = vdupq_n_u8(0x0f);
+    const int8x16_t eight = vdupq_n_s8(8);
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * GROUP_BYTES;
+        const int8_t *hi = x + b * 2 * GROUP;
+        int8_t lo[GROUP];
+        lo_signed(hi + GROUP, lo);
+        float d = xd[b];
+        float32x4_t dv = vdupq_n_f32(d), dz = vdupq_n_f32(d * (float)xs[b]);
+        for (int m = 0; m < 4; m++) {
+            int8x16_t codes[8];
+            for (int v = 0; v < 4; v++) {
+                uint8x16_t raw = vld1q_u8(p + v * 64 + 16 * m);
+                codes[2 * v] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight);
+                codes[2 * v + 1] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight);
+            }
+            float32x4_t c = vcvtq_f32_s32(group_ints(codes, hi, lo));
+            float32x4_t zero_part = vmulq_f32(halves4(p + 256 + 2 * OUTS + 8 * m), dz);
+            acc[m] = vaddq_f32(acc[m], vfmaq_f32(zero_part, halves4(p + 256 + 8 * m), vmulq_f32(dv, c)));
+        }
+    }
+    for (int m = 0; m < 4; m++) vst1q_f32(out + 4 * m, acc[m]);
+}
 #else
 #define ISA "portable"
 static void row_dot(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, const int32_t *xs,
@@ -561,6 +624,27 @@ static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, cons
         _mm256_storeu_ps(out + i * OUTS + 8, acc[i][1]);
     }
 }
+#elif defined(NEON_DOT)
+/* One row against 16 outputs' 8-bit weights on NEON: vector j's slice m holds outputs 4 m ..'s codes for inputs
+ * 4 j .. 4 j + 3; group_ints' exact c, then the plain build's float operations */
+static void row_dot8(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, float out[OUTS]) {
+    float32x4_t acc[4];
+    for (int m = 0; m < 4; m++) acc[m] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * Q8_GROUP_BYTES;
+        const int8_t *hi = x + b * 2 * GROUP;
+        int8_t lo[GROUP];
+        lo_signed(hi + GROUP, lo);
+        float32x4_t dv = vdupq_n_f32(xd[b]);
+        for (int m = 0; m < 4; m++) {
+            int8x16_t codes[8];
+            for (int j = 0; j < 8; j++) codes[j] = vld1q_s8((const int8_t *)p + j * 64 + 16 * m);
+            float32x4_t c = vcvtq_f32_s32(group_ints(codes, hi, lo));
+            acc[m] = vaddq_f32(acc[m], vmulq_f32(halves4(p + 8 * 64 + 8 * m), vmulq_f32(dv, c)));
+        }
+    }
+    for (int m = 0; m < 4; m++) vst1q_f32(out + 4 * m, acc[m]);
+}
 #else
 /* One row against 16 outputs' 8-bit weights, in plain C */
 static void row_dot8(const uint8_t *wg, int64_t groups, const int8_t *x, const float *xd, float out[OUTS]) {
@@ -751,6 +835,8 @@ static struct {
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
 #endif
 }
 

@@ -31,7 +31,7 @@ class FusedStatus:
         built for; "portable" (no vector path on this machine) is said, never a silent scalar loop."""
         isa = self.kernels.kq_isa
         note = "" if isa != "portable" else \
-            "plain C: this machine has neither AVX-512 VNNI nor AVX2 (no vector path yet)"
+            "plain C: this machine has none of AVX-512 VNNI, AVX2 or ARM's dot product instructions (no vector path)"
         return {"isa": isa, "vectorized": isa != "portable", "types": sorted(self.kernels.kq_types), "note": note}
 
 
