@@ -73,6 +73,7 @@ class RowsTable(DataTable):
         self.sort_column: str | None = None
         self.sort_reverse = False
         self._place: dict[str, int] = {}  # id -> its place unsorted: the snapshot's order, live rows first
+        self._widths: tuple[int, ...] = ()  # the columns' widths at the last snapshot
 
     def on_mount(self) -> None:
         for key, label in COLUMNS:
@@ -115,6 +116,7 @@ class RowsTable(DataTable):
 
     def show(self, stats: EngineStats, found: Iterable[RowStats] = ()) -> None:
         """The snapshot's rows, and `found`: finished rows a search brought from beyond the snapshot's."""
+        self._repaint_if_widened()
         ordered = [*stats.rows, *stats.finished_rows, *found]  # running and waiting, finished newest first, found
         live: dict[str, tuple] = {}
         for row in ordered:  # a row the snapshot lists wins over the same request found by a search
@@ -141,6 +143,18 @@ class RowsTable(DataTable):
             self._shown[rid] = cells
         if changed or (moved and self.sort_column is None):
             self._sort()
+
+    def _repaint_if_widened(self) -> None:
+        """Repaint everything once the columns' widths have changed: Textual 8.2 widens a column when idle after
+        a row arrives, and a header line it rendered in between stays cached at the old widths (seen as a header
+        out of line with its rows, which no later snapshot that changes nothing would redraw)."""
+        widths = tuple(column.content_width for column in self.columns.values())
+        if widths != self._widths:
+            self._widths = widths
+            clear = getattr(self, "_clear_caches", None)  # DataTable's own, in every Textual 8
+            if clear is not None:
+                clear()
+            self.refresh()
 
     def _sort(self) -> None:
         if self.sort_column is None and self.row_count:  # unsorted: live rows first, then the newest finished
