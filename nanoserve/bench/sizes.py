@@ -4,8 +4,8 @@ For each shape (Llama-3.2-1B, 3B, Llama-3.1-8B: random weights, the default mode
 is written and quantized by llama.cpp's own quantizer to each type asked (Q4_0, Q4_K_M, ...); then, round after
 round, each engine loads the file in a fresh process and is timed (nanoserve/bench/sizes_arms.py), the engines'
 order alternating between rounds so drift lands on both. The table gives medians and nanoserve / llama.cpp
-ratios: load seconds, resident memory after load (and over the file's size), single-stream decode, prefill of
-one prompt, and the total tok/s of concurrent streams (llama.cpp's as llama-server's slots decode them: one batch a
+ratios: load seconds, resident memory after load and after the first decode (and over the file's size plus the
+KV pool), single-stream decode, prefill of one prompt, and the total tok/s of concurrent streams (llama.cpp's as llama-server's slots decode them: one batch a
 step over every sequence, nanoserve/bench/llama_cpp_slots.py).
 """
 
@@ -23,7 +23,10 @@ from nanoserve.bench.common import print_table, write_results
 from nanoserve.bench.gguf_files import SHAPES, quantize, write_random_gguf
 from nanoserve.optional import require
 
-MEASURES = ("load_s", "kv_pool_mib", "rss_after_load_mib", "peak_rss_mib", "decode_tok_s", "prefill_tok_s")
+# resident memory after the load, after the first decode (every weight read once: a mapped file's pages count from
+# then on), and at its peak
+RSS_MEASURES = ("rss_after_load_mib", "rss_after_decode_mib", "peak_rss_mib")
+MEASURES = ("load_s", "kv_pool_mib", *RSS_MEASURES, "decode_tok_s", "prefill_tok_s")
 
 
 def add_parser(sub) -> None:
@@ -92,7 +95,7 @@ def measure_file(path: Path, engines: list[str], args) -> dict[str, dict]:
 
 def _over_budget(engine: dict, key: str, file_mib: float) -> float | None:
     """Resident memory over what it must hold: the file plus the engine's own KV pool (1.0 is the floor)."""
-    if not key.endswith("rss_mib") and key != "rss_after_load_mib" or key not in engine:
+    if key not in RSS_MEASURES or key not in engine:
         return None
     return engine[key] / (file_mib + engine.get("kv_pool_mib", 0.0))
 

@@ -56,6 +56,7 @@ def run_nanoserve(spec: dict) -> dict:
 
     short = _prompts(vocab, 1, 16, spec["seed"])
     seconds(short, 4)  # warm-up
+    out["rss_after_decode_mib"] = _status_mib("VmRSS")
     n = spec["decode_tokens"]
     out["decode_tok_s"] = (n - 1) / (seconds(short, n) - seconds(short, 1))
     long = _prompts(vocab, 1, spec["prompt_tokens"], spec["seed"] + 1)
@@ -107,6 +108,7 @@ def run_llama_cpp(spec: dict) -> dict:
 
     (short,) = _prompts(vocab, 1, 16, spec["seed"])
     seconds(short, 4)  # warm-up
+    out["rss_after_decode_mib"] = _status_mib("VmRSS")
     n = spec["decode_tokens"]
     out["decode_tok_s"] = (n - 1) / (seconds(short, n) - seconds(short, 1))
     (long,) = _prompts(vocab, 1, spec["prompt_tokens"], spec["seed"] + 1)
