@@ -68,6 +68,7 @@ def _write_tiny(kind: str, out, tokenizer_dir, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[kind]
     params = dict(TINY, vocab_size=49152, bos_token_id=1, eos_token_id=2, **overrides)
     if kind == "qwen3":
@@ -86,7 +87,7 @@ def _write_tiny(kind: str, out, tokenizer_dir, **overrides):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, hf_tokenizer_dir):
-    """Factory: tiny_checkpoint('llama' | 'mistral' | 'qwen2' | 'qwen3', **config overrides) -> directory
+    """Factory: tiny_checkpoint('llama' | 'mistral' | 'qwen2' | 'qwen3' | 'phi3', **config overrides) -> directory
     (`_shard`: safetensors' max shard size; `_dtype`: the stored dtype, float32 unless named)."""
     made = {}
 

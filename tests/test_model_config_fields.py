@@ -17,7 +17,7 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size":
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
-@pytest.mark.parametrize("family", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config"])
+@pytest.mark.parametrize("family", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "Phi3Config"])
 def test_every_field_of_transformers_config_classes_is_read_or_said_to_change_nothing(family):
     """A field transformers adds to a supported family's config fails here until model/config.py places it."""
     fields = set(getattr(pytest.importorskip("transformers"), family)().to_dict())
@@ -81,3 +81,31 @@ def test_a_sliding_window_caps_the_context_and_refuses_a_longer_one(tiny_checkpo
     with pytest.raises(ConfigError, match="sliding_window of 48"):
         Engine(EngineConfig(model=path, max_model_len=64, kv_cache_gib=0.01))
     assert Engine(EngineConfig(model=path, max_model_len=32, kv_cache_gib=0.01)).max_model_len == 32
+
+
+def test_a_partial_rotary_embedding_is_refused_by_name():
+    """Phi-4-mini rotates three quarters of each head: refused at load, not run as a full rotation."""
+    phi = {**BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
+    assert ModelConfig.from_hf(phi).architecture == "Phi3ForCausalLM"
+    for field in ({"partial_rotary_factor": 0.75}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                        "partial_rotary_factor": 0.75}}):
+        with pytest.raises(CheckpointError, match="partial_rotary_factor=0.75"):
+            ModelConfig.from_hf({**phi, **field})
+
+
+def test_a_fused_projection_of_the_wrong_size_is_refused_naming_its_parts(tiny_checkpoint, tmp_path):
+    """Phi-3's qkv_proj split by the config's sizes: a tensor of other rows names what the config implies."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nanoserve import LLM
+
+    path = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint("phi3"), path)
+    weights = load_file(path / "model.safetensors")
+    key = "model.layers.0.self_attn.qkv_proj.weight"
+    weights[key] = weights[key][:-8].contiguous()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"qkv_proj.weight has 120 rows .*\(q_proj 64 \+ k_proj 32 \+ v_proj 32\)"):
+        LLM(model=str(path), max_model_len=64, kv_cache_gib=0.01)

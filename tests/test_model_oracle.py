@@ -19,8 +19,12 @@ ARCHS = {
     "qwen2": {},
     "qwen3": {},
     "tied": {"tie_word_embeddings": True},
+    "phi3": {},  # qkv_proj and gate_up_proj stored fused
+    "phi3-longrope": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                                       "long_factor": [2.0 + i / 4 for i in range(8)]},
+                      "original_max_position_embeddings": 512, "max_position_embeddings": 4096},
 }
-KIND = {"llama3-rope": "llama", "tied": "llama"}
+KIND = {"llama3-rope": "llama", "tied": "llama", "phi3-longrope": "phi3"}
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hi",

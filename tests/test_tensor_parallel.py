@@ -21,7 +21,7 @@ from nanoserve.errors import ConfigError
 from nanoserve.parallel.group import free_loopback_address
 from tests.oracles import logprobs_close
 
-KINDS = ("llama", "qwen2", "qwen3")
+KINDS = ("llama", "qwen2", "qwen3", "phi3")  # phi3: its fused qkv_proj and gate_up_proj split per rank
 SMALL = dict(max_model_len=256, kv_cache_gib=0.02)
 PROMPTS = [[1, 400 + 37 * i, 900 + 11 * i, 2000 + i, 77, 5 + i, 3000 + 13 * i][: 3 + i % 5] for i in range(10)]
 

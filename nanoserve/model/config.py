@@ -10,7 +10,7 @@ from nanoserve.model.layers import ACTIVATIONS
 from nanoserve.models.registry import ARCHITECTURES
 
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(_rope_theta(cfg)),
-                rope_scaling=_resolved(_rope_scaling(cfg), int(cfg.get("max_position_embeddings", 2048))),
+                rope_scaling=_resolved(_rope_scaling(cfg), int(cfg.get("max_position_embeddings", 2048)),
+                                       cfg.get("original_max_position_embeddings")),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
@@ -75,6 +76,7 @@ class ModelConfig:
             ) from None
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"config.json has a bad value ({e}); fix the file") from None
+        _check_full_rotary(cfg)
         for name, (computed, why) in REFUSED_UNLESS.items():
             if cfg.get(name) not in computed:
                 raise CheckpointError(f"config {name}={cfg.get(name)!r} is not implemented: {why}; nanoserve runs "
@@ -117,12 +119,14 @@ READ = frozenset({  # what ModelConfig reads (and check() holds to what the deco
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
     "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "hidden_act",
-    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "torch_dtype", "dtype"})
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "torch_dtype", "dtype",
+    "original_max_position_embeddings", "partial_rotary_factor"})
 NOT_THE_MATH = frozenset({  # the tokenizer's ids, training, and transformers' own output switches
     "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "initializer_range", "use_cache",
     "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
     "id2label", "label2id", "problem_type", "_name_or_path", "transformers_version",
-    "pretraining_tp"})  # pretraining_tp > 1 slices the same matmuls in transformers: the same function
+    "pretraining_tp",  # pretraining_tp > 1 slices the same matmuls in transformers: the same function
+    "resid_pdrop", "embd_pdrop"})  # Phi-3's dropouts: training only
 REFUSED_UNLESS = {  # field -> (values the decoder computes, what any other value would ask for)
     "mlp_bias": ((None, False), "the MLP's projections have biases, which nanoserve's MLP does not add"),
 }
@@ -138,12 +142,21 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
     return int(window)
 
 
-def _resolved(scaling: dict | None, max_positions: int) -> dict | None:
-    """YaRN and LongRoPE as transformers fills them in: the original context defaults to the model's, and the
-    factor to how far the model's context reaches past it."""
+def _check_full_rotary(cfg: dict) -> None:
+    """Rotary embedding over every dimension of a head: a partial one (Phi-4-mini's 0.75) is refused by name."""
+    factor = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise CheckpointError(f"config partial_rotary_factor={factor!r} is not implemented: nanoserve rotates every "
+                              "dimension of a head; this checkpoint rotates only part of them")
+
+
+def _resolved(scaling: dict | None, max_positions: int, original: int | None = None) -> dict | None:
+    """YaRN and LongRoPE as transformers fills them in: the original context defaults to the config's own
+    `original_max_position_embeddings` (Phi-3 keeps it beside rope_scaling), else the model's, and the factor to
+    how far the model's context reaches past it."""
     if not scaling or (scaling.get("rope_type") or scaling.get("type")) not in ("yarn", "longrope"):
         return scaling
-    original = scaling.get("original_max_position_embeddings") or max_positions
+    original = scaling.get("original_max_position_embeddings") or original or max_positions
     factor = scaling.get("factor") or max_positions / original
     return {**scaling, "original_max_position_embeddings": original, "factor": factor}
 

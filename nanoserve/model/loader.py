@@ -27,7 +27,7 @@ from nanoserve.model.quant import (
     process_weights,
 )
 from nanoserve.model.rows import row_multiples
-from nanoserve.model.targets import split_of, weight_target
+from nanoserve.model.targets import fused_parts, is_fused, split_of, weight_target
 from nanoserve.models.registry import model_class
 from nanoserve.parallel.shard import TensorShard, pad_rows
 from nanoserve.tokenizer import Tokenizer
@@ -252,6 +252,10 @@ def _safetensors_items(p: Path, shard: TensorShard | None = None,
             raise CheckpointError(f"shard {name} named by the index is missing from {p}")
         with safe_open(str(p / name), framework="pt") as f:
             for key in f.keys():
+                if model is not None and is_fused(model, key):  # read whole, then each projection as if alone
+                    for part, piece in fused_parts(model, key, f.get_tensor(key)):
+                        yield part, piece if shard is None else shard.take(split_of(model, part), piece, part)
+                    continue
                 yield key, f.get_tensor(key) if shard is None else _read_slice(f, key, shard, split_of(model, key))
 
 

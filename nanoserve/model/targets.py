@@ -2,7 +2,9 @@
 merged projection, and so how tensor parallelism splits it (the layer's `parallel`, nanoserve/model/linear.py).
 
 A model class maps checkpoint projections onto its merged ones with PACKED (fragment -> (merged module, shard));
-everything else is found by its own name. The loader reads a tensor (or only a rank's slice of it) and loads it
+everything else is found by its own name. A checkpoint that stores a merged projection whole (Phi-3's qkv_proj and
+gate_up_proj) is split into its projections first (`fused_parts`, from the class's FUSED table), so the rest of
+loading, tensor-parallel slicing included, sees the projections one by one. The loader reads a tensor (or only a rank's slice of it) and loads it
 through here, so a new architecture adds its layers and its PACKED table, not rules about names.
 """
 
@@ -10,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from nanoserve.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -49,3 +54,31 @@ def split_of(model: nn.Module, name: str) -> str | None:
     """How tensor parallelism splits checkpoint tensor `name` for `model` (None: whole, or not the model's)."""
     target = weight_target(model, name)
     return None if target is None else target.split
+
+
+def _fused(model: nn.Module, name: str):
+    """(fragment, parts) when checkpoint tensor `name` holds several of `model`'s projections whole, else None."""
+    return next(((fragment, parts) for fragment, parts in getattr(model, "FUSED", {}).items()
+                 if f".{fragment}." in f".{name}"), None)
+
+
+def is_fused(model: nn.Module, name: str) -> bool:
+    return _fused(model, name) is not None
+
+
+def fused_parts(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor that holds several projections whole (the class's FUSED: fragment -> a function of the
+    config giving each projection's fragment and rows, in order) split into each projection's (checkpoint name,
+    rows)."""
+    fragment, parts = _fused(model, name)
+    named = parts(model.config)
+    local = sum(rows for _, rows in named)
+    # a tensor-parallel rank's model has its share of every projection: the whole tensor is `ranks` times it
+    ranks = tensor.shape[0] // local if local and tensor.shape[0] % local == 0 else 0
+    if not ranks:
+        raise CheckpointError(f"weight {name} has {tensor.shape[0]} rows but the config implies a multiple of {local} "
+                              f"({' + '.join(f'{p} {r}' for p, r in named)}); config.json does not match the "
+                              "weights")
+    sizes = [rows * ranks for _, rows in named]
+    return [(name.replace(f".{fragment}.", f".{part}."), piece)
+            for (part, _), piece in zip(named, tensor.split(sizes))]

@@ -1,7 +1,7 @@
 """The model registry: a checkpoint's architecture name -> the file and class that implement it.
 
 Adding an architecture is its file in nanoserve/models/ and one line here. `family` is how its config is read
-(nanoserve/model/config.py): Qwen2's qkv biases by default, Qwen3's per-head q/k norms.
+(nanoserve/model/config.py): Qwen2's qkv biases by default, Qwen3's per-head q/k norms, Phi-3's original context.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": Entry("llama", "LlamaForCausalLM", "llama"),
     "Qwen2ForCausalLM": Entry("llama", "LlamaForCausalLM", "qwen2"),
     "Qwen3ForCausalLM": Entry("llama", "LlamaForCausalLM", "qwen3"),
+    "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM", "phi3"),
 }
 
 # a GGUF file's general.architecture -> the Hugging Face architecture its tensors and metadata describe
