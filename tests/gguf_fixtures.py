@@ -97,6 +97,7 @@ _GGUF_NAMES = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors, as llama.cpp names them
 }
 
 
@@ -209,6 +210,8 @@ def write_llama_gguf(
         else:
             w.add_float32(key, value)
 
+    if c.get("original_context"):  # LongRoPE's original context (Phi-3)
+        w.add_rope_scaling_orig_ctx_len(c["original_context"])
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
     if c.get("head_dim"):

@@ -189,9 +189,13 @@ def _load_gguf(p: Path, dtype, max_positions, quantization: str, shard: TensorSh
     platform, fused = _platform(runs_on, dtype, shard, config)
     model = _construct(shard.local_config(config) if shard is not None else config, dtype, runs_on.device,
                        max_positions, platform)
-    cut = None if shard is None else (lambda name, t: shard.take(split_of(model, name), t, name))
+    take = (lambda name, t: t) if shard is None else (lambda name, t: shard.take(split_of(model, name), t, name))
+    cut = None if shard is None else (lambda name, t: t if is_fused(model, name) else take(name, t))
     tensors, head_blocks = read_gguf_weights(header, dtype, quantization != "none", cut)
-    quant = _load_weights(model, iter(tensors.items()), quantization, head_blocks, runs_on.invariant, platform)
+    items = ((part, piece) for name, tensor in tensors.items()  # a fused tensor cut per projection, as it splits
+             for part, piece in ([(p, take(p, t)) for p, t in fused_parts(model, name, tensor)]
+                                 if is_fused(model, name) else [(name, tensor)]))
+    quant = _load_weights(model, items, quantization, head_blocks, runs_on.invariant, platform)
     return LoadedModel(p.stem, config, model, tokenizer, quant, fused)
 
 

@@ -66,7 +66,7 @@ def is_fused(model: nn.Module, name: str) -> bool:
     return _fused(model, name) is not None
 
 
-def fused_parts(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def fused_parts(model: nn.Module, name: str, tensor) -> list[tuple[str, object]]:
     """A checkpoint tensor that holds several projections whole (the class's FUSED: fragment -> a function of the
     config giving each projection's fragment and rows, in order) split into each projection's (checkpoint name,
     rows)."""
@@ -80,5 +80,15 @@ def fused_parts(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple
                               f"({' + '.join(f'{p} {r}' for p, r in named)}); config.json does not match the "
                               "weights")
     sizes = [rows * ranks for _, rows in named]
-    return [(name.replace(f".{fragment}.", f".{part}."), piece)
-            for (part, _), piece in zip(named, tensor.split(sizes))]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(name.replace(f".{fragment}.", f".{part}."), _rows(tensor, start, start + rows, name))
+            for (part, _), start, rows in zip(named, starts, sizes)]
+
+
+def _rows(tensor, start: int, stop: int, name: str):
+    """Rows [start, stop) of a dense tensor (a view) or of quantized blocks (a GGUF file's fused tensor)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor[start:stop]
+    from nanoserve.parallel.shard import blocks_slice
+
+    return blocks_slice(tensor, 0, start, stop, name)

@@ -26,7 +26,8 @@ ARCHITECTURES = {
 }
 
 # a GGUF file's general.architecture -> the Hugging Face architecture its tensors and metadata describe
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 
 
 def model_class(architecture: str) -> type:

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from nanoserve.errors import CheckpointError
-from nanoserve.model.gguf.config import gguf_architecture, hf_config, rope_scaling
+from nanoserve.model.gguf.config import gguf_architecture, hf_config, longrope_scaling, rope_scaling
 from nanoserve.model.gguf.dequant import SUPPORTED_QUANT_TYPES, dequantize
 from nanoserve.model.gguf.reader import TensorInfo, parse
 from nanoserve.model.gguf.tokenizer import build_tokenizer, special_token
@@ -61,6 +61,11 @@ def _expected_tensors(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     shapes = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
               "ffn_norm": (h,), "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
     layer = {f"{leaf}.weight": (f"{hf}.weight", shapes[leaf]) for leaf, hf in _LAYER_TENSORS.items()}
+    if cfg["model_type"] == "phi3":  # q, k, v in one tensor and gate, up in another (split at load: models/phi3.py)
+        for leaf in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+            del layer[f"{leaf}.weight"]
+        layer |= {"attn_qkv.weight": ("self_attn.qkv_proj.weight", (q + 2 * kv, h)),
+                  "ffn_up.weight": ("mlp.gate_up_proj.weight", (2 * inter, h))}
     if cfg["attention_bias"]:
         layer |= {f"{leaf}.bias": (f"{_LAYER_TENSORS[leaf]}.bias", shapes[leaf][:1]) for leaf in
                   ("attn_q", "attn_k", "attn_v")}
@@ -139,7 +144,7 @@ def _check_tensors(path: Path, infos: dict[str, TensorInfo], expected: dict[str,
     """The file holds exactly the tensors the dense model of its config has (rope_freqs aside), in the
     shapes that config implies."""
     missing = sorted(set(expected) - set(infos))
-    extra = sorted(set(infos) - set(expected) - {"rope_freqs.weight"})
+    extra = sorted(set(infos) - set(expected) - ROPE_TENSORS)
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} tensors its architecture's model has, e.g. "
                               f"{missing[:3]}; the file is incomplete or not a plain dense model")
@@ -156,11 +161,19 @@ def _check_tensors(path: Path, infos: dict[str, TensorInfo], expected: dict[str,
             )
 
 
+ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # read as rope_scaling
+
+
 def _read_rope_scaling(f, meta: dict, infos: dict[str, TensorInfo], config: dict, path: Path) -> dict | None:
-    """The config's rope_scaling, from the metadata and the rope_freqs tensor where the file has one."""
-    rope_freqs = _to_torch(_read_tensor(f, infos["rope_freqs.weight"]), torch.float32) \
-        if "rope_freqs.weight" in infos else None
-    return rope_scaling(meta, rope_freqs, config["head_dim"], config["rope_theta"], path)
+    """The config's rope_scaling, from the metadata and the rope_freqs tensor where the file has one, or
+    LongRoPE's two factor tensors (Phi-3)."""
+    def read(name: str) -> torch.Tensor | None:
+        return _to_torch(_read_tensor(f, infos[name]), torch.float32) if name in infos else None
+
+    long, short = read("rope_factors_long.weight"), read("rope_factors_short.weight")
+    if long is not None or short is not None:
+        return longrope_scaling(meta, long, short, config, path)
+    return rope_scaling(meta, read("rope_freqs.weight"), config["head_dim"], config["rope_theta"], path)
 
 
 def _read_weights(f, infos: dict[str, TensorInfo], expected: dict[str, tuple[str, tuple[int, ...]]], config: dict,

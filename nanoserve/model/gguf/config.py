@@ -1,5 +1,5 @@
 """The Hugging Face config.json-shaped dict, rope scaling included, from a GGUF file's metadata (architectures
-llama, qwen2 and qwen3: nanoserve/models/registry.py's GGUF_ARCHITECTURES)."""
+llama, qwen2, qwen3 and phi3: nanoserve/models/registry.py's GGUF_ARCHITECTURES)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from nanoserve.errors import CheckpointError
 from nanoserve.model.gguf.reader import TensorInfo
 from nanoserve.models.registry import GGUF_ARCHITECTURES
 
-__all__ = ["gguf_architecture", "hf_config", "rope_scaling"]
+__all__ = ["gguf_architecture", "hf_config", "longrope_scaling", "rope_scaling"]
 
 
 def _require(meta: dict, key: str, path: Path) -> Any:
@@ -52,6 +52,25 @@ def rope_scaling(meta: dict, rope_freqs: torch.Tensor | None, head_dim: int, the
         f"{path} uses {kind!r} rope scaling, which is not supported; supported: none, linear, and llama3 "
         "(a rope_freqs tensor). Use the Hugging Face checkpoint directory of this model instead"
     )
+
+
+def longrope_scaling(meta: dict, long: torch.Tensor | None, short: torch.Tensor | None, config: dict,
+                     path: Path) -> dict:
+    """Phi-3's LongRoPE from the two factor tensors llama.cpp writes (rope_factors_long / _short), the original
+    context and the attention factor from the metadata (as convert_hf_to_gguf.py writes them)."""
+    half = config["head_dim"] // 2
+    if long is None or short is None or long.numel() != half or short.numel() != half:
+        raise CheckpointError(f"{path} has LongRoPE factor tensors that are not a long and a short one of head_dim / 2 "
+                              f"= {half} values each; the file is inconsistent")
+    arch = meta.get("general.architecture")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise CheckpointError(f"{path} has LongRoPE factors but no {arch}.rope.scaling.original_context_length; "
+                              "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+    out = {"rope_type": "longrope", "long_factor": long.flatten().tolist(), "short_factor": short.flatten().tolist(),
+           "original_max_position_embeddings": int(original)}
+    attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+    return out if attn_factor is None else {**out, "attention_factor": float(attn_factor)}
 
 
 def _llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float, context: int):
@@ -106,7 +125,7 @@ def gguf_architecture(meta: dict, path: Path) -> str:
         raise CheckpointError(
             f"{path} is a GGUF file of architecture {arch!r}; GGUF files of architecture "
             f"{', '.join(repr(a) for a in GGUF_ARCHITECTURES)} are supported (Llama, SmolLM, Mistral in llama "
-            "layout, Qwen2/Qwen2.5, Qwen3). For other models pass the Hugging Face checkpoint directory "
+            "layout, Qwen2/Qwen2.5, Qwen3, Phi-3/Phi-4). For other models pass the Hugging Face checkpoint directory "
             "(config.json + *.safetensors) if nanoserve runs its architecture"
         )
     return str(arch)
@@ -156,7 +175,8 @@ def hf_config(meta: dict, infos: dict[str, TensorInfo], path: Path, dtype: torch
         "tie_word_embeddings": "output.weight" not in infos,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "rope_scaling": None,  # filled in by load_gguf once rope_freqs (if any) is read
+        "rope_scaling": None,  # filled in by load_gguf once rope_freqs (or LongRoPE's factors) is read
+        "sliding_window": int(meta.get(key("attention.sliding_window")) or 0) or None,
         "hidden_act": "silu",
         "attention_bias": arch == "qwen2",  # Qwen2's qkv biases; llama.cpp permutes a llama file's, so those are refused
         "mlp_bias": False,
