@@ -15,12 +15,11 @@ import torch
 from nanoserve import LLM
 from nanoserve.model.gguf import load_gguf
 from tests.gguf_fixtures import byte_level_vocab, write_llama_gguf
-from tests.gguf_oracles import assert_rows_logprobs_close
+from tests.gguf_oracles import IDS, assert_near_llama_cpp, assert_rows_logprobs_close
 from tests.test_model_oracle import full_prefill_logits
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5)
-IDS = [[5, 80, 81, 200, 7, 9, 120, 33, 34, 35, 290, 12], [40], list(range(3, 90, 3))]
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
             "long_factor": [2.0 + i / 4 for i in range(8)]}
 
@@ -116,16 +115,7 @@ def test_a_quantized_file_runs_its_blocks_as_its_dequantized_weights_do(plain_ph
 
 
 def test_logits_match_llama_cpp_on_the_same_file(phi3):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's oracle needs llama-cpp-python (the peers "
-                                                        "extra)")
-    _, _, _, path = phi3
-    llm = LLM(model=str(path), dtype="float32", quantization="none", max_model_len=256, kv_cache_gib=0.01)
-    peer = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2)
-    for ids in IDS:
-        peer.reset()
-        peer.eval(ids)
-        theirs = torch.tensor(np.array(peer.scores[: len(ids)]), dtype=torch.float32)
-        assert_rows_logprobs_close(full_prefill_logits(llm, ids), theirs)
+    assert_near_llama_cpp(phi3[3])
 
 
 def test_two_ranks_split_the_fused_tensors_per_projection(plain_phi3):
