@@ -4,8 +4,9 @@ merged projection, and so how tensor parallelism splits it (the layer's `paralle
 A model class maps checkpoint projections onto its merged ones with PACKED (fragment -> (merged module, shard));
 everything else is found by its own name. A checkpoint that stores a merged projection whole (Phi-3's qkv_proj and
 gate_up_proj) is split into its projections first (`fused_parts`, from the class's FUSED table), so the rest of
-loading, tensor-parallel slicing included, sees the projections one by one. The loader reads a tensor (or only a rank's slice of it) and loads it
-through here, so a new architecture adds its layers and its PACKED table, not rules about names.
+loading, tensor-parallel slicing included, sees the projections one by one. The loader reads a tensor (or only a
+rank's slice of it) and loads it through here, so a new architecture adds its layers and its PACKED (and FUSED)
+table, not rules about names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from nanoserve.errors import CheckpointError
+from nanoserve.parallel.shard import blocks_slice
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,4 @@ def _rows(tensor, start: int, stop: int, name: str):
     """Rows [start, stop) of a dense tensor (a view) or of quantized blocks (a GGUF file's fused tensor)."""
     if isinstance(tensor, torch.Tensor):
         return tensor[start:stop]
-    from nanoserve.parallel.shard import blocks_slice
-
     return blocks_slice(tensor, 0, start, stop, name)
