@@ -101,6 +101,31 @@ class FusedKernels:
         # type name -> (inputs per unit, bytes per unit): a row is whole units (256, or 32 for 16-bit rows)
         self.kq_units = {name: (lib.ns_kq_inputs(i), lib.ns_kq_block_bytes(i)) for name, i in self.kq_types.items()}
         self.kq_isa = lib.ns_kq_isa().decode()  # the integer dot product the K-quant kernels were built on
+        # q4kx16.c: Q4_K rows 16 outputs interleaved; `q4kx16_call` takes kq_call's arguments less the type
+        self.q4kx16_call = lib.ns_q4kx16_matmul
+        self.q4kx16_call.argtypes = self.kq_call.argtypes[1:]
+        self.q4kx16_call.restype = ctypes.c_int
+        self._q4kx16_bytes = lib.ns_q4kx16_packed_bytes
+        self._q4kx16_bytes.argtypes, self._q4kx16_bytes.restype = (_i64, _i64), _i64
+        self._q4kx16_pack, self._q4kx16_unpack = lib.ns_q4kx16_pack, lib.ns_q4kx16_unpack
+        for fn in (self._q4kx16_pack, self._q4kx16_unpack):
+            fn.argtypes, fn.restype = (_ptr, _i64, _i64, _ptr, _i32), None
+        lib.ns_q4kx16_isa.restype = ctypes.c_char_p
+        self.q4kx16_isa = lib.ns_q4kx16_isa().decode()
+
+    def q4kx16_pack(self, raw: torch.Tensor, in_features: int) -> torch.Tensor:
+        """A Q4_K file's rows raw [out (in 16s), in / 256 * 144 bytes] -> q4kx16's packed weight (148 bytes a row's
+        super-block: the file's 144 with its scale bytes unpacked)."""
+        raw = raw.contiguous()
+        packed = torch.empty(self._q4kx16_bytes(raw.shape[0], in_features), dtype=torch.uint8)
+        self._q4kx16_pack(raw.data_ptr(), raw.shape[0], in_features, packed.data_ptr(), torch.get_num_threads())
+        return packed
+
+    def q4kx16_unpack(self, packed: torch.Tensor, out: int, in_features: int) -> torch.Tensor:
+        """The file's Q4_K rows [out, in / 256 * 144] back from q4kx16_pack's weight, bit for bit."""
+        raw = torch.empty(out, in_features // 256 * 144, dtype=torch.uint8)
+        self._q4kx16_unpack(packed.data_ptr(), out, in_features, raw.data_ptr(), torch.get_num_threads())
+        return raw
 
     def kq_matmul(self, type_name: str, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] float32 . W^T -> [rows, out] float32, W the file's K-quant rows `raw` [out, bytes]."""

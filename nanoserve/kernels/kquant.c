@@ -79,6 +79,16 @@ static void quantize_chunk(const void *task, int64_t chunk, int64_t chunks, int3
         quantize_row(c->x + r * c->in, c->in, c->q + r * c->in, c->d + r * (c->in / QK), c->s + r * (c->in / SUMS));
 }
 
+/* x [rows, in] float32 (in whole runs of 256) -> each row's 8-bit codes q [rows, in], scales d [rows, in / 256] and
+ * code sums per 16 s [rows, in / 16]: the activations every K-quant kernel here takes (q4kx16.c's too) */
+void ns_kq_quantize(const float *x, int64_t rows, int64_t in, int8_t *q, float *d, int16_t *s, int32_t threads) {
+    Quantize codes = {x, in, rows, q, d, s};
+    if (rows >= QUANTIZE_POOLED_FROM)
+        ns_pool_run(quantize_chunk, &codes, threads < 1 ? 1 : threads, threads);
+    else
+        quantize_chunk(&codes, 0, 1, 0);
+}
+
 /* ---- the block layouts ---------------------------------------------------------------------------------- */
 
 /* Q4_K / Q5_K: 8 sub-blocks of 32 with a 6-bit scale and a 6-bit min each, packed in 12 bytes (gguf's
@@ -476,11 +486,7 @@ int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, i
         free(xq), free(xd), free(xs);
         return -1;
     }
-    Quantize codes = {x, in, rows, xq, xd, xs};
-    if (rows >= QUANTIZE_POOLED_FROM)
-        ns_pool_run(quantize_chunk, &codes, threads < 1 ? 1 : threads, threads);
-    else
-        quantize_chunk(&codes, 0, 1, 0);
+    ns_kq_quantize(x, rows, in, xq, xd, xs, threads);
     KMatmul task = {&TYPES[type], w, {xq, xd, xs, in, NULL}, bias, rows, out, ldy, y, accumulate};
     run_chunks(&task, out, threads);
     free(xq), free(xd), free(xs);

@@ -238,7 +238,9 @@ def _blocks_head(model: nn.Module, blocks: KQuantBlocks, kernels=None) -> tuple[
         if model.lm_head.weight.numel() == 0 or model.lm_head.weight is not model.embed_tokens.weight:
             model.lm_head.weight.data = blocks.dequantize().to(model.lm_head.weight.dtype)
         return str(model.lm_head.weight.dtype).removeprefix("torch."), {}, 0
-    form = KQuantLinear(blocks, None, None, kernels)
+    rows_of = getattr(model.embed_tokens, "rows_of", None)
+    tied = isinstance(rows_of, KQuantRows) and rows_of.raw.data_ptr() == blocks.segments[0][1].data_ptr()
+    form = KQuantLinear(blocks, None, None, kernels, interleave=not tied)  # tied: one table, the file's rows
     model.lm_head.use_packed(form)
     return "kquant", {}, sum(b.numel() * b.element_size() for b in form.buffers())
 
