@@ -2,7 +2,7 @@
 """The packed kernels' speed on one 8192 x 2048 weight of each type (random bytes, finite f16 scales; 16-bit rows
 of random normal values), 1, 8 and 64 activation rows, and the machine's read bandwidth (torch summing 1 GiB): the
 kernel and bound figures BENCHMARKS.md quotes. The K-quant table's types (and F16, BF16), and GGUF's Q4_0 on q4x8
-and q4x16 and Q4_1 on q4x16 (`Q4_0/q4x8` ...), and Q4_K interleaved as the loader runs it (`Q4_K/x16`). Prints a table; `--json PATH` writes it too.
+and q4x16 and Q4_1 on q4x16 (`Q4_0/q4x8` ...), and Q4_K and Q6_K interleaved as the loader runs them (`Q4_K/x16` ...). Prints a table; `--json PATH` writes it too.
 
     python scripts/kquant-speed.py [--threads 2] [--types Q4_K Q6_K Q4_0/q4x8 ...] [--json out.json]
 """
@@ -22,7 +22,7 @@ LAYOUT = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 
           "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,))}
 HALF = ("F16", "BF16")
 FOUR_BIT = ("Q4_0/q4x8", "Q4_0/q4x16", "Q4_1/q4x16")  # GGUF rows on linear.c's and q4x8.c's 4-bit kernels
-INTERLEAVED = ("Q4_K/x16",)  # Q4_K rows 16 outputs interleaved (q4kx16.c), as the loader runs them
+INTERLEAVED = ("Q4_K/x16", "Q6_K/x16")  # rows 16 outputs interleaved (kx16.c), as the loader runs them
 
 
 def weight(type_name: str, out: int, k: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def weight(type_name: str, out: int, k: int) -> torch.Tensor:
         w = torch.randn(out, k, generator=torch.Generator().manual_seed(0)) * 0.05
         return (w.half() if type_name == "F16" else w.bfloat16()).view(torch.uint8)
     if type_name in INTERLEAVED:
-        return weight("Q4_K", out, k)
+        return weight(type_name.split("/")[0], out, k)
     if "/" in type_name:
         type_name = type_name.split("/")[0]
         halves = (0,) if type_name == "Q4_0" else (0, 2)
@@ -52,7 +52,7 @@ def product(kernels, type_name: str, raw: torch.Tensor, k: int):
         from nanoserve.model.quant import KQuantBlocks
         from nanoserve.model.quant.linears import KQuantLinear
 
-        linear = KQuantLinear(KQuantBlocks((("Q4_K", raw),), k), None, None, kernels)
+        linear = KQuantLinear(KQuantBlocks(((type_name.split("/")[0], raw),), k), None, None, kernels)
         return lambda x: linear(x)
     from nanoserve.model.quant.blocks import GgufInt4Rows
     from nanoserve.model.quant.linears import Q4Linear, Q4x8Linear

@@ -21,11 +21,13 @@ int64_t ns_q4x8_packed_bytes(int64_t out, int64_t in);
 void ns_q4x8_pack_gguf(const uint8_t *raw, int64_t out, int64_t in, uint8_t *dst, int32_t threads);
 int ns_q4x8_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
                    float *y, int32_t threads, int32_t accumulate);
-int64_t ns_q4kx16_packed_bytes(int64_t out, int64_t in);
-void ns_q4kx16_pack(const uint8_t *raw, int64_t out, int64_t in, uint8_t *dst, int32_t threads);
-int ns_q4kx16_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, int64_t ldy,
-                     const float *bias, float *y, int32_t threads, int32_t accumulate);
-const char *ns_q4kx16_isa(void);
+int32_t ns_kx16_types(void);
+const char *ns_kx16_name(int32_t type);
+int64_t ns_kx16_packed_bytes(int32_t type, int64_t out, int64_t in);
+int ns_kx16_pack(int32_t type, const uint8_t *raw, int64_t out, int64_t in, uint8_t *dst, int32_t threads);
+int ns_kx16_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out,
+                   int64_t ldy, const float *bias, float *y, int32_t threads, int32_t accumulate);
+const char *ns_kx16_isa(void);
 int64_t ns_q4_packed_bytes(int64_t out, int64_t in);
 void ns_q4_pack_gguf(const uint8_t *raw, int32_t q4_1, int64_t out, int64_t in, uint8_t *dst, int32_t threads);
 int ns_q4_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, const float *bias,
@@ -125,17 +127,22 @@ static void kquant_cases(const float *x, float *y) {
     }
 }
 
-/* Q4_K interleaved 16 outputs a super-block (q4kx16), as the loader packs a Q4_K file's rows */
-static void q4kx16_cases(const float *x, float *y) {
-    int64_t units = OUT * (IN / 256);
-    uint8_t *raw = malloc((size_t)(units * 144)), *w = malloc((size_t)ns_q4kx16_packed_bytes(OUT, IN));
-    gguf_blocks("Q4_K", raw, units, 144);
-    ns_q4kx16_pack(raw, OUT, IN, w, 2);
-    for (size_t c = 0; c < sizeof ROW_COUNTS / sizeof ROW_COUNTS[0]; c++) {
-        if (ns_q4kx16_matmul(w, x, ROW_COUNTS[c], IN, OUT, OUT, NULL, y, 2, 0)) printf("Q4_K/x16 failed\n");
-        report("Q4_K/x16", ROW_COUNTS[c], y, (int64_t)ROW_COUNTS[c] * OUT);
+/* Q4_K and Q6_K interleaved 16 outputs a super-block (kx16), as the loader packs a file's rows of these types */
+static void kx16_cases(const float *x, float *y) {
+    for (int32_t t = 0; t < ns_kx16_types(); t++) {
+        const char *name = ns_kx16_name(t);
+        int64_t units = OUT * (IN / 256), bytes = !strcmp(name, "Q4_K") ? 144 : 210;
+        uint8_t *raw = malloc((size_t)(units * bytes)), *w = malloc((size_t)ns_kx16_packed_bytes(t, OUT, IN));
+        char what[32];
+        snprintf(what, sizeof what, "%s/x16", name);
+        gguf_blocks(name, raw, units, bytes);
+        if (ns_kx16_pack(t, raw, OUT, IN, w, 2)) printf("%s failed\n", what);
+        for (size_t c = 0; c < sizeof ROW_COUNTS / sizeof ROW_COUNTS[0]; c++) {
+            if (ns_kx16_matmul(t, w, x, ROW_COUNTS[c], IN, OUT, OUT, NULL, y, 2, 0)) printf("%s failed\n", what);
+            report(what, ROW_COUNTS[c], y, (int64_t)ROW_COUNTS[c] * OUT);
+        }
+        free(raw), free(w);
     }
-    free(raw), free(w);
 }
 
 /* Q4_0 (q4x8), Q4_1 (the 4-bit kernel) and Q8_0 (the 8-bit kernel), packed as the loader packs them */
@@ -207,7 +214,7 @@ static void attention_case(void) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--isa")) { /* which paths this build took */
-        printf("kquant %s, q4 %s, q4x8 %s, q4kx16 %s\n", ns_kq_isa(), ns_q4_isa(), ns_q4x8_isa(), ns_q4kx16_isa());
+        printf("kquant %s, q4 %s, q4x8 %s, kx16 %s\n", ns_kq_isa(), ns_q4_isa(), ns_q4x8_isa(), ns_kx16_isa());
         return 0;
     }
     float *x = malloc(sizeof(float) * MAX_ROWS * IN), *y = malloc(sizeof(float) * MAX_ROWS * OUT);
@@ -216,7 +223,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 32; i++)
         x[IN + i] = 0.0f, x[32 + i] = -1.0f, x[(MAX_ROWS - 1) * IN + IN - 32 + i] = i % 2 ? -1.0f : 1.0f;
     kquant_cases(x, y);
-    q4kx16_cases(x, y);
+    kx16_cases(x, y);
     packed_cases(x, y);
     elementwise_cases(x);
     attention_case();

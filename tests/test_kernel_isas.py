@@ -68,7 +68,7 @@ def plain_c(tmp_path_factory) -> str:
     if build.find_compiler() is None:
         pytest.skip("no C compiler")
     program = compile_harness(tmp_path_factory.mktemp("plain"), "plain-c", build.find_compiler(), plain_c_flags())
-    assert run(program, "--isa").strip() == "kquant portable, q4 portable, q4x8 portable, q4kx16 portable"
+    assert run(program, "--isa").strip() == "kquant portable, q4 portable, q4x8 portable, kx16 portable"
     lines = run(program)
     assert len(lines.splitlines()) > 50 and "failed" not in lines, lines
     return lines
@@ -77,7 +77,7 @@ def plain_c(tmp_path_factory) -> str:
 def same_as(reference: str, name: str, program: Path, path: str, runner: list[str] = ()) -> None:
     isa = run(program, "--isa", runner=runner).strip()
     if path:
-        assert isa == f"kquant {path}, q4 {path}, q4x8 {path}, q4kx16 {path}", f"{name} took {isa}"
+        assert isa == f"kquant {path}, q4 {path}, q4x8 {path}, kx16 {path}", f"{name} took {isa}"
     text = run(program, runner=runner)
     differing = [f"{a}  vs  {b}" for a, b in zip(reference.splitlines(), text.splitlines()) if a != b]
     assert text == reference, f"{name} ({isa}) differs from plain C:\n" + "\n".join(differing)

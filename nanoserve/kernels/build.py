@@ -72,10 +72,10 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-SOURCES = ("fused.c", "linear.c", "kquant.c", "kdecode.c", "q4x8.c", "q4kx16.c")  # compiled together into one library
+SOURCES = ("fused.c", "linear.c", "kquant.c", "kdecode.c", "q4x8.c", "kx16.c")  # compiled together into one library
 # what they include: part of the build's key
 HEADERS = ("half.h", "kdecode.h", "q4pack.h", "kquant_x86.h", "kquant_avx512.h", "kquant_avx2.h", "kquant_neon.h",
-           "kquant_plainc.h")
+           "kquant_plainc.h", "kx16_avx512.h", "kx16_avx2.h", "kx16_neon.h", "kx16_plainc.h")
 
 
 def library_path(source: bytes, compiler: str) -> Path:

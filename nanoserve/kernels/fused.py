@@ -101,30 +101,38 @@ class FusedKernels:
         # type name -> (inputs per unit, bytes per unit): a row is whole units (256, or 32 for 16-bit rows)
         self.kq_units = {name: (lib.ns_kq_inputs(i), lib.ns_kq_block_bytes(i)) for name, i in self.kq_types.items()}
         self.kq_isa = lib.ns_kq_isa().decode()  # the integer dot product the K-quant kernels were built on
-        # q4kx16.c: Q4_K rows 16 outputs interleaved; `q4kx16_call` takes kq_call's arguments less the type
-        self.q4kx16_call = lib.ns_q4kx16_matmul
-        self.q4kx16_call.argtypes = self.kq_call.argtypes[1:]
-        self.q4kx16_call.restype = ctypes.c_int
-        self._q4kx16_bytes = lib.ns_q4kx16_packed_bytes
-        self._q4kx16_bytes.argtypes, self._q4kx16_bytes.restype = (_i64, _i64), _i64
-        self._q4kx16_pack, self._q4kx16_unpack = lib.ns_q4kx16_pack, lib.ns_q4kx16_unpack
-        for fn in (self._q4kx16_pack, self._q4kx16_unpack):
-            fn.argtypes, fn.restype = (_ptr, _i64, _i64, _ptr, _i32), None
-        lib.ns_q4kx16_isa.restype = ctypes.c_char_p
-        self.q4kx16_isa = lib.ns_q4kx16_isa().decode()
+        self._bind_kx16(lib)
 
-    def q4kx16_pack(self, raw: torch.Tensor, in_features: int) -> torch.Tensor:
-        """A Q4_K file's rows raw [out (in 16s), in / 256 * 144 bytes] -> q4kx16's packed weight (148 bytes a row's
-        super-block: the file's 144 with its scale bytes unpacked)."""
-        raw = raw.contiguous()
-        packed = torch.empty(self._q4kx16_bytes(raw.shape[0], in_features), dtype=torch.uint8)
-        self._q4kx16_pack(raw.data_ptr(), raw.shape[0], in_features, packed.data_ptr(), torch.get_num_threads())
+    def _bind_kx16(self, lib: ctypes.CDLL) -> None:
+        """kx16.c: Q4_K and Q6_K rows 16 outputs interleaved. `kx16_types`: type name -> the library's index;
+        `kx16_call` kq_call's arguments with kx16's type index and a packed weight."""
+        self.kx16_call = lib.ns_kx16_matmul
+        self.kx16_call.argtypes, self.kx16_call.restype = self.kq_call.argtypes, ctypes.c_int
+        self._kx16_bytes = lib.ns_kx16_packed_bytes
+        self._kx16_bytes.argtypes, self._kx16_bytes.restype = (_i32, _i64, _i64), _i64
+        self._kx16_pack, self._kx16_unpack = lib.ns_kx16_pack, lib.ns_kx16_unpack
+        for fn in (self._kx16_pack, self._kx16_unpack):
+            fn.argtypes, fn.restype = (_i32, _ptr, _i64, _i64, _ptr, _i32), ctypes.c_int
+        lib.ns_kx16_name.argtypes, lib.ns_kx16_name.restype = (_i32,), ctypes.c_char_p
+        self.kx16_types = {lib.ns_kx16_name(i).decode(): i for i in range(lib.ns_kx16_types())}
+        lib.ns_kx16_isa.restype = ctypes.c_char_p
+        self.kx16_isa = lib.ns_kx16_isa().decode()
+
+    def kx16_pack(self, type_name: str, raw: torch.Tensor, in_features: int) -> torch.Tensor:
+        """A file's rows raw [out (in 16s), in / 256 blocks] of a kx16 type -> its interleaved weight (Q4_K 148
+        bytes an output's super-block: the file's 144 with its scale bytes unpacked; Q6_K the file's 210)."""
+        raw, kind = raw.contiguous(), self.kx16_types[type_name]
+        packed = torch.empty(self._kx16_bytes(kind, raw.shape[0], in_features), dtype=torch.uint8)
+        if self._kx16_pack(kind, raw.data_ptr(), raw.shape[0], in_features, packed.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"kx16 takes {type_name} rows in 16s of whole super-blocks; this is {tuple(raw.shape)}")
         return packed
 
-    def q4kx16_unpack(self, packed: torch.Tensor, out: int, in_features: int) -> torch.Tensor:
-        """The file's Q4_K rows [out, in / 256 * 144] back from q4kx16_pack's weight, bit for bit."""
-        raw = torch.empty(out, in_features // 256 * 144, dtype=torch.uint8)
-        self._q4kx16_unpack(packed.data_ptr(), out, in_features, raw.data_ptr(), torch.get_num_threads())
+    def kx16_unpack(self, type_name: str, packed: torch.Tensor, out: int, in_features: int) -> torch.Tensor:
+        """The file's rows [out, in / 256 * block bytes] back from kx16_pack's weight, bit for bit."""
+        width = in_features // 256 * self.kq_units[type_name][1]
+        raw = torch.empty(out, width, dtype=torch.uint8)
+        self._kx16_unpack(self.kx16_types[type_name], packed.data_ptr(), out, in_features, raw.data_ptr(),
+                          torch.get_num_threads())
         return raw
 
     def kq_matmul(self, type_name: str, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ static void quantize_chunk(const void *task, int64_t chunk, int64_t chunks, int3
 }
 
 /* x [rows, in] float32 (in whole runs of 256) -> each row's 8-bit codes q [rows, in], scales d [rows, in / 256] and
- * code sums per 16 s [rows, in / 16]: the activations every K-quant kernel here takes (q4kx16.c's too) */
+ * code sums per 16 s [rows, in / 16]: the activations every K-quant kernel here takes (kx16.c's too) */
 void ns_kq_quantize(const float *x, int64_t rows, int64_t in, int8_t *q, float *d, int16_t *s, int32_t threads) {
     Quantize codes = {x, in, rows, q, d, s};
     if (rows >= QUANTIZE_POOLED_FROM)

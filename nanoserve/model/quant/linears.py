@@ -273,9 +273,9 @@ class KQuantLinear(PackedLinear):
     float32 in, each row's super-blocks of 256 quantized to 8-bit codes inside the call (the activation format
     llama.cpp multiplies these blocks by), float32 out; the rarer types (Q2_K, Q3_K, IQ4_XS, and Q5_0, Q5_1,
     IQ4_NL in blocks of 32) alike, and a 16-bit file's F16 / BF16 rows against the float32 activations as they
-    are. Rows run as the file holds them, except Q4_K in runs of 16 outputs: those are interleaved 16 outputs a
-    super-block at load (kernels/q4kx16.c; `interleave=False` keeps the file's rows, for a head that shares its
-    bytes with the embedding). Which kernel a run takes is fixed at load by its type and shape. A merged
+    are. Rows run as the file holds them, except Q4_K and Q6_K in runs of 16 outputs: those are interleaved 16
+    outputs a super-block at load (kernels/kx16.c; `interleave=False` keeps the file's rows, for a head that shares
+    its bytes with the embedding). Which kernel a run takes is fixed at load by its type and shape. A merged
     projection's runs of rows of different types each fill their columns of the one output. An output depends on
     its row alone."""
 
@@ -291,46 +291,42 @@ class KQuantLinear(PackedLinear):
                              f"this is {out}x{k}")
         super().__init__(out, k, bias, sizes)
         self.kernels, self.type_names = kernels, blocks.type_names
-        self.segments = []  # (the library's type index or INTERLEAVED, first output, outputs)
+        self.segments = []  # ("kx16" interleaved or "kq" the file's rows, the library's type index, first, outputs)
         first = 0
         for i, (name, raw) in enumerate(blocks.segments):
-            if interleave and name == "Q4_K" and raw.shape[0] % 16 == 0:
-                self.register_buffer(f"raw{i}", kernels.q4kx16_pack(raw, k))
-                self.segments.append((self.INTERLEAVED, first, raw.shape[0]))
+            if interleave and name in kernels.kx16_types and raw.shape[0] % 16 == 0:
+                self.register_buffer(f"raw{i}", kernels.kx16_pack(name, raw, k))
+                self.segments.append(("kx16", kernels.kx16_types[name], first, raw.shape[0]))
             else:
                 self.register_buffer(f"raw{i}", raw.contiguous())
-                self.segments.append((kernels.kq_types[name], first, raw.shape[0]))
+                self.segments.append(("kq", kernels.kq_types[name], first, raw.shape[0]))
             first += raw.shape[0]
-
-    INTERLEAVED = -1  # a segment of Q4_K rows interleaved by q4kx16_pack
 
     def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         x = flat.float().contiguous()
         rows = x.shape[0]
         y = torch.empty(rows, self.out_features)
-        for i, (kind, first, outs) in enumerate(self.segments):
-            raw = getattr(self, f"raw{i}")
-            args = (raw.data_ptr(), x.data_ptr(), rows, self.in_features, outs, self.out_features, None,
-                    y.data_ptr() + 4 * first, torch.get_num_threads(), 0)
-            if rows and (self.kernels.q4kx16_call(*args) if kind == self.INTERLEAVED
-                         else self.kernels.kq_call(kind, *args)):
+        for i, (entry, kind, first, outs) in enumerate(self.segments):
+            call = self.kernels.kx16_call if entry == "kx16" else self.kernels.kq_call
+            if rows and call(kind, getattr(self, f"raw{i}").data_ptr(), x.data_ptr(), rows, self.in_features, outs,
+                             self.out_features, None, y.data_ptr() + 4 * first, torch.get_num_threads(), 0):
                 raise MemoryError(f"the K-quant kernel could not allocate the int8 copy of {rows} x "
                                   f"{self.in_features} activations")
         return y
 
     def file_rows(self, i: int) -> tuple[str, torch.Tensor]:
         """Segment i as the file held it: (type name, its rows' bytes)."""
-        kind, _, outs = self.segments[i]
-        if kind == self.INTERLEAVED:
-            return "Q4_K", self.kernels.q4kx16_unpack(getattr(self, f"raw{i}"), outs, self.in_features)
-        names = {index: name for name, index in self.kernels.kq_types.items()}
-        return names[kind], getattr(self, f"raw{i}")
+        entry, kind, _, outs = self.segments[i]
+        interleaved = entry == "kx16"
+        names = {index: name for name, index in (self.kernels.kx16_types if interleaved else self.kernels.kq_types).items()}
+        raw = getattr(self, f"raw{i}")
+        return names[kind], self.kernels.kx16_unpack(names[kind], raw, outs, self.in_features) if interleaved else raw
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, row for row as gguf dequantizes the file's blocks (the kernels' own decoder)."""
         every = torch.arange(self.out_features)
         parts = []
-        for i, (_, _, outs) in enumerate(self.segments):
+        for i, (_, _, _, outs) in enumerate(self.segments):
             name, raw = self.file_rows(i)
             parts.append(self.kernels.kq_dequant_rows(name, raw, self.in_features, every[:outs]))
         return torch.cat(parts)
