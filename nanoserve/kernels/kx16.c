@@ -93,23 +93,22 @@ static void scales_pack(const uint8_t sc[8], const uint8_t m[8], uint8_t *s) {
     }
 }
 
-/* The file's Q4_K code of input e: 64 t + i in qs[32 t + i]'s low nibble, 64 t + 32 + i in its high one */
-static inline int q4k_file_code(const uint8_t *qs, int e) {
-    int byte = qs[32 * (e / 64) + e % 32];
-    return (e / 32) % 2 ? byte >> 4 : byte & 15;
+/* Eight codes' vector bytes (4-bit layout: k low, k + 4 high) from eight file nibbles at src, their low (nibble 0)
+ * or high halves, four bytes at a time */
+static inline uint32_t nibbles8(const uint8_t *src, int nibble) {
+    uint32_t w0, w1;
+    memcpy(&w0, src, 4), memcpy(&w1, src + 4, 4);
+    return nibble ? ((w0 >> 4) & 0x0f0f0f0fu) | (w1 & 0xf0f0f0f0u) : (w0 & 0x0f0f0f0fu) | (w1 & 0x0f0f0f0fu) << 4;
 }
 
-/* The codes' 4-bit layout (Q4_K's codes, Q6_K's low bits) of output l from codes[256], vector v at p + at(v) */
-static void nibbles_in(const uint8_t codes[QK], uint8_t *p, int l, int six) {
-    for (int v = 0; v < 32; v++)
-        for (int k = 0; k < 4; k++)
-            p[(six ? K6_LO(v) : v * 64) + 4 * l + k] = (uint8_t)((codes[8 * v + k] & 15) | (codes[8 * v + 4 + k] & 15) << 4);
-}
-
+/* Q4_K's qs: input 64 t + i in qs[32 t + i]'s low nibble, 64 t + 32 + i in its high one (i < 32) */
 static void q4k_in(const uint8_t *block, uint8_t *p, int l) {
-    uint8_t codes[QK], sc[8], m[8];
-    for (int e = 0; e < QK; e++) codes[e] = (uint8_t)q4k_file_code(block + 16, e);
-    nibbles_in(codes, p, l, 0);
+    uint8_t sc[8], m[8];
+    for (int v = 0; v < 32; v++) {
+        int e = 8 * v;
+        uint32_t w = nibbles8(block + 16 + 32 * (e / 64) + e % 32, (e / 32) % 2);
+        memcpy(p + v * 64 + 4 * l, &w, 4);
+    }
     scales_unpack(block + 4, sc, m);
     for (int j = 0; j < 8; j++) p[K4_SCALES + 16 * j + l] = sc[j], p[K4_MINS + 32 * (j / 2) + 2 * l + j % 2] = m[j];
     memcpy(p + K4_D + 2 * l, block, 2);
@@ -132,19 +131,20 @@ static void q4k_out(const uint8_t *p, int l, uint8_t *block) {
 /* The file's Q6_K block: ql[128], qh[64], scales[16], d; input 128 h + r (s = r / 64, i = r % 64, t = r / 32):
  * nibble s of ql[64 h + i], and bits 2 t of qh[32 h + r % 32] as bits 4-5 (kquant.c) */
 static void q6k_in(const uint8_t *block, uint8_t *p, int l) {
-    uint8_t codes[QK];
-    for (int e = 0; e < QK; e++) {
-        int h = e / 128, r = e % 128;
-        codes[e] = (uint8_t)(((block[64 * h + r % 64] >> (4 * (r / 64))) & 15) |
-                             ((block[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4);
+    for (int v = 0; v < 32; v++) { /* inputs 8 v .. 8 v + 7: one run of ql, one nibble */
+        int h = v / 16, r = (8 * v) % 128;
+        uint32_t w = nibbles8(block + 64 * h + r % 64, r / 64);
+        memcpy(p + K6_LO(v) + 4 * l, &w, 4);
     }
-    nibbles_in(codes, p, l, 1);
-    for (int u = 0; u < 16; u++) {
-        for (int k = 0; k < 4; k++) {
-            uint8_t byte = 0;
-            for (int t = 0; t < 4; t++) byte |= (uint8_t)((codes[16 * u + 4 * t + k] >> 4) << (2 * t));
-            p[K6_HI(u) + 4 * l + k] = byte;
+    for (int u = 0; u < 16; u++) { /* inputs 16 u .. 16 u + 15: one run of qh at one shift */
+        int h = u / 8, r = (16 * u) % 128, shift = 2 * (r / 32);
+        uint32_t w = 0;
+        for (int t = 0; t < 4; t++) {
+            uint32_t bits;
+            memcpy(&bits, block + 128 + 32 * h + r % 32 + 4 * t, 4);
+            w |= ((bits >> shift) & 0x03030303u) << (2 * t);
         }
+        memcpy(p + K6_HI(u) + 4 * l, &w, 4);
         p[K6_SCALES + 32 * (u / 2) + 2 * l + u % 2] = block[192 + u];
     }
     memcpy(p + K6_D + 2 * l, block + 208, 2);
