@@ -193,10 +193,11 @@ static INLINE void group_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
     int16_t s[ROWS][16];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = wg + b * group_bytes;
-        /* one row (decode): ask for all the super-block's lines before its work, whose own loads come a line per
-         * some 20 instructions, too few in flight to keep the memory busy (2048x8192 from memory, 2 threads: Q6_K
-         * 26 GB/s against 18 unasked, 19-21 asking 2048 bytes or a super-block ahead, 16-19 asking a line a step) */
-        if (m->rows == 1)
+        /* the first pass over a super-block (it comes from memory): ask for all its lines before the work, whose
+         * own loads come a line per some 20 instructions, too few in flight to keep the memory busy (2048x8192 from
+         * memory, 2 threads, one row: Q6_K 26 GB/s against 18 unasked, 19-21 asking 2048 bytes or a super-block
+         * ahead, 16-19 a line a step; 8 rows: 1.25-1.37x asking the next group's bytes at a group's start) */
+        if (r == 0)
             for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + at);
         for (int i = 0; i < n; i++) {
             dx[i] = m->d[(r + i) * blocks + b];
@@ -219,10 +220,7 @@ static INLINE void group_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
 /* Output groups of a chunk for every row: one row, or ROWS at a time, each compiled for its count */
 static INLINE void chunk_pass(const Kx16Call *m, int kind, int64_t group_bytes, int64_t chunk, int64_t chunks) {
     int64_t groups = m->out / OUTS, g0 = groups * chunk / chunks, g1 = groups * (chunk + 1) / chunks;
-    int64_t bytes = m->in / QK * group_bytes;
     for (int64_t g = g0; g < g1; g++) {
-        if (m->rows > 1 && g + 1 < g1) /* the first rows read this group from memory: ask for the next meanwhile */
-            for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(m->w + (g + 1) * bytes + at);
         if (m->rows == 1) {
             group_pass(m, kind, group_bytes, g, 0, 1);
             continue;
