@@ -113,6 +113,9 @@ class FusedKernels:
         self._kx16_pack, self._kx16_unpack = lib.ns_kx16_pack, lib.ns_kx16_unpack
         for fn in (self._kx16_pack, self._kx16_unpack):
             fn.argtypes, fn.restype = (_i32, _ptr, _i64, _i64, _ptr, _i32), ctypes.c_int
+        self._kx16_dequant_rows = lib.ns_kx16_dequant_rows
+        self._kx16_dequant_rows.argtypes = (_i32, _ptr, _i64, _i64, _ptr, _i64, _ptr)
+        self._kx16_dequant_rows.restype = ctypes.c_int
         lib.ns_kx16_name.argtypes, lib.ns_kx16_name.restype = (_i32,), ctypes.c_char_p
         self.kx16_types = {lib.ns_kx16_name(i).decode(): i for i in range(lib.ns_kx16_types())}
         lib.ns_kx16_isa.restype = ctypes.c_char_p
@@ -134,6 +137,19 @@ class FusedKernels:
         self._kx16_unpack(self.kx16_types[type_name], packed.data_ptr(), out, in_features, raw.data_ptr(),
                           torch.get_num_threads())
         return raw
+
+    def kx16_dequant_rows(self, type_name: str, packed: torch.Tensor, out: int, in_features: int,
+                          idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` of kx16_pack's weight (out rows), dequantized exactly as gguf does -> [len(idx), in] float32."""
+        idx = idx.to(torch.int64).contiguous()
+        rows = torch.empty(idx.numel(), in_features)
+        done = self._kx16_dequant_rows(self.kx16_types[type_name], packed.data_ptr(), out, in_features,
+                                       idx.data_ptr(), idx.numel(), rows.data_ptr())
+        if done == -3:
+            raise IndexError(f"a row index is outside the {out} rows of the {type_name} table")
+        if done:
+            raise ValueError(f"cannot dequantize interleaved {type_name} rows of {in_features} inputs")
+        return rows
 
     def kq_matmul(self, type_name: str, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] float32 . W^T -> [rows, out] float32, W the file's K-quant rows `raw` [out, bytes]."""

@@ -51,6 +51,10 @@
 typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
 void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads); /* linear.c */
 void ns_kq_quantize(const float *x, int64_t rows, int64_t in, int8_t *q, float *d, int16_t *s, int32_t threads);
+int32_t ns_kq_types(void);
+const char *ns_kq_name(int32_t type);
+int ns_kq_dequant_rows(int32_t type, const uint8_t *w, int64_t rows, int64_t in, const int64_t *idx, int64_t n,
+                       float *out);
 
 /* Q6_K code of output l's input e in a group's super-block p (the plain build's reading, and the unpacking's) */
 static inline int q6_code(const uint8_t *p, int l, int e) {
@@ -301,6 +305,28 @@ int ns_kx16_pack(int32_t type, const uint8_t *raw, int64_t out, int64_t in, uint
 /* The packed weight back into the file's rows raw, bit for bit (the inverse of ns_kx16_pack) */
 int ns_kx16_unpack(int32_t type, const uint8_t *packed, int64_t out, int64_t in, uint8_t *raw, int32_t threads) {
     return pack_run(type, raw, (uint8_t *)packed, out, in, 1, threads);
+}
+
+/* out [n, in] float32 = rows idx[0..n) of the packed W [out, in], dequantized exactly as gguf does (each super-block
+ * read back into the file's block, then kquant.c's decoder): a tied embedding's lookup in its head's table.
+ * Returns 0, -2 for a type or shape it does not take, -3 for an index outside [0, out). */
+int ns_kx16_dequant_rows(int32_t type, const uint8_t *packed, int64_t out, int64_t in, const int64_t *idx, int64_t n,
+                         float *dst) {
+    if (type < 0 || type >= NTYPES || out % OUTS || in % QK) return -2;
+    int32_t decoder = -1;
+    for (int32_t t = 0; t < ns_kq_types(); t++)
+        if (!strcmp(ns_kq_name(t), TYPES[type].name)) decoder = t;
+    for (int64_t r = 0; r < n; r++)
+        if (idx[r] < 0 || idx[r] >= out) return -3;
+    int64_t blocks = in / QK, zero = 0;
+    uint8_t block[256];
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            TYPES[type].out(packed + ((idx[r] / OUTS) * blocks + b) * TYPES[type].group_bytes, (int)(idx[r] % OUTS),
+                            block);
+            if (ns_kq_dequant_rows(decoder, block, 1, QK, &zero, 1, dst + r * in + b * QK)) return -2;
+        }
+    return 0;
 }
 
 /* ---- the call ------------------------------------------------------------------------------------------- */

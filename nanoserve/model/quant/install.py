@@ -239,9 +239,10 @@ def _blocks_head(model: nn.Module, blocks: KQuantBlocks, kernels=None) -> tuple[
             model.lm_head.weight.data = blocks.dequantize().to(model.lm_head.weight.dtype)
         return str(model.lm_head.weight.dtype).removeprefix("torch."), {}, 0
     rows_of = getattr(model.embed_tokens, "rows_of", None)
-    tied = isinstance(rows_of, KQuantRows) and rows_of.raw.data_ptr() == blocks.segments[0][1].data_ptr()
-    form = KQuantLinear(blocks, None, None, kernels, interleave=not tied)  # tied: one table, the file's rows
+    form = KQuantLinear(blocks, None, None, kernels)
     model.lm_head.use_packed(form)
+    if isinstance(rows_of, KQuantRows) and rows_of.raw.data_ptr() == blocks.segments[0][1].data_ptr():
+        model.embed_tokens.use_blocks(KQuantRows.of_head(form))  # tied: one table, the head's
     return "kquant", {}, sum(b.numel() * b.element_size() for b in form.buffers())
 
 

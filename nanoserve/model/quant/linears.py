@@ -274,8 +274,8 @@ class KQuantLinear(PackedLinear):
     llama.cpp multiplies these blocks by), float32 out; the rarer types (Q2_K, Q3_K, IQ4_XS, and Q5_0, Q5_1,
     IQ4_NL in blocks of 32) alike, and a 16-bit file's F16 / BF16 rows against the float32 activations as they
     are. Rows run as the file holds them, except Q4_K and Q6_K in runs of 16 outputs: those are interleaved 16
-    outputs a super-block at load (kernels/kx16.c; `interleave=False` keeps the file's rows, for a head that shares
-    its bytes with the embedding). Which kernel a run takes is fixed at load by its type and shape. A merged
+    outputs a super-block at load (kernels/kx16.c; `interleave=False` keeps the file's rows, for comparing the
+    two). Which kernel a run takes is fixed at load by its type and shape. A merged
     projection's runs of rows of different types each fill their columns of the one output. An output depends on
     its row alone."""
 
@@ -333,17 +333,35 @@ class KQuantLinear(PackedLinear):
 
 
 class KQuantRows(nn.Module):
-    """An embedding's rows looked up in the file's K-quant blocks, each dequantized as gguf does when asked: the
-    table is held in the file's bytes (a tied head multiplies the same ones), never as a float32 copy."""
+    """An embedding's rows looked up in K-quant blocks, each dequantized as gguf does when asked: the table is held
+    in the file's bytes, or in the interleaved table of the head it is tied to (`of_head`: one table, multiplied
+    by the head at its fastest), never as a float32 copy."""
 
     def __init__(self, blocks: KQuantBlocks, kernels):
         super().__init__()
-        (self.type_name, raw), = blocks.segments
-        self.kernels, self.in_features = kernels, blocks.shape[1]
-        self.register_buffer("raw", raw.contiguous())
+        (type_name, raw), = blocks.segments
+        self._hold(type_name, raw.contiguous(), raw.shape[0], blocks.shape[1], kernels, interleaved=False)
+
+    def _hold(self, type_name: str, raw: torch.Tensor, rows: int, in_features: int, kernels, interleaved: bool):
+        self.type_name, self.rows, self.in_features = type_name, rows, in_features
+        self.kernels, self.interleaved = kernels, interleaved
+        self.register_buffer("raw", raw)
+
+    @classmethod
+    def of_head(cls, head: KQuantLinear) -> KQuantRows:
+        """The rows of a tied head's one run of rows, in whichever layout it runs them."""
+        (entry, _, _, rows), = head.segments
+        table = cls.__new__(cls)
+        nn.Module.__init__(table)
+        table._hold(head.type_names[0], head.raw0, rows, head.in_features, head.kernels, entry == "kx16")
+        return table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = self.kernels.kq_dequant_rows(self.type_name, self.raw, self.in_features, ids.reshape(-1))
+        if self.interleaved:
+            flat = self.kernels.kx16_dequant_rows(self.type_name, self.raw, self.rows, self.in_features,
+                                                  ids.reshape(-1))
+        else:
+            flat = self.kernels.kq_dequant_rows(self.type_name, self.raw, self.in_features, ids.reshape(-1))
         return flat.view(*ids.shape, self.in_features)
 
 
