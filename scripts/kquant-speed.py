@@ -2,7 +2,7 @@
 """The packed kernels' speed on one 8192 x 2048 weight of each type (random bytes, finite f16 scales; 16-bit rows
 of random normal values), 1, 8 and 64 activation rows, and the machine's read bandwidth (torch summing 1 GiB): the
 kernel and bound figures BENCHMARKS.md quotes. The K-quant table's types (and F16, BF16), and GGUF's Q4_0 on q4x8
-and q4x16 and Q4_1 on q4x16 (`Q4_0/q4x8` ...), and Q4_K and Q6_K interleaved as the loader runs them (`Q4_K/x16` ...). Prints a table; `--json PATH` writes it too.
+and q4x16 and Q4_1 on q4x16 (`Q4_0/q4x8` ...), and Q4_K, Q5_K and Q6_K interleaved as the loader runs them (`Q4_K/x16` ...). Prints a table; `--json PATH` writes it too.
 
     python scripts/kquant-speed.py [--threads 2] [--types Q4_K Q6_K Q4_0/q4x8 ...] [--json out.json]
 """
@@ -22,7 +22,7 @@ LAYOUT = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 
           "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,))}
 HALF = ("F16", "BF16")
 FOUR_BIT = ("Q4_0/q4x8", "Q4_0/q4x16", "Q4_1/q4x16")  # GGUF rows on linear.c's and q4x8.c's 4-bit kernels
-INTERLEAVED = ("Q4_K/x16", "Q6_K/x16")  # rows 16 outputs interleaved (kx16.c), as the loader runs them
+INTERLEAVED = ("Q4_K/x16", "Q5_K/x16", "Q6_K/x16")  # rows 16 outputs interleaved (kx16.c), as the loader runs them
 
 
 def weight(type_name: str, out: int, k: int) -> torch.Tensor:

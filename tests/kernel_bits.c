@@ -127,11 +127,11 @@ static void kquant_cases(const float *x, float *y) {
     }
 }
 
-/* Q4_K and Q6_K interleaved 16 outputs a super-block (kx16), as the loader packs a file's rows of these types */
+/* Q4_K, Q5_K and Q6_K interleaved 16 outputs a super-block (kx16), as the loader packs a file's rows of these types */
 static void kx16_cases(const float *x, float *y) {
     for (int32_t t = 0; t < ns_kx16_types(); t++) {
         const char *name = ns_kx16_name(t);
-        int64_t units = OUT * (IN / 256), bytes = !strcmp(name, "Q4_K") ? 144 : 210;
+        int64_t units = OUT * (IN / 256), bytes = !strcmp(name, "Q4_K") ? 144 : !strcmp(name, "Q5_K") ? 176 : 210;
         uint8_t *raw = malloc((size_t)(units * bytes)), *w = malloc((size_t)ns_kx16_packed_bytes(t, OUT, IN));
         char what[32];
         snprintf(what, sizeof what, "%s/x16", name);

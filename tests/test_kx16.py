@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K rows interleaved 16 outputs a super-block (kernels/kx16.c): which runs of rows take it, the packing
+"""Q4_K, Q5_K and Q6_K rows interleaved 16 outputs a super-block (kernels/kx16.c): which runs of rows take it, the packing
 read back bit for bit, and the products equal, bit for bit, to a numpy reading of the arithmetic kx16.c's header
 states (exact integers a super-block, then one float step an output), on activations quantized as llama.cpp's Q8_K.
 The instruction sets' agreement is tests/test_kernel_isas.py's."""
@@ -41,15 +41,18 @@ def _q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return codes, (top[..., 0] / np.float32(127)).astype(np.float32), codes.reshape(*codes.shape[:2], 16, 16).sum(3)
 
 
-def _q4k_parts(raw: np.ndarray) -> tuple:
-    """A Q4_K row's super-blocks: d, dmin, the 8 scales and mins, the 256 codes (gguf's layout)."""
-    b = raw.reshape(-1, 144)
+def _k45_parts(raw: np.ndarray, five: bool) -> tuple:
+    """A Q4_K or Q5_K row's super-blocks: d, dmin, the 8 scales and mins, the 256 codes (gguf's layout)."""
+    b = raw.reshape(-1, 176 if five else 144)
     d, dmin = b[:, 0:2].copy().view(np.float16)[:, 0], b[:, 2:4].copy().view(np.float16)[:, 0]
     s = b[:, 4:16].astype(np.int64)
     sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | (s[:, 0:4] >> 6) << 4], 1)
     m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | (s[:, 4:8] >> 6) << 4], 1)
-    qs = b[:, 16:].astype(np.int64).reshape(-1, 4, 32)
+    qs = b[:, 48 if five else 16:].astype(np.int64).reshape(-1, 4, 32)
     codes = np.stack([qs & 15, qs >> 4], 2).reshape(-1, 256)  # 64 t + i low, 64 t + 32 + i high
+    if five:  # input 32 j + i's fifth bit: bit j of qh[i]
+        qh = b[:, 16:48].astype(np.int64)
+        codes = codes | np.concatenate([(qh >> j) & 1 for j in range(8)], 1) << 4
     return d.astype(np.float32), dmin.astype(np.float32), sc, m, codes
 
 
@@ -64,15 +67,16 @@ def _q6k_parts(raw: np.ndarray) -> tuple:
 
 
 def _reference(qtype: str, raw: torch.Tensor, x: np.ndarray) -> np.ndarray:
-    """y = (y + (d dx) I) - (dmin dx) M (Q4_K) or y + (d dx) I (Q6_K) super-block after super-block, in float32."""
+    """y = (y + (d dx) I) - (dmin dx) M (Q4_K, Q5_K) or y + (d dx) I (Q6_K) super-block after super-block, in
+    float32."""
     codes, dx, sums = _q8k(x)
     out, blocks = raw.shape[0], K // 256
     y = np.zeros((x.shape[0], out), dtype=np.float32)
     for o in range(out):
         for b in range(blocks):
             xb = codes[:, b]
-            if qtype == "Q4_K":
-                d, dmin, sc, m, q = (p[b] for p in _q4k_parts(raw[o].numpy()))
+            if qtype in ("Q4_K", "Q5_K"):
+                d, dmin, sc, m, q = (p[b] for p in _k45_parts(raw[o].numpy(), qtype == "Q5_K"))
                 ints = ((q.reshape(8, 32) * xb.reshape(-1, 8, 32)).sum(2) * sc).sum(1)
                 mins = ((sums[:, b, 0::2] + sums[:, b, 1::2]) * m).sum(1)
                 step = y[:, o] + (d * dx[:, b]) * ints.astype(np.float32)
@@ -84,7 +88,7 @@ def _reference(qtype: str, raw: torch.Tensor, x: np.ndarray) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_runs_of_16_outputs_are_interleaved_and_read_back_bit_for_bit(kernels, qtype):
     raw = _raw(qtype, 48)
     linear = KQuantLinear(KQuantBlocks(((qtype, raw),), K), None, None, kernels)
@@ -96,7 +100,7 @@ def test_runs_of_16_outputs_are_interleaved_and_read_back_bit_for_bit(kernels, q
     assert [entry for entry, *_ in odd.segments] == [entry for entry, *_ in kept.segments] == ["kq"]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_the_product_is_the_stated_arithmetic_bit_for_bit(kernels, qtype, rows):
     raw = _raw(qtype, 32, seed=rows)
@@ -122,7 +126,7 @@ def test_a_merged_projection_fills_each_runs_columns_and_a_row_is_the_same_alone
         assert torch.equal(merged(x[row:row + 1].clone()), y[row:row + 1])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_a_tied_embedding_looks_its_rows_up_in_the_heads_interleaved_table(kernels, qtype):
     from nanoserve.model.quant.linears import KQuantRows
 

@@ -104,7 +104,7 @@ class FusedKernels:
         self._bind_kx16(lib)
 
     def _bind_kx16(self, lib: ctypes.CDLL) -> None:
-        """kx16.c: Q4_K and Q6_K rows 16 outputs interleaved. `kx16_types`: type name -> the library's index;
+        """kx16.c: Q4_K, Q5_K and Q6_K rows 16 outputs interleaved. `kx16_types`: type name -> the library's index;
         `kx16_call` kq_call's arguments with kx16's type index and a packed weight."""
         self.kx16_call = lib.ns_kx16_matmul
         self.kx16_call.argtypes, self.kx16_call.restype = self.kq_call.argtypes, ctypes.c_int
@@ -123,7 +123,7 @@ class FusedKernels:
 
     def kx16_pack(self, type_name: str, raw: torch.Tensor, in_features: int) -> torch.Tensor:
         """A file's rows raw [out (in 16s), in / 256 blocks] of a kx16 type -> its interleaved weight (Q4_K 148
-        bytes an output's super-block: the file's 144 with its scale bytes unpacked; Q6_K the file's 210)."""
+        bytes an output's super-block: the file's 144 with its scale bytes unpacked; Q5_K 180; Q6_K the file's 210)."""
         raw, kind = raw.contiguous(), self.kx16_types[type_name]
         packed = torch.empty(self._kx16_bytes(kind, raw.shape[0], in_features), dtype=torch.uint8)
         if self._kx16_pack(kind, raw.data_ptr(), raw.shape[0], in_features, packed.data_ptr(), torch.get_num_threads()):

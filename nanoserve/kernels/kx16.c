@@ -1,4 +1,4 @@
-/* GGUF Q4_K and Q6_K weights 16 outputs interleaved (kx16), times the 8-bit activation codes per 256 every K-quant
+/* GGUF Q4_K, Q5_K and Q6_K weights 16 outputs interleaved (kx16), times the 8-bit activation codes per 256 every K-quant
  * kernel takes (kquant.c's ns_kq_quantize: llama.cpp's Q8_K).
  *
  * Why: kquant.c reads these rows as the file lays them, one output at a time, and a one-row call (decode) spends
@@ -12,13 +12,15 @@
  *        8 v + k in its low nibble and 8 v + 4 + k in its high one (q4pack.h's layout); scales [128]: byte 16 j + l,
  *        output l's sub-block j scale; mins [128]: byte 32 p + 2 l + h, output l's sub-block 2 p + h min; d [16],
  *        dmin [16]: the f16 super-block scales as the file has them.
+ *   Q5_K (180 bytes an output): Q4_K's, with after the codes the fifth bits [512]: vector j (sub-block j) holds at
+ *        byte 4 l + k output l's input 32 j + 4 t + k's fifth bit at bit t.
  *   Q6_K (210 bytes an output, as the file): codes [3072]: inputs 16 u .. 16 u + 15 (u < 16) in 192 bytes, two
  *        vectors of their low 4 bits as Q4_K's codes, then one holding at byte 4 l + k the top 2 bits of output l's
  *        inputs 16 u + 4 t + k at bits 2 t (in read order: the three regions apart streamed Q6_K 2048x8192 from
  *        memory at 0.86x); scales [256]: byte 32 p + 2 l + h, output l's scale of inputs 16 (2 p + h) ..; d [16].
  * The arithmetic, an output at a time and the same on every path (AVX-512 VNNI, AVX2, NEON dotprod, plain C), with
  * x the activation codes, dx their super-block's scale and S their sums (per sub-block):
- *   Q4_K  I = sum_j sc_j sum_i q_i x_i, M = sum_j m_j S_j          y = (y + (d dx) I) - (dmin dx) M
+ *   Q4_K, Q5_K  I = sum_j sc_j sum_i q_i x_i, M = sum_j m_j S_j    y = (y + (d dx) I) - (dmin dx) M
  *   Q6_K  I = sum_u sc_u sum_i q_i x_i - 32 sum_u sc_u S_u          y = y + (d dx) I
  * super-block after super-block, the integers exact, each product rounded on its own (no fused multiply-add). An
  * output's bits depend on its row alone: not on the call's other rows, the thread or the instruction set.
@@ -37,11 +39,13 @@
 #define ROWS 4     /* activation rows a super-block's unpacked codes serve at once */
 #define INLINE inline __attribute__((always_inline))
 
-#define K4_SCALES 2048
-#define K4_MINS (K4_SCALES + 128)
-#define K4_D (K4_MINS + 128)
-#define K4_DMIN (K4_D + 32)
-#define K4_GROUP (K4_DMIN + 32) /* 2368 */
+/* Q4_K (five 0) and Q5_K (five 1: the codes' fifth bits after the codes) */
+#define K5_HIGH 2048
+#define K4_SCALES(five) (2048 + (five) * 512)
+#define K4_MINS(five) (K4_SCALES(five) + 128)
+#define K4_D(five) (K4_MINS(five) + 128)
+#define K4_DMIN(five) (K4_D(five) + 32)
+#define K4_GROUP(five) (K4_DMIN(five) + 32) /* 2368, 2880 */
 #define K6_LO(v) ((v) / 2 * 192 + (v) % 2 * 64) /* Q6_K's codes in order: inputs 16 u .. as low, low, high */
 #define K6_HI(u) ((u) * 192 + 128)
 #define K6_SCALES 3072
@@ -63,7 +67,7 @@ static inline int q6_code(const uint8_t *p, int l, int e) {
     return low | ((p[K6_HI(u) + 4 * l + e % 4] >> (2 * t)) & 3) << 4;
 }
 
-/* Each build's q4k_rows and q6k_rows: one super-block p of a group against n <= ROWS rows, x the first row's 256
+/* Each build's k45_rows (Q4_K, and Q5_K with `five`) and q6k_rows: one super-block p of a group against n <= ROWS rows, x the first row's 256
  * codes (row i at x + i in), dx[i] its scale, s[i] its 16 code sums; each row's 16 outputs' sums in acc[i] */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include "kx16_avx512.h"
@@ -105,32 +109,53 @@ static inline uint32_t nibbles8(const uint8_t *src, int nibble) {
     return nibble ? ((w0 >> 4) & 0x0f0f0f0fu) | (w1 & 0xf0f0f0f0u) : (w0 & 0x0f0f0f0fu) | (w1 & 0x0f0f0f0fu) << 4;
 }
 
-/* Q4_K's qs: input 64 t + i in qs[32 t + i]'s low nibble, 64 t + 32 + i in its high one (i < 32) */
-static void q4k_in(const uint8_t *block, uint8_t *p, int l) {
+/* Q4_K's qs (Q5_K's after its 32 bytes qh): input 64 t + i in qs[32 t + i]'s low nibble, 64 t + 32 + i in its high
+ * one (i < 32); Q5_K's fifth bit of input 32 j + i is bit j of qh[i] */
+static void k45_in(const uint8_t *block, uint8_t *p, int l, int five) {
     uint8_t sc[8], m[8];
+    const uint8_t *qs = block + (five ? 48 : 16);
     for (int v = 0; v < 32; v++) {
         int e = 8 * v;
-        uint32_t w = nibbles8(block + 16 + 32 * (e / 64) + e % 32, (e / 32) % 2);
+        uint32_t w = nibbles8(qs + 32 * (e / 64) + e % 32, (e / 32) % 2);
         memcpy(p + v * 64 + 4 * l, &w, 4);
     }
+    for (int j = 0; five && j < 8; j++) { /* byte 4 l + k of sub-block j: input 32 j + 4 t + k's fifth bit at bit t */
+        uint32_t w = 0;
+        for (int t = 0; t < 8; t++) {
+            uint32_t bits;
+            memcpy(&bits, block + 16 + 4 * t, 4);
+            w |= ((bits >> j) & 0x01010101u) << t;
+        }
+        memcpy(p + K5_HIGH + 64 * j + 4 * l, &w, 4);
+    }
     scales_unpack(block + 4, sc, m);
-    for (int j = 0; j < 8; j++) p[K4_SCALES + 16 * j + l] = sc[j], p[K4_MINS + 32 * (j / 2) + 2 * l + j % 2] = m[j];
-    memcpy(p + K4_D + 2 * l, block, 2);
-    memcpy(p + K4_DMIN + 2 * l, block + 2, 2);
+    for (int j = 0; j < 8; j++)
+        p[K4_SCALES(five) + 16 * j + l] = sc[j], p[K4_MINS(five) + 32 * (j / 2) + 2 * l + j % 2] = m[j];
+    memcpy(p + K4_D(five) + 2 * l, block, 2);
+    memcpy(p + K4_DMIN(five) + 2 * l, block + 2, 2);
 }
 
-static void q4k_out(const uint8_t *p, int l, uint8_t *block) {
-    uint8_t sc[8], m[8], *qs = block + 16;
-    memset(qs, 0, 128);
+static void q4k_in(const uint8_t *block, uint8_t *p, int l) { k45_in(block, p, l, 0); }
+static void q5k_in(const uint8_t *block, uint8_t *p, int l) { k45_in(block, p, l, 1); }
+
+static void k45_out(const uint8_t *p, int l, uint8_t *block, int five) {
+    uint8_t sc[8], m[8], *qs = block + (five ? 48 : 16);
+    memset(block + 16, 0, five ? 160 : 128);
     for (int e = 0; e < QK; e++) {
         int code = (p[(e / 8) * 64 + 4 * l + e % 4] >> (e % 8 < 4 ? 0 : 4)) & 15;
         qs[32 * (e / 64) + e % 32] |= (uint8_t)(code << ((e / 32) % 2 ? 4 : 0));
+        if (five) /* bit t = (e % 32) / 4 of byte 4 l + e % 4 of sub-block e / 32 -> bit e / 32 of qh[e % 32] */
+            block[16 + e % 32] |= (uint8_t)(((p[K5_HIGH + 64 * (e / 32) + 4 * l + e % 4] >> ((e % 32) / 4)) & 1) << (e / 32));
     }
-    for (int j = 0; j < 8; j++) sc[j] = p[K4_SCALES + 16 * j + l], m[j] = p[K4_MINS + 32 * (j / 2) + 2 * l + j % 2];
+    for (int j = 0; j < 8; j++)
+        sc[j] = p[K4_SCALES(five) + 16 * j + l], m[j] = p[K4_MINS(five) + 32 * (j / 2) + 2 * l + j % 2];
     scales_pack(sc, m, block + 4);
-    memcpy(block, p + K4_D + 2 * l, 2);
-    memcpy(block + 2, p + K4_DMIN + 2 * l, 2);
+    memcpy(block, p + K4_D(five) + 2 * l, 2);
+    memcpy(block + 2, p + K4_DMIN(five) + 2 * l, 2);
 }
+
+static void q4k_out(const uint8_t *p, int l, uint8_t *block) { k45_out(p, l, block, 0); }
+static void q5k_out(const uint8_t *p, int l, uint8_t *block) { k45_out(p, l, block, 1); }
 
 /* The file's Q6_K block: ql[128], qh[64], scales[16], d; input 128 h + r (s = r / 64, i = r % 64, t = r / 32):
  * nibble s of ql[64 h + i], and bits 2 t of qh[32 h + r % 32] as bits 4-5 (kquant.c) */
@@ -186,7 +211,7 @@ typedef struct {
     int accumulate;
 } Kx16Call;
 
-enum { KX_Q4_K, KX_Q6_K };
+enum { KX_Q4_K, KX_Q5_K, KX_Q6_K };
 
 /* Rows [r, r + n) against output group g, the super-blocks in order, so each output's float part runs as on one
  * row alone; `kind` a constant where inlined */
@@ -208,8 +233,8 @@ static INLINE void group_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
             memcpy(s[i], m->s + (r + i) * (m->in / SUMS) + b * (QK / SUMS), sizeof s[i]);
         }
         const int8_t *x = m->q + r * m->in + b * QK;
-        if (kind == KX_Q4_K)
-            q4k_rows(p, x, m->in, n, dx, (const int16_t(*)[16])s, acc);
+        if (kind != KX_Q6_K)
+            k45_rows(p, kind == KX_Q5_K, x, m->in, n, dx, (const int16_t(*)[16])s, acc);
         else
             q6k_rows(p, x, m->in, n, dx, (const int16_t(*)[16])s, acc);
     }
@@ -240,7 +265,12 @@ static INLINE void chunk_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
 
 static void q4k_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
     (void)slot;
-    chunk_pass(task, KX_Q4_K, K4_GROUP, chunk, chunks);
+    chunk_pass(task, KX_Q4_K, K4_GROUP(0), chunk, chunks);
+}
+
+static void q5k_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
+    (void)slot;
+    chunk_pass(task, KX_Q5_K, K4_GROUP(1), chunk, chunks);
 }
 
 static void q6k_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t slot) {
@@ -249,7 +279,8 @@ static void q6k_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t s
 }
 
 static const Kx16Type TYPES[] = {
-    {"Q4_K", 144, K4_GROUP, q4k_chunk, q4k_in, q4k_out},
+    {"Q4_K", 144, K4_GROUP(0), q4k_chunk, q4k_in, q4k_out},
+    {"Q5_K", 176, K4_GROUP(1), q5k_chunk, q5k_in, q5k_out},
     {"Q6_K", 210, K6_GROUP, q6k_chunk, q6k_in, q6k_out},
 };
 #define NTYPES ((int32_t)(sizeof TYPES / sizeof TYPES[0]))

@@ -25,8 +25,9 @@ static INLINE __m256i quad_of(const int8_t *x) {
     return _mm256_set1_epi32(quad);
 }
 
-/* Q4_K: a sub-block's eight pair sums added in 16 bits (at most 8 x 2 x 15 x 128 = 30720: exact) */
-static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *dx,
+/* Q4_K: a sub-block's eight pair sums added in 16 bits (at most 8 x 2 x 15 x 128 = 30720: exact); Q5_K's four at
+ * a time (4 x 2 x 31 x 128 = 31744) */
+static INLINE void k45_rows(const uint8_t *p, int five, const int8_t *x, int64_t in, int n, const float *dx,
                             const int16_t (*s)[16], float (*acc)[OUTS]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int h = 0; h < 2; h++) {
@@ -39,17 +40,27 @@ static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n
                 q[2 * v] = _mm256_and_si256(packed, low);
                 q[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
             }
-            __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + K4_SCALES + 16 * j + 8 * h)));
+            if (five) { /* quad t's fifth bits at bit t of the sub-block's byte 4 l + k, to bit 4 */
+                const __m256i bit4 = _mm256_set1_epi8(0x10);
+                __m256i high = _mm256_loadu_si256((const __m256i *)(p + K5_HIGH + 64 * j + 32 * h));
+                for (int t = 0; t < 8; t++)
+                    q[t] = _mm256_or_si256(q[t], _mm256_and_si256(t <= 4 ? _mm256_slli_epi16(high, 4 - t)
+                                                                          : _mm256_srli_epi16(high, t - 4), bit4));
+            }
+            __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + K4_SCALES(five) + 16 * j + 8 * h)));
             sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* the scale in both halves of a lane */
             for (int i = 0; i < n; i++) {
-                __m256i c = _mm256_setzero_si256();
-                for (int k = 0; k < 8; k++)
-                    c = _mm256_add_epi16(c, _mm256_maddubs_epi16(q[k], quad_of(x + i * in + 32 * j + 4 * k)));
-                ints[i] = _mm256_add_epi32(ints[i], _mm256_madd_epi16(c, sc));
+                __m256i c[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int k = 0; k < 8; k++) {
+                    __m256i pair = _mm256_maddubs_epi16(q[k], quad_of(x + i * in + 32 * j + 4 * k));
+                    c[five && k >= 4] = _mm256_add_epi16(c[five && k >= 4], pair);
+                }
+                ints[i] = _mm256_add_epi32(ints[i], _mm256_madd_epi16(c[0], sc));
+                if (five) ints[i] = _mm256_add_epi32(ints[i], _mm256_madd_epi16(c[1], sc));
             }
         }
         for (int pair = 0; pair < 4; pair++) {
-            __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + K4_MINS + 32 * pair + 16 * h)));
+            __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + K4_MINS(five) + 32 * pair + 16 * h)));
             for (int i = 0; i < n; i++) {
                 int16_t sums[2] = {(int16_t)(s[i][4 * pair] + s[i][4 * pair + 1]),
                                    (int16_t)(s[i][4 * pair + 2] + s[i][4 * pair + 3])};
@@ -57,7 +68,7 @@ static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n
             }
         }
         for (int i = 0; i < n; i++)
-            float_step(acc[i] + 8 * h, p + K4_D + 16 * h, p + K4_DMIN + 16 * h, dx[i], ints[i], mins[i]);
+            float_step(acc[i] + 8 * h, p + K4_D(five) + 16 * h, p + K4_DMIN(five) + 16 * h, dx[i], ints[i], mins[i]);
     }
 }
 

@@ -19,7 +19,7 @@ static INLINE void float_step(float *acc, const uint8_t *d16, const uint8_t *dmi
     _mm512_storeu_ps(acc, a);
 }
 
-static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *dx,
+static INLINE void k45_rows(const uint8_t *p, int five, const int8_t *x, int64_t in, int n, const float *dx,
                             const int16_t (*s)[16], float (*acc)[OUTS]) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512i ints[ROWS], mins[ROWS];
@@ -31,7 +31,14 @@ static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n
             q[2 * v] = _mm512_and_si512(packed, low);
             q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
         }
-        __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + K4_SCALES + 16 * j)));
+        if (five) { /* quad t's fifth bits at bit t of the sub-block's byte 4 l + k, to bit 4 */
+            const __m512i bit4 = _mm512_set1_epi8(0x10);
+            __m512i high = _mm512_loadu_si512(p + K5_HIGH + 64 * j);
+            for (int t = 0; t < 8; t++)
+                q[t] = _mm512_or_si512(q[t], _mm512_and_si512(t <= 4 ? _mm512_slli_epi16(high, 4 - t)
+                                                                      : _mm512_srli_epi16(high, t - 4), bit4));
+        }
+        __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + K4_SCALES(five) + 16 * j)));
         for (int i = 0; i < n; i++) {
             int32_t quads[8];
             memcpy(quads, x + i * in + 32 * j, 32);
@@ -41,14 +48,14 @@ static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n
         }
     }
     for (int pair = 0; pair < 4; pair++) { /* lane l: m_2p S_2p + m_2p+1 S_2p+1 in one pair product */
-        __m512i m = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + K4_MINS + 32 * pair)));
+        __m512i m = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + K4_MINS(five) + 32 * pair)));
         for (int i = 0; i < n; i++) {
             int16_t sums[2] = {(int16_t)(s[i][4 * pair] + s[i][4 * pair + 1]),
                                (int16_t)(s[i][4 * pair + 2] + s[i][4 * pair + 3])};
             mins[i] = _mm512_dpwssd_epi32(mins[i], m, pair_of(sums, 0));
         }
     }
-    for (int i = 0; i < n; i++) float_step(acc[i], p + K4_D, p + K4_DMIN, dx[i], ints[i], mins[i]);
+    for (int i = 0; i < n; i++) float_step(acc[i], p + K4_D(five), p + K4_DMIN(five), dx[i], ints[i], mins[i]);
 }
 
 static INLINE void q6k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *dx,

@@ -27,7 +27,7 @@ static INLINE void float_step(float *acc, const uint8_t *d16, const uint8_t *dmi
     vst1q_f32(acc, a);
 }
 
-static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *dx,
+static INLINE void k45_rows(const uint8_t *p, int five, const int8_t *x, int64_t in, int n, const float *dx,
                             const int16_t (*s)[16], float (*acc)[OUTS]) {
     const uint8x16_t low = vdupq_n_u8(0x0f);
     for (int m = 0; m < 4; m++) {
@@ -40,8 +40,14 @@ static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n
                 q[2 * v] = vreinterpretq_s8_u8(vandq_u8(raw, low));
                 q[2 * v + 1] = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
             }
+            if (five) { /* quad t's fifth bits at bit t of the sub-block's byte 4 l + k, to bit 4 */
+                uint8x16_t high = vld1q_u8(p + K5_HIGH + 64 * j + 16 * m);
+                for (int t = 0; t < 8; t++)
+                    q[t] = vorrq_s8(q[t], vreinterpretq_s8_u8(vandq_u8(vshlq_u8(high, vdupq_n_s8((int8_t)(4 - t))),
+                                                                       vdupq_n_u8(0x10))));
+            }
             uint32_t four;
-            memcpy(&four, p + K4_SCALES + 16 * j + 4 * m, 4);
+            memcpy(&four, p + K4_SCALES(five) + 16 * j + 4 * m, 4);
             int32x4_t sc = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(four)))));
             for (int i = 0; i < n; i++) {
                 int32x4_t c = vdupq_n_s32(0);
@@ -50,13 +56,13 @@ static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n
             }
         }
         for (int pair = 0; pair < 4; pair++) {
-            int16x8_t mm = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(p + K4_MINS + 32 * pair + 8 * m)));
+            int16x8_t mm = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(p + K4_MINS(five) + 32 * pair + 8 * m)));
             for (int i = 0; i < n; i++)
                 mins[i] = vaddq_s32(mins[i], pair_products(mm, (int16_t)(s[i][4 * pair] + s[i][4 * pair + 1]),
                                                            (int16_t)(s[i][4 * pair + 2] + s[i][4 * pair + 3])));
         }
         for (int i = 0; i < n; i++)
-            float_step(acc[i] + 4 * m, p + K4_D + 8 * m, p + K4_DMIN + 8 * m, dx[i], ints[i], mins[i]);
+            float_step(acc[i] + 4 * m, p + K4_D(five) + 8 * m, p + K4_DMIN(five) + 8 * m, dx[i], ints[i], mins[i]);
     }
 }
 

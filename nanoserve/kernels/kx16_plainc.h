@@ -10,7 +10,7 @@ static INLINE float k4_step(float y, float d, float dmin, float dx, int32_t ints
 
 static INLINE float k6_step(float y, float d, float dx, int32_t ints) { return y + (d * dx) * (float)ints; }
 
-static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, const float *dx,
+static INLINE void k45_rows(const uint8_t *p, int five, const int8_t *x, int64_t in, int n, const float *dx,
                             const int16_t (*s)[16], float (*acc)[OUTS]) {
     for (int l = 0; l < OUTS; l++)
         for (int i = 0; i < n; i++) {
@@ -21,12 +21,17 @@ static INLINE void q4k_rows(const uint8_t *p, const int8_t *x, int64_t in, int n
                 for (int v = 4 * j; v < 4 * j + 4; v++)
                     for (int k = 0; k < 4; k++) {
                         uint8_t byte = p[v * 64 + 4 * l + k];
-                        c += (byte & 0x0f) * row[8 * v + k] + (byte >> 4) * row[8 * v + 4 + k];
+                        int lo = byte & 0x0f, hi = byte >> 4;
+                        if (five) { /* quad t = 2 (v - 4 j) (+ 1 high): bit t of the sub-block's byte 4 l + k */
+                            int t = 2 * (v - 4 * j), fifth = p[K5_HIGH + 64 * j + 4 * l + k];
+                            lo |= ((fifth >> t) & 1) << 4, hi |= ((fifth >> (t + 1)) & 1) << 4;
+                        }
+                        c += lo * row[8 * v + k] + hi * row[8 * v + 4 + k];
                     }
-                ints += c * p[K4_SCALES + 16 * j + l];
-                mins += p[K4_MINS + 32 * (j / 2) + 2 * l + j % 2] * (s[i][2 * j] + s[i][2 * j + 1]);
+                ints += c * p[K4_SCALES(five) + 16 * j + l];
+                mins += p[K4_MINS(five) + 32 * (j / 2) + 2 * l + j % 2] * (s[i][2 * j] + s[i][2 * j + 1]);
             }
-            acc[i][l] = k4_step(acc[i][l], half_at(p + K4_D + 2 * l), half_at(p + K4_DMIN + 2 * l), dx[i], ints, mins);
+            acc[i][l] = k4_step(acc[i][l], half_at(p + K4_D(five) + 2 * l), half_at(p + K4_DMIN(five) + 2 * l), dx[i], ints, mins);
         }
 }
 

@@ -273,7 +273,7 @@ class KQuantLinear(PackedLinear):
     float32 in, each row's super-blocks of 256 quantized to 8-bit codes inside the call (the activation format
     llama.cpp multiplies these blocks by), float32 out; the rarer types (Q2_K, Q3_K, IQ4_XS, and Q5_0, Q5_1,
     IQ4_NL in blocks of 32) alike, and a 16-bit file's F16 / BF16 rows against the float32 activations as they
-    are. Rows run as the file holds them, except Q4_K and Q6_K in runs of 16 outputs: those are interleaved 16
+    are. Rows run as the file holds them, except Q4_K, Q5_K and Q6_K in runs of 16 outputs: those are interleaved 16
     outputs a super-block at load (kernels/kx16.c; `interleave=False` keeps the file's rows, for comparing the
     two). Which kernel a run takes is fixed at load by its type and shape. A merged
     projection's runs of rows of different types each fill their columns of the one output. An output depends on
