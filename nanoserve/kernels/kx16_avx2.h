@@ -19,11 +19,10 @@ static INLINE void float_step(float *acc, const uint8_t *d16, const uint8_t *dmi
     _mm256_storeu_ps(acc, a);
 }
 
-static INLINE __m256i quad_of(const int8_t *x) {
-    int32_t quad;
-    memcpy(&quad, x, 4);
-    return _mm256_set1_epi32(quad);
-}
+/* the 4 activation codes at x in every 32-bit lane, straight from memory (a broadcast load, not a general
+ * register's move into a vector: kx16_avx512.h's quad_at) */
+typedef int32_t ns_i32_unaligned __attribute__((aligned(1), may_alias));
+static INLINE __m256i quad_of(const int8_t *x) { return _mm256_set1_epi32(*(const ns_i32_unaligned *)x); }
 
 /* Q4_K: a sub-block's eight pair sums added in 16 bits (at most 8 x 2 x 15 x 128 = 30720: exact); Q5_K's four at
  * a time (4 x 2 x 31 x 128 = 31744) */

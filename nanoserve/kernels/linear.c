@@ -109,6 +109,10 @@ static void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *code
 #define ISA "avx512-vnni"
 #define VEC512 1
 #define ROW_TILE 4
+/* the 4 activation codes at x in every 32-bit lane, straight from memory: a broadcast load (read into a general
+ * register first, each cost a vector instruction moving it over; kx16_avx512.h's quad_at) */
+typedef int32_t ns_i32_unaligned __attribute__((aligned(1), may_alias));
+static inline __m512i quad_at(const int8_t *x) { return _mm512_set1_epi32(*(const ns_i32_unaligned *)x); }
 /* Up to ROW_TILE rows against 16 outputs at once: a group's weights are unpacked once for all of them; each row's
  * arithmetic is the other paths' row_dot, operation for operation. */
 static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
@@ -127,15 +131,13 @@ static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         for (int i = 0; i < n; i++) {
-            int32_t hi4[8], lo4[8];
-            memcpy(hi4, x + i * 2 * in + b * 2 * GROUP, 32);
-            memcpy(lo4, x + i * 2 * in + b * 2 * GROUP + GROUP, 32);
+            const int8_t *hi4 = x + i * 2 * in + b * 2 * GROUP, *lo4 = hi4 + GROUP;
             float d = xd[i * groups + b];
             int32_t sx = xs[i * groups + b];
             __m512i high = _mm512_setzero_si512(), lows = _mm512_set1_epi32(-8 * sx);
             for (int j = 0; j < 8; j++) { /* codes (0..15) unsigned times hi signed; lo unsigned times codes */
-                high = _mm512_dpbusd_epi32(high, nib[j], _mm512_set1_epi32(hi4[j]));
-                lows = _mm512_dpbusd_epi32(lows, _mm512_set1_epi32(lo4[j]), nib[j]);
+                high = _mm512_dpbusd_epi32(high, nib[j], quad_at(hi4 + 4 * j));
+                lows = _mm512_dpbusd_epi32(lows, quad_at(lo4 + 4 * j), nib[j]);
             }
             __m512i c = _mm512_add_epi32(_mm512_slli_epi32(high, 8), lows);
             __m512 t = _mm512_fmadd_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(c)),
@@ -575,13 +577,11 @@ static void rows_dot8(const uint8_t *wg, int64_t groups, int64_t in, int n, cons
         }
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
         for (int i = 0; i < n; i++) {
-            int32_t hi4[8], lo4[8];
-            memcpy(hi4, x + i * 2 * in + b * 2 * GROUP, 32);
-            memcpy(lo4, x + i * 2 * in + b * 2 * GROUP + GROUP, 32);
+            const int8_t *hi4 = x + i * 2 * in + b * 2 * GROUP, *lo4 = hi4 + GROUP;
             __m512i high = _mm512_set1_epi32(-128 * xh[i * groups + b]), lows = _mm512_setzero_si512();
             for (int j = 0; j < 8; j++) {
-                high = _mm512_dpbusd_epi32(high, wu[j], _mm512_set1_epi32(hi4[j]));
-                lows = _mm512_dpbusd_epi32(lows, _mm512_set1_epi32(lo4[j]), w[j]);
+                high = _mm512_dpbusd_epi32(high, wu[j], quad_at(hi4 + 4 * j));
+                lows = _mm512_dpbusd_epi32(lows, quad_at(lo4 + 4 * j), w[j]);
             }
             __m512i c = _mm512_add_epi32(_mm512_slli_epi32(high, 8), lows);
             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(scale, _mm512_mul_ps(_mm512_set1_ps(xd[i * groups + b]),

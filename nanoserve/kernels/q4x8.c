@@ -27,6 +27,9 @@
 #define Q4_0_BYTES 18                                 /* a file's block: f16 d, 16 bytes of nibbles */
 #define ROWS 4                                        /* activation rows a group's unpacked codes serve at once */
 #define QUANTIZE_POOLED_FROM 16
+/* an activation quad read straight into every lane: a broadcast load, not a general register's move into a vector
+ * (kx16_avx512.h's quad_at) */
+typedef int32_t ns_i32_unaligned __attribute__((aligned(1), may_alias));
 
 typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
 void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads); /* linear.c */
@@ -87,10 +90,8 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
     }
     __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
     for (int i = 0; i < n; i++) {
-        int32_t quads[8];
-        memcpy(quads, x + i * in, 32);
         __m512i c = _mm512_set1_epi32(-8 * sums[i]);
-        for (int j = 0; j < 8; j++) c = _mm512_dpbusd_epi32(c, nib[j], _mm512_set1_epi32(quads[j]));
+        for (int j = 0; j < 8; j++) c = _mm512_dpbusd_epi32(c, nib[j], _mm512_set1_epi32(*(const ns_i32_unaligned *)(x + i * in + 4 * j)));
         __m512 t = _mm512_mul_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d[i]), _mm512_cvtepi32_ps(c)));
         _mm512_storeu_ps(acc[i], _mm512_add_ps(_mm512_loadu_ps(acc[i]), t));
     }
@@ -113,11 +114,8 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
         __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * h)));
         for (int i = 0; i < n; i++) {
             __m256i s = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                int32_t quad;
-                memcpy(&quad, x + i * in + 4 * j, 4);
-                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[j], _mm256_set1_epi32(quad)));
-            }
+            for (int j = 0; j < 8; j++)
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[j], _mm256_set1_epi32(*(const ns_i32_unaligned *)(x + i * in + 4 * j))));
             __m256i c = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), _mm256_set1_epi32(8 * sums[i]));
             __m256 t = _mm256_mul_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d[i]), _mm256_cvtepi32_ps(c)));
             _mm256_storeu_ps(acc[i] + 8 * h, _mm256_add_ps(_mm256_loadu_ps(acc[i] + 8 * h), t));
