@@ -16,16 +16,6 @@ from tests.kquant_encode import encode_k
 K = 512
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    from nanoserve.kernels.fused import load
-
-    lib, why = load()
-    if lib is None:
-        pytest.skip(f"the fused kernels cannot run here: {why}")
-    return lib
-
-
 def _raw(qtype: str, out: int, seed: int = 0) -> torch.Tensor:
     w = np.random.default_rng(seed).standard_normal((out, K)).astype(np.float32) * 0.05
     return torch.from_numpy(encode_k(w, qtype))
