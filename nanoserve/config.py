@@ -110,6 +110,9 @@ class EngineConfig:
     fused_cpu_kernels: bool = _flag(True, "run the CPU decoder's norms, rotary + KV write and SiLU as C kernels "
                                            "built for this machine at first start (needs a C compiler; without "
                                            "one the eager torch ops run and stats say why)")
+    read_ahead: bool = _flag(True, "while the CPU decoder runs the ops between two matmuls, an idle kernel thread "
+                                   "asks memory for the next matmul's first weight bytes (fused kernels, 2+ "
+                                   "threads; moves bytes into the cache, never changes a value)")
     decode_buckets: bool = _flag(False, "pad decode-only steps up to a closed set of shapes (rows x table width)")
     persistent_inputs: bool = _flag(False, "decode inputs and block table live in buffers written in place")
     row_compaction: bool = _flag(False, "decode rows keep their table row; a leaving row's place takes the last row")

@@ -79,6 +79,11 @@ class FusedKernels:
         self._set_tiles.argtypes, self._set_tiles.restype = (ctypes.c_int,), ctypes.c_int
         self._tile_rows.argtypes, self._tile_rows.restype = (), _i64
         self.tiles = "amx" if self._set_tiles(1) else "none"  # the tile unit wide 4- and 8-bit calls run on
+        # the weight the next matmul reads, for an idle pool worker to ask for meanwhile (linear.c): (ptr, bytes)
+        self.read_ahead = lib.ns_read_ahead
+        self.read_ahead.argtypes, self.read_ahead.restype = (_ptr, _i64), None
+        self._read_ahead_bytes = lib.ns_read_ahead_bytes
+        self._read_ahead_bytes.argtypes, self._read_ahead_bytes.restype = (), _i64
         self._tiles_on = self.tiles != "none"
         self.calls = {"norm": 0, "rope_store": 0, "attention": 0, "silu_mul": 0, "add": 0, "rescore": 0}
         self.rows = dict.fromkeys(self.calls, 0)
@@ -383,6 +388,12 @@ class FusedKernels:
     def tile_rows(self) -> int:
         """Rows the tile unit has computed in the 4- and 8-bit kernels since the library loaded (counted in C)."""
         return self._tile_rows()
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """Bytes of named next weights an idle worker has asked the memory for since the library loaded (counted
+        in C, as it asks)."""
+        return self._read_ahead_bytes()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's largest value's index, as torch.argmax(dim=-1) (first on a tie, a NaN first of all), for

@@ -17,14 +17,22 @@ class FusedStatus:
     active: bool
     reason: str = ""  # why not, when inactive
     kernels: object | None = None  # FusedKernels
+    read_ahead_linears: int = 0  # packed linears whose successor's weight is read ahead (--read-ahead)
+    read_ahead_off: str = ""  # why none is, when the flag is off
 
     def as_dict(self) -> dict:
         out = {"active": self.active, "reason": self.reason}
         if self.kernels is not None:
             out.update(library=self.kernels.path, calls=dict(self.kernels.calls), rows=dict(self.kernels.rows),
                        q4_isa=self.kernels.q4_isa, tiles=self.kernels.tiles,
-                       tile_rows=self.kernels.tile_rows, kquant=self.kquant())
+                       tile_rows=self.kernels.tile_rows, kquant=self.kquant(), read_ahead=self.read_ahead())
         return out
+
+    def read_ahead(self) -> dict:
+        """How many linears name their successor's weight, and the bytes the idle worker asked memory for since
+        the library loaded (counted in C as it asks; 0 on one thread, which has no idle worker)."""
+        return {"linears": self.read_ahead_linears, "asked_bytes": self.kernels.read_ahead_bytes,
+                "off": self.read_ahead_off}
 
     def kquant(self) -> dict:
         """The GGUF types multiplied in the file's blocks (kernels/kquant.c) and the instruction set they were

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from nanoserve.config import EngineConfig
 from nanoserve.model.fused import fused_kernels
 from nanoserve.model.loader import LoadedModel, load_model, peek_config
+from nanoserve.model.quant.read_ahead import install_read_ahead
 from nanoserve.parallel.driver import ParallelGroup
 from nanoserve.parallel.shard import check_divisible
 
@@ -40,9 +41,16 @@ def load_part(config: EngineConfig, device, shard=None, group=None) -> LoadedMod
     """The model, or under tensor parallelism one rank's shard of it (every rank loads through here): on the
     fused CPU kernels where it can run them, its 4-bit linears packed for them as they load."""
     kernels, no_kernels = fused_kernels(config.fused_cpu_kernels, device)
-    return load_model(config.model, config.torch_dtype, device, config.max_model_len, config.quantization,
-                      shard=shard, invariant=config.batch_invariant, kernels=kernels, no_kernels=no_kernels,
-                      group=group)
+    loaded = load_model(config.model, config.torch_dtype, device, config.max_model_len, config.quantization,
+                        shard=shard, invariant=config.batch_invariant, kernels=kernels, no_kernels=no_kernels,
+                        group=group)
+    fused = loaded.fused
+    if fused is not None and fused.active:
+        if config.read_ahead:
+            fused.read_ahead_linears = install_read_ahead(loaded.model, fused.kernels)
+        else:
+            fused.read_ahead_off = "--no-read-ahead"
+    return loaded
 
 
 def not_invariant_reason(config: EngineConfig, model, device) -> str | None:

@@ -53,6 +53,8 @@ class PackedLinear(FastAttributes, nn.Module):
 
     format = ""
     input_dtype = ACT  # what forward casts its input to: a caller (the fused norm) may hand it over already cast
+    read_chain = None  # ReadAheadChain (read_ahead.py) where --read-ahead names the next weight to the kernels
+    read_span = read_next = None  # (address, bytes) of this linear's first weight bytes, of its successor's
     activation_form = "bfloat16"  # what the kernel multiplies the weights by (the snapshot's numerics say it)
 
     def __init__(self, out: int, k: int, bias: torch.Tensor | None, sizes: list[int] | None):
@@ -86,6 +88,8 @@ class PackedLinear(FastAttributes, nn.Module):
             self.calls[self.format] += 1
             self.rows[self.format] += flat.shape[0]
             y = self.packed_mm(flat)
+            if self.read_chain is not None:
+                self.read_chain.after(self, flat.shape[0])
         if self.bias is not None:
             y = y + self.bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -134,6 +138,8 @@ class KernelLinear(PackedLinear):
                                 torch.get_num_threads(), 0):
             raise MemoryError(f"the {self.format} kernel could not allocate the int8 copy of {rows} x "
                               f"{self.in_features} activations")
+        if self.read_chain is not None:
+            self.read_chain.after(self, rows)
         return y
 
 
