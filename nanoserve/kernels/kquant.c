@@ -34,7 +34,6 @@
 
 typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
 void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads); /* linear.c */
-void ns_read_ahead(const void *p, int64_t bytes);                         /* linear.c */
 
 /* ---- activations: 8-bit codes per super-block ----------------------------------------------------------- */
 
@@ -474,7 +473,6 @@ static void run_chunks(const KMatmul *task, int64_t out, int32_t threads) {
 int ns_kq_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out, int64_t ldy,
                  const float *bias, float *y, int32_t threads, int32_t accumulate) {
     if (type < 0 || type >= NTYPES || in % TYPES[type].inputs || ldy < out) return -2;
-    ns_read_ahead(NULL, 0);
     if (TYPES[type].act == ACT_F32) {
         KMatmul task = {&TYPES[type], w, {NULL, NULL, NULL, in, x}, bias, rows, out, ldy, y, accumulate};
         run_chunks(&task, out, threads);

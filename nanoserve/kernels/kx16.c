@@ -54,7 +54,6 @@
 
 typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
 void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads); /* linear.c */
-void ns_read_ahead(const void *p, int64_t bytes);                         /* linear.c */
 void ns_kq_quantize(const float *x, int64_t rows, int64_t in, int8_t *q, float *d, int16_t *s, int32_t threads);
 int32_t ns_kq_types(void);
 const char *ns_kq_name(int32_t type);
@@ -376,7 +375,6 @@ int ns_kx16_matmul(int32_t type, const uint8_t *w, const float *x, int64_t rows,
         free(q), free(d), free(s);
         return -1;
     }
-    ns_read_ahead(NULL, 0);
     threads = threads < 1 ? 1 : threads;
     ns_kq_quantize(x, rows, in, q, d, s, threads);
     Kx16Call task = {w, q, d, bias, s, in, out, rows, ldy, y, accumulate};

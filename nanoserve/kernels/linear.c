@@ -873,11 +873,12 @@ static int64_t now_ns(void) {
 /* ---- reading the next weight ahead ----------------------------------------------------------------------
  * Between a decode step's matmuls the caller runs norms, rotary, attention and the Python around them: about 3 ms
  * of a 1B model's 25 ms token, in gaps of tens of microseconds, while the memory bus that bounds the matmuls idles
- * and a worker polls for its next job. The engine names the weight its next matmul reads (ns_read_ahead), and
- * the polling worker asks for its first bytes (up to READ_AHEAD_MAX, a look at the job counter every
- * READ_AHEAD_STEP) until a job comes; every matmul's start cancels what is left. Only where the bytes come from
- * changes, never a value: a prefetch instruction neither faults (a weight freed meanwhile costs nothing) nor
- * writes. */
+ * and a worker polls for its next job. Before each matmul the engine names the weight of the one after it
+ * (ns_read_ahead); a polling worker, from the moment it runs out of the current matmul's chunks, asks memory for
+ * that weight's first bytes (up to READ_AHEAD_MAX, a look at the job counter every READ_AHEAD_STEP) until the next
+ * job comes. Only where the bytes come from changes, never a value: a prefetch instruction neither faults (a
+ * weight freed meanwhile costs nothing) nor writes. Two engines naming weights from two threads at once can tear
+ * a hint: a prefetch of the wrong bytes, nothing more. */
 #define READ_AHEAD_STEP 4096
 #define READ_AHEAD_MAX (8 << 20) /* a quarter of a 32 MiB last-level cache */
 
@@ -888,7 +889,7 @@ static struct {
 } ahead;
 static atomic_llong read_ahead_total = 0; /* the bytes the workers asked for: a measurement, not the hints' sum */
 
-/* The next matmul reads `bytes` from `p` (NULL or 0: nothing to read ahead; the matmuls call it so themselves). */
+/* The matmul after the next reads `bytes` from `p` (NULL or 0: nothing to read ahead). */
 void ns_read_ahead(const void *p, int64_t bytes) {
     atomic_fetch_add(&ahead.serial, 1);
     atomic_store(&ahead.at, (uintptr_t)p);
@@ -1020,7 +1021,6 @@ void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads)
 
 static int matmul(int eight_bit, const uint8_t *w, const float *x, int64_t rows, int64_t in, int64_t out,
                   const float *bias, float *y, int32_t threads, int32_t accumulate) {
-    ns_read_ahead(NULL, 0);
     int64_t groups = in / GROUP;
     int tiles = use_tiles(rows);
     int64_t held = tiles ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows; /* the tiles read whole tiles */

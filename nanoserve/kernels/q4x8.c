@@ -33,7 +33,6 @@ typedef int32_t ns_i32_unaligned __attribute__((aligned(1), may_alias));
 
 typedef void (*ChunkFn)(const void *task, int64_t chunk, int64_t chunks, int32_t slot);
 void ns_pool_run(ChunkFn run, const void *task, int64_t chunks, int32_t threads); /* linear.c */
-void ns_read_ahead(const void *p, int64_t bytes);                         /* linear.c */
 
 /* ---- activations ---------------------------------------------------------------------------------------- */
 
@@ -270,7 +269,6 @@ int ns_q4x8_matmul(const uint8_t *w, const float *x, int64_t rows, int64_t in, i
         return -1;
     }
     threads = threads < 1 ? 1 : threads;
-    ns_read_ahead(NULL, 0);
     Quantize q = {x, in, rows, codes, d, sums};
     if (rows >= QUANTIZE_POOLED_FROM)
         ns_pool_run(quantize_chunk, &q, threads, threads);

@@ -87,9 +87,9 @@ class PackedLinear(FastAttributes, nn.Module):
         else:
             self.calls[self.format] += 1
             self.rows[self.format] += flat.shape[0]
-            y = self.packed_mm(flat)
             if self.read_chain is not None:
-                self.read_chain.after(self, flat.shape[0])
+                self.read_chain.before(self, flat.shape[0])
+            y = self.packed_mm(flat)
         if self.bias is not None:
             y = y + self.bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -133,13 +133,13 @@ class KernelLinear(PackedLinear):
         self.calls[self.format] += 1
         self.rows[self.format] += rows
         y = torch.empty(rows, self.out_features)
+        if self.read_chain is not None:
+            self.read_chain.before(self, rows)
         if rows and self.matmul(self.packed.data_ptr(), x.data_ptr(), rows, self.in_features, self.out_features,
                                 None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                 torch.get_num_threads(), 0):
             raise MemoryError(f"the {self.format} kernel could not allocate the int8 copy of {rows} x "
                               f"{self.in_features} activations")
-        if self.read_chain is not None:
-            self.read_chain.after(self, rows)
         return y
 
 
