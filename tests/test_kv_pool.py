@@ -74,3 +74,26 @@ def test_refcount_mismatch_is_caught():
 def test_a_pool_needs_room_beyond_the_null_block():
     with pytest.raises(ValueError, match="null block"):
         BlockPool(1, 16)
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_a_cpu_pool_is_zeros_resident_only_where_written():
+    """The KV storage is zeros (a masked position must never be a NaN from an old allocation), 64-byte aligned,
+    and on the CPU its pages become resident as blocks are written, not at load (a 3B model's pool cost a second
+    of load when written whole up front)."""
+    import torch
+
+    from nanoserve.kv.cache import zero_filled
+
+    before = _resident_mib()
+    pool = zero_filled((4, 64, 1024, 256), torch.bfloat16, "cpu")  # 128 MiB
+    assert _resident_mib() - before < 32
+    assert pool.data_ptr() % 64 == 0 and pool.dtype == torch.bfloat16 and pool.shape == (4, 64, 1024, 256)
+    pool[1, 7].fill_(1.5)
+    assert torch.count_nonzero(pool) == 1024 * 256 and pool.double().sum() == 1.5 * 1024 * 256
+    assert _resident_mib() - before < 64

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from nanoserve.errors import ConfigError
@@ -14,6 +17,19 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 LAYOUTS = ("slots", "heads", "heads_kt")
+
+
+def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros; on the CPU in pages the kernel zero-fills when first written (calloc, under numpy.zeros, takes a large
+    block as a fresh mapping and writes nothing), where torch.zeros faults in and writes every page at once: a 3B
+    model's 784 MiB pool cost 1.0 s of a 3.4 s load, and was resident before it held a token. A block's pages are
+    resident once a sequence writes it. Aligned to 64 bytes, as torch's own allocator aligns."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    skip = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[skip:skip + nbytes]).view(dtype).view(shape)
 
 
 def kv_layout(config, fused: bool = False) -> str:
@@ -42,8 +58,8 @@ class KVCache:
         shape = (cfg.num_layers, num_blocks, block_size, kv, dim) if layout == "slots" else \
             (cfg.num_layers, kv, num_blocks, block_size, dim)
         k_shape = (cfg.num_layers, kv, num_blocks, dim, block_size) if layout == "heads_kt" else shape
-        self.k = torch.zeros(k_shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zero_filled(k_shape, dtype, device)
+        self.v = zero_filled(shape, dtype, device)
         self.layout = layout
         self.block_size = block_size
         self.num_blocks = num_blocks
