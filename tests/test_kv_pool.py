@@ -83,7 +83,7 @@ def _resident_mib() -> float:
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads Linux's /proc")
 def test_a_cpu_pool_is_zeros_resident_only_where_written():
-    """The KV storage is zeros (a masked position must never be a NaN from an old allocation), 64-byte aligned,
+    """The KV storage is zeros (a masked position must never be a NaN from an old allocation), page aligned,
     and on the CPU its pages become resident as blocks are written, not at load (a 3B model's pool cost a second
     of load when written whole up front)."""
     import torch

@@ -293,7 +293,7 @@ def test_a_rank_that_raises_is_named_with_its_error(tiny_checkpoint):
                            decode_block_table=one.view(1, 1), decode_context_lens=one + 1, prefills=(),
                            logits_indices=one)
         two.engine.runner.parallel.group.send(worker.Step(poison, cache_blocks=2**40))  # rank 1 cannot build it
-        with pytest.raises(StepFailed, match=r"tensor-parallel rank 1 .*RuntimeError"):
+        with pytest.raises(StepFailed, match=r"tensor-parallel rank 1 .*MemoryError: the KV pool's"):
             two.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), use_tqdm=False)
         assert "rank 1" in two.engine.failed
         with pytest.raises(StepFailed, match="rank 1"):  # and stays failed: the group cannot be repaired

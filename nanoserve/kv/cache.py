@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from nanoserve.errors import ConfigError
@@ -20,16 +20,22 @@ LAYOUTS = ("slots", "heads", "heads_kt")
 
 
 def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros; on the CPU in pages the kernel zero-fills when first written (calloc, under numpy.zeros, takes a large
-    block as a fresh mapping and writes nothing), where torch.zeros faults in and writes every page at once: a 3B
-    model's 784 MiB pool cost 1.0 s of a 3.4 s load, and was resident before it held a token. A block's pages are
-    resident once a sequence writes it. Aligned to 64 bytes, as torch's own allocator aligns."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+    """Zeros; on the CPU an anonymous mapping, whose pages the kernel zero-fills when first written, where
+    torch.zeros faults in and writes every page at once: a 3B model's 784 MiB pool cost 1.0 s of a 3.4 s load,
+    and was resident before it held a token. Its pages stay 4 KiB (no transparent huge pages, which numpy's
+    large arrays ask for): a block is a page of each layer's kv head, and a 2 MiB page would make a first token
+    resident for 512 blocks (half of a 1B model's 1 GiB pool after one 16-token prompt)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + 64, dtype=np.uint8)
-    skip = -raw.ctypes.data % 64
-    return torch.from_numpy(raw[skip:skip + nbytes]).view(dtype).view(shape)
+    if torch.device(device).type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)  # a GPU's pool, or a system without mmap's flags
+    try:
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: a forked process gets a copy on write
+    except OSError as e:
+        raise MemoryError(f"the KV pool's {nbytes / 2**30:.2f} GiB cannot be mapped on this machine "
+                          f"({e.strerror}); lower --kv-cache-gib") from None
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def kv_layout(config, fused: bool = False) -> str:
