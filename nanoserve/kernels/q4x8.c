@@ -96,6 +96,46 @@ static void group_rows(const uint8_t *p, const int8_t *x, int64_t in, int n, con
         _mm512_storeu_ps(acc[i], _mm512_add_ps(_mm512_loadu_ps(acc[i]), t));
     }
 }
+
+/* Every block of one output group against up to 4 rows, each row's sums held in a register across the blocks
+ * (group_rows keeps them in memory: a load and a store a row a block); the same operations in the same order, so
+ * the same bits. d and sums: the rows' per-block values, a row every `groups`. */
+#define TILE_BLOCKS 1
+static void tile_blocks(const uint8_t *wg, const int8_t *x, int64_t in, int64_t groups, int n, const float *d,
+                        const int32_t *sums, int ahead, float (*out)[OUTS]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < groups; b++) {
+        const uint8_t *p = wg + b * GROUP_BYTES;
+        if (ahead)
+            for (int64_t at = 0; at < GROUP_BYTES; at += 64) __builtin_prefetch(p + ahead + at);
+        __m512i nib[8];
+        for (int v = 0; v < 4; v++) {
+            __m512i packed = _mm512_loadu_si512(p + v * 64);
+            nib[2 * v] = _mm512_and_si512(packed, low);
+            nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+        const int8_t *xb = x + b * GROUP;
+#define ROW_TERM(i, a)                                                                                              \
+    {                                                                                                               \
+        __m512i c = _mm512_set1_epi32(-8 * sums[(i) * groups + b]);                                                  \
+        for (int j = 0; j < 8; j++)                                                                                 \
+            c = _mm512_dpbusd_epi32(c, nib[j], _mm512_set1_epi32(*(const ns_i32_unaligned *)(xb + (i) * in + 4 * j))); \
+        a = _mm512_add_ps(a, _mm512_mul_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d[(i) * groups + b]),             \
+                                                                _mm512_cvtepi32_ps(c))));                           \
+    }
+        ROW_TERM(0, a0)
+        if (n > 1) ROW_TERM(1, a1)
+        if (n > 2) ROW_TERM(2, a2)
+        if (n > 3) ROW_TERM(3, a3)
+#undef ROW_TERM
+    }
+    _mm512_storeu_ps(out[0], a0);
+    if (n > 1) _mm512_storeu_ps(out[1], a1);
+    if (n > 2) _mm512_storeu_ps(out[2], a2);
+    if (n > 3) _mm512_storeu_ps(out[3], a3);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA "avx2"
 /* Eight outputs (half h of the group) at a time: the codes (0..15) unsigned against the activation codes in
@@ -240,12 +280,18 @@ static void q4x8_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
             float acc[ROWS][OUTS] = {{0.0f}};
             float d[ROWS];
             int32_t sums[ROWS];
+#ifdef TILE_BLOCKS
+            tile_blocks(wg, m->codes + r * m->in, m->in, groups, n, m->d + r * groups, m->sums + r * groups,
+                        m->rows == 1 ? AHEAD : 0, acc);
+            (void)d, (void)sums;
+#else
             for (int64_t b = 0; b < groups; b++) {
                 if (m->rows == 1) /* one row (decode): ask AHEAD, as kquant.c's one-row dots do */
                     for (int64_t at = 0; at < GROUP_BYTES; at += 64) __builtin_prefetch(wg + b * GROUP_BYTES + AHEAD + at);
                 for (int i = 0; i < n; i++) d[i] = m->d[(r + i) * groups + b], sums[i] = m->sums[(r + i) * groups + b];
                 group_rows(wg + b * GROUP_BYTES, m->codes + r * m->in + b * GROUP, m->in, n, d, sums, acc);
             }
+#endif
             for (int i = 0; i < n; i++)
                 for (int l = 0; l < OUTS; l++) {
                     float v = m->bias ? acc[i][l] + m->bias[g * OUTS + l] : acc[i][l];
