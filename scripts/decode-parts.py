@@ -39,7 +39,7 @@ def timed(owner, name: str, spent: dict, key: str) -> None:
 def nanoserve_rounds(path: str, rounds: int) -> list[dict]:
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(model=path, max_model_len=640, kv_cache_gib=0.1, enable_prefix_caching=False)
+    llm = LLM(model=path, max_model_len=640, kv_cache_gib=0.25, enable_prefix_caching=False)  # 640 slots at 8B
     model, spent = llm.engine.runner.model, {}
     timed(model, "forward", spent, "forward")
     timed(model.lm_head, "forward", spent, "head")
