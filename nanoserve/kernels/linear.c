@@ -117,17 +117,12 @@ static inline __m512i quad_at(const int8_t *x) { return _mm512_set1_epi32(*(cons
  * arithmetic is the other paths' row_dot, operation for operation. */
 static void rows_dot(const uint8_t *wg, int64_t groups, int64_t in, int n, const int8_t *x, const float *xd,
                      const int32_t *xs, float *out) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[ROW_TILE];
     for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < groups; b++) {
         const uint8_t *p = wg + b * GROUP_BYTES;
         __m512i nib[8];
-        for (int v = 0; v < 4; v++) {
-            __m512i packed = _mm512_loadu_si512(p + v * 64);
-            nib[2 * v] = _mm512_and_si512(packed, low);
-            nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        }
+        q4_unpack_avx512(p, nib);
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         for (int i = 0; i < n; i++) {

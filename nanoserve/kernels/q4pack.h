@@ -17,4 +17,18 @@ static inline void q4_interleave(const uint8_t *qs, uint8_t *p, int l) {
     for (int k = 0; k < 4; k++) memcpy(p + k * 64 + l * 4, &v[k], 4);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* A group's four vectors of codes as eight vectors of bytes 0..15: nib[2 v] the low nibbles of vector v (inputs
+ * 8 v + c), nib[2 v + 1] its high ones (8 v + 4 + c) */
+static inline void q4_unpack_avx512(const uint8_t *p, __m512i nib[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int v = 0; v < 4; v++) {
+        __m512i packed = _mm512_loadu_si512(p + v * 64);
+        nib[2 * v] = _mm512_and_si512(packed, low);
+        nib[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+}
+#endif
+
 #endif
