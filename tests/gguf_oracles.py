@@ -21,6 +21,8 @@ CROWD = ["hello world", "the test is", "def (", "hello " * 20, "in"]
 
 
 VOCAB = len(byte_level_vocab()[0])
+# Q4_K_M's pattern (v and the head in Q6_K), with down in Q5_K so every interleaved type runs in one model
+Q4_K_M_MIX = {"v_proj.weight": "Q6_K", "down_proj.weight": "Q5_K", "lm_head.weight": "Q6_K"}
 
 
 def write_mixed(path, types: dict[str, str], default: str) -> tuple[dict[str, np.ndarray], object]:

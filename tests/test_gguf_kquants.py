@@ -17,6 +17,7 @@ from nanoserve.model.quant import KQuantBlocks
 from nanoserve.model.quant.linears import KQuantLinear
 from tests.gguf_fixtures import hf_weights, reference, write_llama_gguf
 from tests.gguf_oracles import (
+    Q4_K_M_MIX,
     SHAPE,
     VOCAB,
     assert_crowd_is_solo,
@@ -31,8 +32,7 @@ from tests.gguf_oracles import load as load_llm
 from tests.kquant_encode import encode_k
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
-# Q4_K_M's pattern (v and the head in Q6_K), with down in Q5_K so every type runs in one model
-MIX = {"v_proj.weight": "Q6_K", "down_proj.weight": "Q5_K", "lm_head.weight": "Q6_K"}
+MIX = Q4_K_M_MIX
 
 
 def _blocks(qtype: str, out: int = 48, k: int = 512, seed: int = 0) -> tuple[KQuantBlocks, np.ndarray]:

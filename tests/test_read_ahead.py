@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from tests.gguf_oracles import write_mixed
+from tests.gguf_oracles import Q4_K_M_MIX, write_mixed
 from tests.kquant_encode import encode_k
-
-MIX = {"v_proj.weight": "Q6_K", "down_proj.weight": "Q5_K", "lm_head.weight": "Q6_K"}
 
 
 @pytest.fixture
@@ -34,7 +32,7 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
 
 
 def test_reading_ahead_changes_no_value_and_the_flag_turns_it_off(kernels, tmp_path, two_threads):
-    _, path = write_mixed(tmp_path / "tiny-q4_k_m.gguf", MIX, "Q4_K")
+    _, path = write_mixed(tmp_path / "tiny-q4_k_m.gguf", Q4_K_M_MIX, "Q4_K")
     common = dict(model=str(path), dtype="float32", max_model_len=256, kv_cache_gib=0.01)
     on, off = LLM(**common), LLM(**common, read_ahead=False)
     status = on.engine.stats().features["fused"]["read_ahead"]

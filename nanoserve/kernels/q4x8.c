@@ -256,13 +256,12 @@ static void q4x8_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
         for (int64_t r = 0; r < m->rows; r += ROWS) {
             int n = m->rows - r < ROWS ? (int)(m->rows - r) : ROWS;
             float acc[ROWS][OUTS] = {{0.0f}};
-            float d[ROWS];
-            int32_t sums[ROWS];
 #ifdef TILE_BLOCKS
             tile_blocks(wg, m->codes + r * m->in, m->in, groups, n, m->d + r * groups, m->sums + r * groups,
                         r == 0 ? AHEAD : 0, acc);
-            (void)d, (void)sums;
 #else
+            float d[ROWS];
+            int32_t sums[ROWS];
             for (int64_t b = 0; b < groups; b++) {
                 if (r == 0) /* the first rows read the group from memory: ask AHEAD, as kquant.c's one-row dots do */
                     for (int64_t at = 0; at < GROUP_BYTES; at += 64) __builtin_prefetch(wg + b * GROUP_BYTES + AHEAD + at);
