@@ -54,13 +54,15 @@ def test_the_counter_is_the_workers_and_a_freed_weight_costs_nothing(kernels, tw
     address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
     region.close()  # unmapped: the address now names nothing
     before = kernels.read_ahead_bytes
+    posts = 0
     for _ in range(50):  # the worker polls for 50 us after a job; a busy machine may not run it in time
         kernels.kx16_call(kernels.kx16_types["Q4_K"], weight.data_ptr(), x.data_ptr(), 1, 512, 64, 64, None,
                           y.data_ptr(), 2, 0)
         kernels.read_ahead(address, 1 << 20)
+        posts += 1
         time.sleep(0.002)
         if kernels.read_ahead_bytes > before:
             break
     asked = kernels.read_ahead_bytes - before
-    assert 0 < asked <= 1 << 20
+    assert 0 < asked <= posts << 20  # each post is a new hint: a worker late for one may read it and the next
     kernels.read_ahead(None, 0)
