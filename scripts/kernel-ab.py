@@ -8,11 +8,13 @@ input. Medians over the rounds; B/A > 1 means B is faster. In one process, both 
 and neighbours, which separate runs on a 2-core machine do not.
 
     python scripts/kernel-ab.py HEAD~1 HEAD [--rows 1 8 64] [--types Q4_K Q5_K Q6_K Q4_0] [--rounds 15]
-        [--threads 2] [--json out.json]
+        [--threads 2] [--stream MIB] [--json out.json]
 
 Types: Q4_K, Q5_K and Q6_K run on kx16 (rows interleaved 16 outputs a super-block), Q4_0 on q4x8. The weight is
 8192 x 2048 random blocks with finite f16 scales (as `scripts/kquant-speed.py` makes them). The two sides must
 pack the weight to the same bytes (the script says so and stops otherwise: a layout change is not a speed A/B).
+The weight fits a large last-level cache; `--stream MIB` gives each side copies of it filling MIB and each call
+the next copy, so every call reads its weight from memory, as a model's decode step does (GB/s reported).
 """
 
 from __future__ import annotations
@@ -85,15 +87,19 @@ def packed_weight(lib, type_name: str, raw: torch.Tensor, out: int, k: int, thre
     return packed
 
 
-def caller(lib, type_name: str, packed: torch.Tensor, x: torch.Tensor, y: torch.Tensor, threads: int):
+def caller(lib, type_name: str, copies: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, threads: int):
+    """A call of the kernel on the next of `copies` (one copy: the same weight every call)."""
     rows, k = x.shape
-    out = y.shape[1]
-    if type_name == "Q4_0":
-        return lambda: lib.ns_q4x8_matmul(packed.data_ptr(), x.data_ptr(), rows, k, out, None, y.data_ptr(),
-                                          threads, 0)
-    t = KX16_TYPES[type_name]
-    return lambda: lib.ns_kx16_matmul(t, packed.data_ptr(), x.data_ptr(), rows, k, out, out, None, y.data_ptr(),
-                                      threads, 0)
+    out, turn = y.shape[1], [0]
+
+    def call():
+        packed = copies[turn[0] % len(copies)]
+        turn[0] += 1
+        if type_name == "Q4_0":
+            return lib.ns_q4x8_matmul(packed.data_ptr(), x.data_ptr(), rows, k, out, None, y.data_ptr(), threads, 0)
+        return lib.ns_kx16_matmul(KX16_TYPES[type_name], packed.data_ptr(), x.data_ptr(), rows, k, out, out, None,
+                                  y.data_ptr(), threads, 0)
+    return call
 
 
 def seconds(call, repeats: int) -> float:
@@ -112,21 +118,25 @@ def build_cases(libs: dict, args, out: int, k: int) -> list[dict]:
         packed = {side: packed_weight(lib, type_name, raw, out, k, args.threads) for side, lib in libs.items()}
         if not torch.equal(packed["A"], packed["B"]):
             raise SystemExit(f"kernel-ab: A and B pack {type_name} differently; this compares speed, not layouts")
+        count = max(1, -(-args.stream * 2**20 // packed["A"].numel())) if args.stream else 1
+        copies = {side: [packed[side]] + [packed[side].clone() for _ in range(count - 1)] for side in libs}
         for rows in args.rows:
             x, y = torch.randn(rows, k), {side: torch.empty(rows, out) for side in libs}
-            calls = {side: caller(lib, type_name, packed[side], x, y[side], args.threads) for side, lib in libs.items()}
+            calls = {side: caller(lib, type_name, copies[side], x, y[side], args.threads) for side, lib in libs.items()}
             calls["A"](), calls["B"]()
             if not torch.equal(y["A"], y["B"]):
                 print(f"kernel-ab: note: A and B give different bits for {type_name} at {rows} rows", file=sys.stderr)
-            cases.append({"type": type_name, "rows": rows, "calls": calls, "seconds": {"A": [], "B": []}})
+            cases.append({"type": type_name, "rows": rows, "calls": calls, "seconds": {"A": [], "B": []},
+                          "bytes": packed["A"].numel()})
     return cases
 
 
-def run_rounds(cases: list[dict], rounds: int) -> None:
+def run_rounds(cases: list[dict], rounds: int, streaming: bool) -> None:
     for round_ in range(rounds):
         for case in cases:
             for side in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
-                case["seconds"][side].append(seconds(case["calls"][side], 10 if case["rows"] == 1 else 3))
+                repeats = 10 if case["rows"] == 1 else 3
+                case["seconds"][side].append(seconds(case["calls"][side], repeats * (4 if streaming else 1)))
 
 
 def main() -> None:
@@ -137,6 +147,8 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=[*KX16_TYPES, "Q4_0"], choices=[*KX16_TYPES, "Q4_0"])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--stream", type=int, default=0, metavar="MIB",
+                        help="cycle through copies of the weight filling MIB a side (read from memory)")
     parser.add_argument("--json")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -146,20 +158,22 @@ def main() -> None:
         libs = {side: compile_library(kernel_sources(rev, work / side), work / f"{side}.so")
                 for side, rev in (("A", args.a), ("B", args.b))}
         cases = build_cases(libs, args, out, k)
-        run_rounds(cases, args.rounds)
+        run_rounds(cases, args.rounds, bool(args.stream))
     rows_out = []
     print(f"A = {args.a}, B = {args.b}; {args.threads} threads, medians of {args.rounds} alternated rounds")
-    print(f"{'type':>5} {'rows':>4} {'A GFLOP/s':>10} {'B GFLOP/s':>10} {'B/A':>6}")
+    print(f"{'type':>5} {'rows':>4} {'A GFLOP/s':>10} {'B GFLOP/s':>10} {'A GB/s':>7} {'B GB/s':>7} {'B/A':>6}")
     for case in cases:
         a, b = (statistics.median(case["seconds"][s]) for s in ("A", "B"))
         flop = 2 * case["rows"] * out * k
         rows_out.append({"type": case["type"], "rows": case["rows"], "a_gflop_s": flop / a / 1e9,
-                         "b_gflop_s": flop / b / 1e9, "b_over_a": a / b})
+                         "b_gflop_s": flop / b / 1e9, "a_weight_gb_s": case["bytes"] / a / 1e9,
+                         "b_weight_gb_s": case["bytes"] / b / 1e9, "b_over_a": a / b})
         r = rows_out[-1]
-        print(f"{r['type']:>5} {r['rows']:>4} {r['a_gflop_s']:>10.1f} {r['b_gflop_s']:>10.1f} {r['b_over_a']:>6.3f}")
+        print(f"{r['type']:>5} {r['rows']:>4} {r['a_gflop_s']:>10.1f} {r['b_gflop_s']:>10.1f} "
+              f"{r['a_weight_gb_s']:>7.1f} {r['b_weight_gb_s']:>7.1f} {r['b_over_a']:>6.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"a": args.a, "b": args.b, "threads": args.threads, "rounds": args.rounds,
+            json.dump({"a": args.a, "b": args.b, "threads": args.threads, "rounds": args.rounds, "stream_mib": args.stream,
                        "shape": [out, k], "results": rows_out}, f, indent=1)
 
 

@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from nanoserve.kernels.build import build
+from nanoserve.kernels.pages import weight_buffer
 
 KIND = {torch.float32: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 1024  # fused.c's per-head scratch
@@ -130,7 +131,7 @@ class FusedKernels:
         """A file's rows raw [out (in 16s), in / 256 blocks] of a kx16 type -> its interleaved weight (Q4_K 148
         bytes an output's super-block: the file's 144 with its scale bytes unpacked; Q5_K 180; Q6_K the file's 210)."""
         raw, kind = raw.contiguous(), self.kx16_types[type_name]
-        packed = torch.empty(self._kx16_bytes(kind, raw.shape[0], in_features), dtype=torch.uint8)
+        packed = weight_buffer(self._kx16_bytes(kind, raw.shape[0], in_features))
         if self._kx16_pack(kind, raw.data_ptr(), raw.shape[0], in_features, packed.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"kx16 takes {type_name} rows in 16s of whole super-blocks; this is {tuple(raw.shape)}")
         return packed
@@ -284,7 +285,7 @@ class FusedKernels:
                              "and inputs in groups of 32")
         codes = codes.to(torch.uint8).contiguous()
         scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
-        packed = torch.empty(self._q4_bytes(out, k), dtype=torch.uint8)
+        packed = weight_buffer(self._q4_bytes(out, k))
         self._q4_pack(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out, k, packed.data_ptr())
         return packed
 
@@ -293,7 +294,7 @@ class FusedKernels:
         same bytes q4_pack makes from the blocks unpacked, with no unpacked copy."""
         _check_gguf_rows(raw, type_name, in_features)
         out, raw = raw.shape[0], raw.contiguous()
-        packed = torch.empty(self._q4_bytes(out, in_features), dtype=torch.uint8)
+        packed = weight_buffer(self._q4_bytes(out, in_features))
         self._q4_pack_gguf(raw.data_ptr(), type_name == "Q4_1", out, in_features, packed.data_ptr(),
                            torch.get_num_threads())
         return packed
@@ -303,7 +304,7 @@ class FusedKernels:
         bytes]) -> q4x8's packed weight (the file's 4.5 bits a weight), each run packed in place."""
         for raw in parts:
             _check_gguf_rows(raw, "Q4_0", in_features)
-        packed = torch.empty(self._q4x8_bytes(sum(p.shape[0] for p in parts), in_features), dtype=torch.uint8)
+        packed = weight_buffer(self._q4x8_bytes(sum(p.shape[0] for p in parts), in_features))
         at = 0
         for raw in parts:
             raw = raw.contiguous()
@@ -355,7 +356,7 @@ class FusedKernels:
             raise ValueError(f"cannot pack a {out}x{k} weight with {tuple(scales.shape)} scales: outputs go in 16s "
                              "and inputs in groups of 32")
         codes, scales = codes.to(torch.int8).contiguous(), scales.float().contiguous()
-        packed = torch.empty(self._q8_bytes(out, k), dtype=torch.uint8)
+        packed = weight_buffer(self._q8_bytes(out, k))
         self._q8_pack(codes.data_ptr(), scales.data_ptr(), out, k, packed.data_ptr())
         return packed
 
