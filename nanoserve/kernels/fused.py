@@ -127,13 +127,20 @@ class FusedKernels:
         lib.ns_kx16_isa.restype = ctypes.c_char_p
         self.kx16_isa = lib.ns_kx16_isa().decode()
 
-    def kx16_pack(self, type_name: str, raw: torch.Tensor, in_features: int) -> torch.Tensor:
-        """A file's rows raw [out (in 16s), in / 256 blocks] of a kx16 type -> its interleaved weight (Q4_K 148
-        bytes an output's super-block: the file's 144 with its scale bytes unpacked; Q5_K 180; Q6_K the file's 210)."""
-        raw, kind = raw.contiguous(), self.kx16_types[type_name]
-        packed = weight_buffer(self._kx16_bytes(kind, raw.shape[0], in_features))
-        if self._kx16_pack(kind, raw.data_ptr(), raw.shape[0], in_features, packed.data_ptr(), torch.get_num_threads()):
-            raise ValueError(f"kx16 takes {type_name} rows in 16s of whole super-blocks; this is {tuple(raw.shape)}")
+    def kx16_pack(self, type_name: str, raw: torch.Tensor | list[torch.Tensor], in_features: int) -> torch.Tensor:
+        """A file's rows raw [out (in 16s), in / 256 blocks] of a kx16 type, or runs of them stacked along the
+        outputs (each in 16s), -> its interleaved weight (Q4_K 148 bytes an output's super-block: the file's 144
+        with its scale bytes unpacked; Q5_K 180; Q6_K the file's 210), each run packed in place."""
+        parts, kind = [raw] if isinstance(raw, torch.Tensor) else list(raw), self.kx16_types[type_name]
+        packed = weight_buffer(self._kx16_bytes(kind, sum(p.shape[0] for p in parts), in_features))
+        at = 0
+        for part in parts:
+            part = part.contiguous()
+            if self._kx16_pack(kind, part.data_ptr(), part.shape[0], in_features, packed.data_ptr() + at,
+                               torch.get_num_threads()):
+                raise ValueError(f"kx16 takes {type_name} rows in 16s of whole super-blocks; this is "
+                                 f"{tuple(part.shape)}")
+            at += self._kx16_bytes(kind, part.shape[0], in_features)
         return packed
 
     def kx16_unpack(self, type_name: str, packed: torch.Tensor, out: int, in_features: int) -> torch.Tensor:

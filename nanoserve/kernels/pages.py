@@ -9,6 +9,8 @@ and a system that refuses huge pages (THP "never") serves the same buffer on sma
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 
 import torch
@@ -30,3 +32,18 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
     start = -base.data_ptr() % HUGE
     pages.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % HUGE)
     return base[start:start + nbytes]
+
+
+def release_free_heap() -> bool:
+    """Hands the C heap's free memory back to the system (glibc's malloc_trim); False where there is no glibc.
+    A load's transient copies (a file's rows concatenated, reordered, unpacked) are freed into the heap, and
+    since the packed weights no longer come from that heap nothing reuses them: a 3B Q4_K_M load kept ~650 MiB
+    of them resident."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    trim(0)
+    return True

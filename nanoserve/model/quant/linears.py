@@ -299,14 +299,27 @@ class KQuantLinear(PackedLinear):
         self.kernels, self.type_names = kernels, blocks.type_names
         self.segments = []  # ("kx16" interleaved or "kq" the file's rows, the library's type index, first, outputs)
         first = 0
-        for i, (name, raw) in enumerate(blocks.segments):
-            if interleave and name in kernels.kx16_types and raw.shape[0] % 16 == 0:
-                self.register_buffer(f"raw{i}", kernels.kx16_pack(name, raw, k))
-                self.segments.append(("kx16", kernels.kx16_types[name], first, raw.shape[0]))
+        for name, parts, interleaved in self._runs(blocks, interleave):
+            outs, i = sum(raw.shape[0] for raw in parts), len(self.segments)
+            if interleaved:
+                self.register_buffer(f"raw{i}", kernels.kx16_pack(name, parts, k))  # each part packed in place
+                self.segments.append(("kx16", kernels.kx16_types[name], first, outs))
             else:
-                self.register_buffer(f"raw{i}", raw.contiguous())
-                self.segments.append(("kq", kernels.kq_types[name], first, raw.shape[0]))
-            first += raw.shape[0]
+                self.register_buffer(f"raw{i}", parts[0].contiguous())
+                self.segments.append(("kq", kernels.kq_types[name], first, outs))
+            first += outs
+
+    def _runs(self, blocks: KQuantBlocks, interleave: bool) -> list[tuple[str, list[torch.Tensor], bool]]:
+        """The blocks' tensors as the kernel calls take them: adjacent ones of one type the interleaving takes
+        (in 16s) as one run, packed together; any other alone, as the file's rows."""
+        runs: list[tuple[str, list[torch.Tensor], bool]] = []
+        for name, raw in blocks.segments:
+            interleaved = interleave and name in self.kernels.kx16_types and raw.shape[0] % 16 == 0
+            if interleaved and runs and runs[-1][0] == name and runs[-1][2]:
+                runs[-1][1].append(raw)
+            else:
+                runs.append((name, [raw], interleaved))
+        return runs
 
     def packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         x = flat.float().contiguous()
