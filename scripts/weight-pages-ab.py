@@ -3,7 +3,8 @@
 
 Each type's weight (random blocks, as `scripts/kquant-speed.py` makes them) is copied into two sets of buffers
 filling `--mib` each, one from torch's allocator (4 KiB pages unless THP_MEM_ALLOC_ENABLE is set) and one from
-`weight_buffer` (huge pages where the system grants them), and one-row calls run through every copy of a set, so
+`weight_buffer`, moved onto huge pages by `HugePageMover` as a load does (the share it moved is printed), and
+one-row calls run through every copy of a set, so
 each call reads its weight from memory as a decode step does; the sets alternate round by round. Medians of the
 weight bytes a second each set streams.
 
@@ -49,6 +50,22 @@ def packed(kernels, type_name: str, out: int, k: int) -> torch.Tensor:
     return kernels.kx16_pack(type_name, raw, k)
 
 
+def moved_share(buffers: list[torch.Tensor]) -> float:
+    """Moves `buffers` onto huge pages as a load does; the share of their whole huge pages the kernel moved."""
+    from torch import nn
+
+    from nanoserve.kernels.pages import HugePageMover
+
+    holder = nn.Module()
+    for i, buffer in enumerate(buffers):
+        holder.register_buffer(f"w{i}", buffer)
+    mover = HugePageMover(holder).start()
+    mover.done.wait()
+    if mover.stopped:
+        raise SystemExit(f"weight-pages-ab: the weights stay on small pages here: {mover.stopped}")
+    return mover.moved / max(mover.total, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -67,7 +84,7 @@ def main() -> None:
         raise SystemExit(f"weight-pages-ab: the fused kernels are not available here: {why}")
     rows = []
     print(f"{args.threads} threads, one-row calls, medians of {args.rounds} alternated rounds, GB/s of weight read")
-    print(f"{'type':>5} {'shape':>10} {'4 KiB':>7} {'huge':>7} {'huge/4k':>8}")
+    print(f"{'type':>5} {'shape':>10} {'4 KiB':>7} {'huge':>7} {'huge/4k':>8} {'moved':>6}")
     for type_name in args.types:
         out, k = SHAPES[type_name]
         weight = packed(kernels, type_name, out, k)
@@ -76,6 +93,7 @@ def main() -> None:
                 "huge": [weight_buffer(weight.numel()) for _ in range(count)]}
         for copy in sets["small"] + sets["huge"]:
             copy.copy_(weight)
+        moved = moved_share(sets["huge"])
         call, rates = one_row_call(kernels, type_name, out, k), {"small": [], "huge": []}
         for round_ in range(args.rounds):
             for side in ("small", "huge") if round_ % 2 else ("huge", "small"):
@@ -85,8 +103,8 @@ def main() -> None:
                 rates[side].append(weight.numel() * count / (time.perf_counter() - started) / 1e9)
         small, huge = statistics.median(rates["small"]), statistics.median(rates["huge"])
         rows.append({"type": type_name, "shape": [out, k], "small_gb_s": small, "huge_gb_s": huge,
-                     "huge_over_small": huge / small})
-        print(f"{type_name:>5} {out:>5}x{k:<4} {small:>7.1f} {huge:>7.1f} {huge / small:>8.3f}")
+                     "huge_over_small": huge / small, "moved_share": moved})
+        print(f"{type_name:>5} {out:>5}x{k:<4} {small:>7.1f} {huge:>7.1f} {huge / small:>8.3f} {moved:>6.0%}")
         del sets
     if args.json:
         with open(args.json, "w") as f:

@@ -19,13 +19,15 @@ class FusedStatus:
     kernels: object | None = None  # FusedKernels
     read_ahead_linears: int = 0  # packed linears whose successor's weight is read ahead (--read-ahead)
     read_ahead_off: str = ""  # why none is, when the flag is off
+    huge_pages: object | None = None  # HugePageMover (kernels/pages.py): the packed weights moved onto huge pages
 
     def as_dict(self) -> dict:
         out = {"active": self.active, "reason": self.reason}
         if self.kernels is not None:
             out.update(library=self.kernels.path, calls=dict(self.kernels.calls), rows=dict(self.kernels.rows),
                        q4_isa=self.kernels.q4_isa, tiles=self.kernels.tiles,
-                       tile_rows=self.kernels.tile_rows, kquant=self.kquant(), read_ahead=self.read_ahead())
+                       tile_rows=self.kernels.tile_rows, kquant=self.kquant(), read_ahead=self.read_ahead(),
+                       huge_pages=None if self.huge_pages is None else self.huge_pages.status())
         return out
 
     def read_ahead(self) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
-from nanoserve.kernels.pages import release_free_heap
+from nanoserve.kernels.pages import HugePageMover, release_free_heap
 from nanoserve.model.fused import fused_kernels
 from nanoserve.model.loader import LoadedModel, load_model, peek_config
 from nanoserve.model.quant.read_ahead import install_read_ahead
@@ -53,6 +53,8 @@ def load_part(config: EngineConfig, device, shard=None, group=None) -> LoadedMod
             fused.read_ahead_off = "--no-read-ahead"
     if getattr(device, "type", device) == "cpu":
         release_free_heap()  # the load's transient copies, which the packed weights (own pages) do not reuse
+        if fused is not None and fused.active:
+            fused.huge_pages = HugePageMover(loaded.model).start()  # while the engine serves
     return loaded
 
 
