@@ -9,6 +9,7 @@ Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K), the file's bytes as they lie.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,7 +203,7 @@ class KQuantBlocks:
     """A [out, in] weight as GGUF K-quant super-blocks, each output row the file's bytes as they lie (no
     repacking: the kernel reads the file's layout). A merged projection's shards may come in different types
     (a Q4_K_M file stores q and k as Q4_K and v, in half the layers, as Q6_K): each run of rows keeps its own.
-    Stacked tensors stay apart (no copy at load): `runs` groups adjacent ones of a type."""
+    Stacked tensors stay apart (no copy at load); the kernel's module packs adjacent ones of a type together."""
 
     segments: tuple[tuple[str, torch.Tensor], ...]  # (type name, uint8 [rows, in / 256 * block bytes]), in order
     in_features: int
@@ -213,17 +214,8 @@ class KQuantBlocks:
 
     @property
     def type_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.runs())
-
-    def runs(self) -> list[tuple[str, list[torch.Tensor]]]:
-        """The rows in runs of one type: (type name, its tensors' rows in order)."""
-        runs: list[tuple[str, list[torch.Tensor]]] = []
-        for name, raw in self.segments:
-            if runs and runs[-1][0] == name:
-                runs[-1][1].append(raw)
-            else:
-                runs.append((name, [raw]))
-        return runs
+        """The types of its runs of rows, in order (adjacent tensors of one type named once)."""
+        return tuple(name for name, _ in itertools.groupby(name for name, _ in self.segments))
 
     @property
     def unit(self) -> int:
