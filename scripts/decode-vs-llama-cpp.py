@@ -21,7 +21,7 @@ import torch
 def nanoserve_timer(path: str):
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(model=path, max_model_len=512, kv_cache_gib=0.1, enable_prefix_caching=False)
+    llm = LLM(model=path, max_model_len=512, kv_cache_gib=0.25, enable_prefix_caching=False)  # 512 slots at 8B
     fused = llm.engine.runner.loaded.fused
     if fused is not None and fused.huge_pages is not None:
         fused.huge_pages.done.wait()  # the steady state: the packed weights moved onto huge pages (kernels/pages.py)

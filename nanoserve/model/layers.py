@@ -56,7 +56,9 @@ class RMSNorm(FastAttributes, nn.Module):
         if self.kernels is None:
             return self.forward((stream + delta)[rows])
         stream = self.kernels.add_(stream, delta.contiguous())
-        return self.kernels.add_norm(stream[rows], self.weight, self.eps, None, stream.dtype)
+        # index_select, not stream[rows]: torch's indexing wakes its OpenMP threads even for one row, whose spin
+        # afterwards took a core from the kernels' pool for a few ms of every decode token
+        return self.kernels.add_norm(stream.index_select(0, rows), self.weight, self.eps, None, stream.dtype)
 
 
 class SiluAndMul(FastAttributes, nn.Module):
