@@ -1,10 +1,11 @@
 """Two commits of nanoserve, the same workload, interleaved round by round: is a refactor within noise?
 
-    python scripts/compare-commits.py OLD_REV NEW_REV [--rounds 7] [--out bench-results]
+    python scripts/compare-commits.py OLD_REV NEW_REV [--rounds 7] [--model FILE.gguf] [--out bench-results]
 
 Each revision is unpacked (git archive) into its own directory and served by a worker process that imports
 nanoserve from there and loads the default model once; the workers then take turns (old, new, new, old, ...) on
-the same workload, so drift on a shared machine lands on both. Two workloads, as `nanoserve bench throughput`
+the same workload, so drift on a shared machine lands on both. `--model` serves a file of your own instead (a
+`nanoserve bench sizes` file, say; each worker waits for its packed weights' move onto huge pages first). Two workloads, as `nanoserve bench throughput`
 has them: one stream (decode tok/s) and a crowd of 8 prompts (generated tok/s). Prints the medians and the
 new/old ratios, and writes compare-commits.{json,csv}.
 """
@@ -26,7 +27,11 @@ WORKER = r'''
 import json, sys, time
 from nanoserve import LLM, SamplingParams
 
-llm = LLM()
+model = sys.argv[1] if len(sys.argv) > 1 else None
+llm = LLM() if model is None else LLM(model=model, max_model_len=512, kv_cache_gib=0.5)
+moved = getattr(getattr(llm.engine.runner, "loaded", None), "fused", None)
+if getattr(moved, "huge_pages", None) is not None:
+    moved.huge_pages.done.wait()  # the steady state (kernels/pages.py), in revisions that have it
 greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 crowd = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 prompts = ["Explain photosynthesis to a ten-year-old.", "Write a haiku about the sea.",
@@ -55,9 +60,10 @@ def unpack(rev: str, into: Path) -> Path:
     return into
 
 
-def start(tree: Path) -> subprocess.Popen:
+def start(tree: Path, model: str | None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    worker = subprocess.Popen([sys.executable, "-c", WORKER], cwd=tree, env=env, stdin=subprocess.PIPE,
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, *([model] if model else [])], cwd=tree, env=env,
+                              stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     json.loads(worker.stdout.readline())
     return worker
@@ -74,10 +80,12 @@ def main() -> int:
     p.add_argument("old")
     p.add_argument("new")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--model", help="a model path for both (default: the embedded default model)")
     p.add_argument("--out", default="bench-results")
     args = p.parse_args()
+    model = str(Path(args.model).resolve()) if args.model else None
     with tempfile.TemporaryDirectory() as tmp:
-        workers = {rev: start(unpack(rev, Path(tmp) / name)) for rev, name in ((args.old, "old"), (args.new, "new"))}
+        workers = {rev: start(unpack(rev, Path(tmp) / name), model) for rev, name in ((args.old, "old"), (args.new, "new"))}
         runs = {rev: [] for rev in workers}
         for r in range(args.rounds):
             order = [args.old, args.new] if r % 2 == 0 else [args.new, args.old]
@@ -90,7 +98,7 @@ def main() -> int:
     from nanoserve.bench.common import machine
 
     host = machine()
-    print({k: host[k] for k in ("cpu", "torch", "threads", "torch_cpu_capability")})
+    print({k: host[k] for k in ("cpu", "torch", "threads", "torch_cpu_capability")}, args.model or "default model")
     same_text = runs[args.old][0]["text"] == runs[args.new][0]["text"]
     rows = []
     for rev in (args.old, args.new):
@@ -103,7 +111,7 @@ def main() -> int:
     print(f"same single-stream text: {same_text}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare-commits.json").write_text(json.dumps({"machine": host, "rows": rows, "ratio": ratio, "same_text": same_text,
+    (out / "compare-commits.json").write_text(json.dumps({"machine": host, "model": args.model, "rows": rows, "ratio": ratio, "same_text": same_text,
                                                           "runs": runs}, indent=2))
     with open(out / "compare-commits.csv", "w") as f:
         f.write("rev,round,single_tok_s,mixed_tok_s\n")
