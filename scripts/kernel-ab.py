@@ -8,11 +8,13 @@ input. Medians over the rounds; B/A > 1 means B is faster. In one process, both 
 and neighbours, which separate runs on a 2-core machine do not.
 
     python scripts/kernel-ab.py HEAD~1 HEAD [--rows 1 8 64] [--types Q4_K Q5_K Q6_K Q4_0] [--rounds 15]
-        [--threads 2] [--stream MIB] [--json out.json]
+        [--threads 2] [--stream MIB] [--layouts] [--json out.json]
 
 Types: Q4_K, Q5_K and Q6_K run on kx16 (rows interleaved 16 outputs a super-block), Q4_0 on q4x8. The weight is
 8192 x 2048 random blocks with finite f16 scales (as `scripts/kquant-speed.py` makes them). The two sides must
-pack the weight to the same bytes (the script says so and stops otherwise: a layout change is not a speed A/B).
+pack the weight to the same bytes (the script says so and stops otherwise), unless `--layouts`: then a layout
+change is what is compared, each side calling its own packing of the same file rows, their outputs still required
+to agree bit for bit, and each side's GB/s counted from its own packed bytes.
 The weight fits a large last-level cache; `--stream MIB` gives each side copies of it filling MIB and each call
 the next copy, so every call reads its weight from memory, as a model's decode step does (GB/s reported).
 """
@@ -116,8 +118,8 @@ def build_cases(libs: dict, args, out: int, k: int) -> list[dict]:
     for type_name in args.types:
         raw = weights.weight("Q4_0/q4x8" if type_name == "Q4_0" else type_name, out, k)
         packed = {side: packed_weight(lib, type_name, raw, out, k, args.threads) for side, lib in libs.items()}
-        if not torch.equal(packed["A"], packed["B"]):
-            raise SystemExit(f"kernel-ab: A and B pack {type_name} differently; this compares speed, not layouts")
+        if not args.layouts and not torch.equal(packed["A"], packed["B"]):
+            raise SystemExit(f"kernel-ab: A and B pack {type_name} differently (a layout change: --layouts)")
         count = max(1, -(-args.stream * 2**20 // packed["A"].numel())) if args.stream else 1
         copies = {side: [packed[side]] + [packed[side].clone() for _ in range(count - 1)] for side in libs}
         for rows in args.rows:
@@ -125,9 +127,12 @@ def build_cases(libs: dict, args, out: int, k: int) -> list[dict]:
             calls = {side: caller(lib, type_name, copies[side], x, y[side], args.threads) for side, lib in libs.items()}
             calls["A"](), calls["B"]()
             if not torch.equal(y["A"], y["B"]):
+                if args.layouts:
+                    raise SystemExit(f"kernel-ab: A's and B's packings give different bits for {type_name} at {rows} "
+                                     "rows: a layout change must not change a value")
                 print(f"kernel-ab: note: A and B give different bits for {type_name} at {rows} rows", file=sys.stderr)
             cases.append({"type": type_name, "rows": rows, "calls": calls, "seconds": {"A": [], "B": []},
-                          "bytes": packed["A"].numel()})
+                          "bytes": {side: packed[side].numel() for side in libs}})
     return cases
 
 
@@ -149,6 +154,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--stream", type=int, default=0, metavar="MIB",
                         help="cycle through copies of the weight filling MIB a side (read from memory)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="A and B may pack differently (a layout change); their outputs must still agree")
     parser.add_argument("--json")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -166,14 +173,15 @@ def main() -> None:
         a, b = (statistics.median(case["seconds"][s]) for s in ("A", "B"))
         flop = 2 * case["rows"] * out * k
         rows_out.append({"type": case["type"], "rows": case["rows"], "a_gflop_s": flop / a / 1e9,
-                         "b_gflop_s": flop / b / 1e9, "a_weight_gb_s": case["bytes"] / a / 1e9,
-                         "b_weight_gb_s": case["bytes"] / b / 1e9, "b_over_a": a / b})
+                         "b_gflop_s": flop / b / 1e9, "a_weight_gb_s": case["bytes"]["A"] / a / 1e9,
+                         "b_weight_gb_s": case["bytes"]["B"] / b / 1e9, "b_over_a": a / b})
         r = rows_out[-1]
         print(f"{r['type']:>5} {r['rows']:>4} {r['a_gflop_s']:>10.1f} {r['b_gflop_s']:>10.1f} "
               f"{r['a_weight_gb_s']:>7.1f} {r['b_weight_gb_s']:>7.1f} {r['b_over_a']:>6.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"a": args.a, "b": args.b, "threads": args.threads, "rounds": args.rounds, "stream_mib": args.stream,
+                       "layouts": args.layouts,
                        "shape": [out, k], "results": rows_out}, f, indent=1)
 
 
