@@ -5,9 +5,9 @@
 Each revision is unpacked (git archive) into its own directory and served by a worker process that imports
 nanoserve from there and loads the default model once; the workers then take turns (old, new, new, old, ...) on
 the same workload, so drift on a shared machine lands on both. `--model` serves a file of your own instead (a
-`nanoserve bench sizes` file, say; each worker waits for its packed weights' move onto huge pages first). Two workloads, as `nanoserve bench throughput`
-has them: one stream (decode tok/s) and a crowd of 8 prompts (generated tok/s). Prints the medians and the
-new/old ratios, and writes compare-commits.{json,csv}.
+`nanoserve bench sizes` file, say; each worker waits for its packed weights' move onto huge pages first). Two
+workloads, as `nanoserve bench throughput` has them: one stream (decode tok/s) and a crowd of 8 prompts (generated
+tok/s). Prints the medians and the new/old ratios, and writes compare-commits.{json,csv}.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ def unpack(rev: str, into: Path) -> Path:
 def start(tree: Path, model: str | None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     worker = subprocess.Popen([sys.executable, "-c", WORKER, *([model] if model else [])], cwd=tree, env=env,
-                              stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     json.loads(worker.stdout.readline())
     return worker
 
@@ -85,7 +84,8 @@ def main() -> int:
     args = p.parse_args()
     model = str(Path(args.model).resolve()) if args.model else None
     with tempfile.TemporaryDirectory() as tmp:
-        workers = {rev: start(unpack(rev, Path(tmp) / name), model) for rev, name in ((args.old, "old"), (args.new, "new"))}
+        workers = {rev: start(unpack(rev, Path(tmp) / name), model)
+                   for rev, name in ((args.old, "old"), (args.new, "new"))}
         runs = {rev: [] for rev in workers}
         for r in range(args.rounds):
             order = [args.old, args.new] if r % 2 == 0 else [args.new, args.old]
@@ -111,8 +111,9 @@ def main() -> int:
     print(f"same single-stream text: {same_text}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare-commits.json").write_text(json.dumps({"machine": host, "model": args.model, "rows": rows, "ratio": ratio, "same_text": same_text,
-                                                          "runs": runs}, indent=2))
+    (out / "compare-commits.json").write_text(json.dumps({"machine": host, "model": args.model, "rows": rows,
+                                                          "ratio": ratio, "same_text": same_text, "runs": runs},
+                                                         indent=2))
     with open(out / "compare-commits.csv", "w") as f:
         f.write("rev,round,single_tok_s,mixed_tok_s\n")
         for rev, rounds in runs.items():

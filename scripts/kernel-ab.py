@@ -120,8 +120,8 @@ def build_cases(libs: dict, args, out: int, k: int) -> list[dict]:
         packed = {side: packed_weight(lib, type_name, raw, out, k, args.threads) for side, lib in libs.items()}
         if not args.layouts and not torch.equal(packed["A"], packed["B"]):
             raise SystemExit(f"kernel-ab: A and B pack {type_name} differently (a layout change: --layouts)")
-        count = max(1, -(-args.stream * 2**20 // packed["A"].numel())) if args.stream else 1
-        copies = {side: [packed[side]] + [packed[side].clone() for _ in range(count - 1)] for side in libs}
+        count = {side: max(1, -(-args.stream * 2**20 // packed[side].numel())) if args.stream else 1 for side in libs}
+        copies = {side: [packed[side]] + [packed[side].clone() for _ in range(count[side] - 1)] for side in libs}
         for rows in args.rows:
             x, y = torch.randn(rows, k), {side: torch.empty(rows, out) for side in libs}
             calls = {side: caller(lib, type_name, copies[side], x, y[side], args.threads) for side, lib in libs.items()}

@@ -227,8 +227,8 @@ static INLINE void group_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
          * memory, 2 threads, one row: Q6_K 26 GB/s against 18 unasked, 19-21 asking 2048 bytes or a super-block
          * ahead, 16-19 a line a step; 8 rows: 1.25-1.37x asking the next group's bytes at a group's start) */
         if (m->rows == 1) /* read once, never again this token: asked for as non-temporal, so the stream does not
-                           * push out of the caches what the ops between matmuls use (3B Q4_K_M decode 1.08x and
-                           * 1.03x, medians of 10 rounds alternated in one process) */
+                           * push out of the caches what the ops between matmuls use (3B Q4_K_M single stream 1.43x,
+                           * scripts/compare-commits.py --model, BENCHMARKS.md) */
             for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + at, 0, 0);
         else if (r == 0)
             for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + at);
