@@ -119,6 +119,36 @@ def test_logits_match_llama_cpp_on_the_same_file(kernels, mixed):
     assert_near_llama_cpp(mixed[1])
 
 
+def _file_mappings(path) -> int:
+    """How many of this process's mappings map `path` (/proc/self/maps): a tensor's blocks are one each."""
+    with open("/proc/self/maps") as maps:
+        return sum(line.rstrip().endswith(str(path)) for line in maps)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/maps")
+def test_a_load_lets_go_of_each_tensors_file_pages_once_it_is_packed(kernels, tmp_path, monkeypatch):
+    """The file is mapped tensor by tensor; a tensor the load repacks must not stay mapped (its pages resident)
+    until the whole load ends, or the peak is the file and its packed copy at once (3B Q4_K_M 3.8 GiB against 2.3
+    now). By the last layer's packing, the first layer's mappings are gone."""
+    from nanoserve.kernels.fused import FusedKernels
+
+    path = tmp_path / "mixed.gguf"
+    write_mixed(path, MIX, "Q4_K")
+    seen = []
+    pack = FusedKernels.kx16_pack
+
+    def counting_pack(self, *args, **kwargs):
+        seen.append(_file_mappings(path))
+        return pack(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedKernels, "kx16_pack", counting_pack)
+    LLM(model=str(path), dtype="float32", max_model_len=64, kv_cache_gib=0.01)
+    tensors_per_layer = 7
+    assert len(seen) >= 2 * 3  # qkv, gate_up, down in each of the two layers (the head too)
+    assert seen[-1] <= seen[0] - tensors_per_layer, seen
+    assert _file_mappings(path) == 2  # only what runs in the file's own bytes: the embedding's rows and the head
+
+
 def test_a_tied_k_quant_embedding_is_looked_up_and_multiplied_in_the_files_bytes(kernels, tmp_path):
     """llama.cpp writes the embedding in Q6_K; tied, it is the head too. Neither holds a float32 copy: a lookup
     decodes the rows asked exactly as gguf does, the head multiplies the same bytes, and an id past the vocabulary

@@ -280,7 +280,7 @@ def process_weights(model: nn.Module, kept: dict[str, dict[str, QuantBlocks]], m
     crossover: dict[str, int | None] = {}
     packed = dense = 0
     for path, layer in _decoder_linears(model):
-        shards = kept.get(path, {})
+        shards = kept.pop(path, {})  # let go once packed: the file's pages it maps leave the process with it
         if _stays_dense(layer, shards, kernels):
             _write_dense(layer, shards)
             continue
