@@ -37,6 +37,7 @@
 #define SUMS 16 /* inputs per activation code sum (kquant.c) */
 #define OUTS 16
 #define ROWS 4     /* activation rows a super-block's unpacked codes serve at once */
+#define ROWS_AHEAD 3 /* super-blocks a call of several rows asks for ahead of the one it works on (group_pass) */
 #define INLINE inline __attribute__((always_inline))
 
 /* Q4_K (five 0) and Q5_K (five 1: the codes' fifth bits after the codes) */
@@ -222,16 +223,22 @@ static INLINE void group_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
     int16_t s[ROWS][16];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = wg + b * group_bytes;
-        /* the first pass over a super-block (it comes from memory): ask for all its lines before the work, whose
-         * own loads come a line per some 20 instructions, too few in flight to keep the memory busy (2048x8192 from
+        /* the first pass over a super-block (it comes from memory): ask for its lines before the work, whose own
+         * loads come a line per some 20 instructions, too few in flight to keep the memory busy (2048x8192 from
          * memory, 2 threads, one row: Q6_K 26 GB/s against 18 unasked, 19-21 asking 2048 bytes or a super-block
-         * ahead, 16-19 a line a step; 8 rows: 1.25-1.37x asking the next group's bytes at a group's start) */
+         * ahead, 16-19 a line a step) */
         if (m->rows == 1) /* read once, never again this token: asked for as non-temporal, so the stream does not
                            * push out of the caches what the ops between matmuls use (3B Q4_K_M single stream 1.43x,
                            * scripts/compare-commits.py --model, BENCHMARKS.md) */
             for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + at, 0, 0);
-        else if (r == 0)
-            for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + at);
+        else if (r == 0) { /* several rows: their passes over a super-block outlast its bytes' trip from memory, so
+                            * they ask ROWS_AHEAD super-blocks ahead, the way in flight the whole time (Zen 5, from
+                            * memory, 8 rows: Q4_K 1.38-1.44x, Q6_K 1.26x against asking for the block in hand;
+                            * scripts/kernel-ab.py --stream, BENCHMARKS.md) */
+            if (b == 0)
+                for (int64_t at = 0; at < ROWS_AHEAD * group_bytes; at += 64) __builtin_prefetch(p + at);
+            for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + ROWS_AHEAD * group_bytes + at);
+        }
         for (int i = 0; i < n; i++) {
             dx[i] = m->d[(r + i) * blocks + b];
             memcpy(s[i], m->s + (r + i) * (m->in / SUMS) + b * (QK / SUMS), sizeof s[i]);

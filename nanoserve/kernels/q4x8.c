@@ -240,9 +240,12 @@ typedef struct {
     int accumulate;
 } Q4x8;
 
-/* bytes the first rows of a call ask for ahead of the block they read (1B Q4_0 decode 1.08x, 6 interleaved runs;
- * 8 rows: a step's linears 42 ms against 52 asking the whole next group at a group's start) */
+/* bytes the first rows of a call ask for ahead of the block they read: a one-row call AHEAD (1B Q4_0 decode
+ * 1.08x, 6 interleaved runs; 8 rows: a step's linears 42 ms against 52 asking the whole next group at a group's
+ * start), a call of several rows, whose work on a block outlasts its bytes' trip from memory, AHEAD_ROWS (Zen 5,
+ * from memory, 8 rows 1.38x, 32 rows 1.11x against AHEAD; 16 KiB no better; scripts/kernel-ab.py --stream) */
 #define AHEAD 2048
+#define AHEAD_ROWS 8192
 
 /* Output groups [g0, g1) for every row, ROWS rows against each group's codes unpacked once; the groups of 32
  * inputs in order, so each output's float part runs as on one row alone */
@@ -258,13 +261,14 @@ static void q4x8_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
             float acc[ROWS][OUTS] = {{0.0f}};
 #ifdef TILE_BLOCKS
             tile_blocks(wg, m->codes + r * m->in, m->in, groups, n, m->d + r * groups, m->sums + r * groups,
-                        r == 0 ? AHEAD : 0, acc);
+                        r == 0 ? (m->rows == 1 ? AHEAD : AHEAD_ROWS) : 0, acc);
 #else
             float d[ROWS];
             int32_t sums[ROWS];
             for (int64_t b = 0; b < groups; b++) {
                 if (r == 0) /* the first rows read the group from memory: ask AHEAD, as kquant.c's one-row dots do */
-                    for (int64_t at = 0; at < GROUP_BYTES; at += 64) __builtin_prefetch(wg + b * GROUP_BYTES + AHEAD + at);
+                    for (int64_t at = 0; at < GROUP_BYTES; at += 64)
+                        __builtin_prefetch(wg + b * GROUP_BYTES + (m->rows == 1 ? AHEAD : AHEAD_ROWS) + at);
                 for (int i = 0; i < n; i++) d[i] = m->d[(r + i) * groups + b], sums[i] = m->sums[(r + i) * groups + b];
                 group_rows(wg + b * GROUP_BYTES, m->codes + r * m->in + b * GROUP, m->in, n, d, sums, acc);
             }
