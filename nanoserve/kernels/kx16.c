@@ -227,10 +227,10 @@ static INLINE void group_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
          * loads come a line per some 20 instructions, too few in flight to keep the memory busy (2048x8192 from
          * memory, 2 threads, one row: Q6_K 26 GB/s against 18 unasked, 19-21 asking 2048 bytes or a super-block
          * ahead, 16-19 a line a step) */
-        if (m->rows == 1) /* read once, never again this token: asked for as non-temporal, so the stream does not
-                           * push out of the caches what the ops between matmuls use (3B Q4_K_M single stream 1.43x,
-                           * scripts/compare-commits.py --model, BENCHMARKS.md) */
-        {
+        if (m->rows == 1) { /* read once, never again this token: asked for as non-temporal, so the stream does not
+                             * push out of the caches what the ops between matmuls use (3B Q4_K_M single stream
+                             * 1.43x on Zen 4), and a super-block ahead (Zen 5, one process a commit: 3B Q4_K_M 1.12x,
+                             * 1B 1.09x against the block in hand; scripts/compare-commits.py --model, BENCHMARKS.md) */
             if (b == 0)
                 for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + at, 0, 0);
             for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + group_bytes + at, 0, 0);
