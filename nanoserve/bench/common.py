@@ -66,11 +66,30 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
     return model, [f for f in _CPU_FLAGS if f in flags]
 
 
+def cpu_generation() -> str | None:
+    """x86's "family F model M" (/proc/cpuinfo), which tells CPU generations apart where a virtual machine names its
+    CPU only "AMD EPYC" (family 25 is Zen 3 / Zen 4, 26 Zen 5); None where the system does not say."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                    fields[key.strip()] = value.strip()
+                if not line.strip():
+                    break
+    except OSError:
+        return None
+    if len(fields) < 2:
+        return None
+    return f"family {fields['cpu family']} model {fields['model']}"
+
+
 def machine() -> dict:
     model, flags = cpu_model_and_flags()
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": model, "cpu_flags": flags, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count()}
+            "cpu": model, "cpu_generation": cpu_generation(), "cpu_flags": flags,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
