@@ -49,38 +49,33 @@ def write_results(out_dir: str | os.PathLike, name: str, payload: dict, rows: li
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
-def cpu_model_and_flags() -> tuple[str, list[str]]:
-    """The CPU's model name and the vector flags that decide which kernels are fast (Linux /proc/cpuinfo)."""
-    model, flags = platform.processor() or platform.machine(), set()
+def _first_cpu() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (Linux), or {} where there is none to read."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
+                if not line.strip():
                     break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return model, [f for f in _CPU_FLAGS if f in flags]
+    return fields
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and the vector flags that decide which kernels are fast (Linux /proc/cpuinfo)."""
+    fields = _first_cpu()
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name") or platform.processor() or platform.machine(), [f for f in _CPU_FLAGS if f in flags]
 
 
 def cpu_generation() -> str | None:
     """x86's "family F model M" (/proc/cpuinfo), which tells CPU generations apart where a virtual machine names its
     CPU only "AMD EPYC" (family 25 is Zen 3 / Zen 4, 26 Zen 5); None where the system does not say."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                    fields[key.strip()] = value.strip()
-                if not line.strip():
-                    break
-    except OSError:
-        return None
-    if len(fields) < 2:
+    fields = _first_cpu()
+    if "cpu family" not in fields or "model" not in fields:
         return None
     return f"family {fields['cpu family']} model {fields['model']}"
 

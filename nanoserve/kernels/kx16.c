@@ -236,7 +236,7 @@ static INLINE void group_pass(const Kx16Call *m, int kind, int64_t group_bytes, 
             for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(p + group_bytes + at, 0, 0);
         } else if (r == 0) { /* several rows: their passes over a super-block outlast its bytes' trip from memory, so
                             * they ask ROWS_AHEAD super-blocks ahead, the way in flight the whole time (Zen 5, from
-                            * memory, 8 rows: Q4_K 1.38-1.44x, Q6_K 1.26x against asking for the block in hand;
+                            * memory, 8 rows: Q4_K 1.40x, Q6_K 1.27x against asking for the block in hand;
                             * scripts/kernel-ab.py --stream, BENCHMARKS.md) */
             if (b == 0)
                 for (int64_t at = 0; at < ROWS_AHEAD * group_bytes; at += 64) __builtin_prefetch(p + at);

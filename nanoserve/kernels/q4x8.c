@@ -254,6 +254,7 @@ static void q4x8_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
     int64_t groups = m->in / GROUP, total = m->out / OUTS;
     int64_t g0 = total * chunk / chunks, g1 = total * (chunk + 1) / chunks, group_bytes = groups * GROUP_BYTES;
     (void)slot;
+    int ahead = m->rows == 1 ? AHEAD : AHEAD_ROWS;
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *wg = m->w + g * group_bytes;
         for (int64_t r = 0; r < m->rows; r += ROWS) {
@@ -261,14 +262,13 @@ static void q4x8_chunk(const void *task, int64_t chunk, int64_t chunks, int32_t 
             float acc[ROWS][OUTS] = {{0.0f}};
 #ifdef TILE_BLOCKS
             tile_blocks(wg, m->codes + r * m->in, m->in, groups, n, m->d + r * groups, m->sums + r * groups,
-                        r == 0 ? (m->rows == 1 ? AHEAD : AHEAD_ROWS) : 0, acc);
+                        r == 0 ? ahead : 0, acc);
 #else
             float d[ROWS];
             int32_t sums[ROWS];
             for (int64_t b = 0; b < groups; b++) {
-                if (r == 0) /* the first rows read the group from memory: ask AHEAD, as kquant.c's one-row dots do */
-                    for (int64_t at = 0; at < GROUP_BYTES; at += 64)
-                        __builtin_prefetch(wg + b * GROUP_BYTES + (m->rows == 1 ? AHEAD : AHEAD_ROWS) + at);
+                if (r == 0) /* the first rows read the group from memory: ask ahead, as kquant.c's one-row dots do */
+                    for (int64_t at = 0; at < GROUP_BYTES; at += 64) __builtin_prefetch(wg + b * GROUP_BYTES + ahead + at);
                 for (int i = 0; i < n; i++) d[i] = m->d[(r + i) * groups + b], sums[i] = m->sums[(r + i) * groups + b];
                 group_rows(wg + b * GROUP_BYTES, m->codes + r * m->in + b * GROUP, m->in, n, d, sums, acc);
             }

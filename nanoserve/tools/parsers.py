@@ -140,7 +140,7 @@ class HermesCalls:
                     events.append(Content(self._pending[:start]))
                 self._pending, self._inside = self._pending[start + len(OPEN):], True
                 continue
-            keep = _partial_tag(self._pending)
+            keep = _partial(self._pending, OPEN)
             if len(self._pending) > keep:
                 events.append(Content(self._pending[: len(self._pending) - keep]))
                 self._pending = self._pending[len(self._pending) - keep:]
@@ -162,11 +162,6 @@ class HermesCalls:
         rest = (OPEN if self._inside else "") + self._pending
         self._pending, self._inside = "", False
         return [Content(rest)] if rest else []
-
-
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of `text` that is a start of "<tool_call>"."""
-    return _partial(text, OPEN)
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -208,12 +203,7 @@ class MistralCalls:
             return [Content(rest)] if rest else []
         text, self._calls_text = self._calls_text, None
         calls = _mistral_calls(text)
-        if calls is None:
-            return [Content(TOOL_CALLS + text)]
-        events = []
-        for index, (name, arguments) in enumerate(calls):
-            events += [CallStart(index, mistral_call_id(), name), Arguments(index, arguments)]
-        return events
+        return [Content(TOOL_CALLS + text)] if calls is None else _call_events(calls, mistral_call_id)
 
 
 def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
@@ -232,6 +222,14 @@ def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
     return calls or None
+
+
+def _call_events(calls: list[tuple[str, str]], make_id) -> list:
+    """A whole reply's (name, arguments JSON) calls as events, each with an id from `make_id`."""
+    events = []
+    for index, (name, arguments) in enumerate(calls):
+        events += [CallStart(index, make_id(), name), Arguments(index, arguments)]
+    return events
 
 
 def _named(name, arguments) -> tuple[str, str]:
@@ -262,8 +260,7 @@ class Llama3JsonCalls:
             return [Content(text)] if text else []
         self._head += text
         if self._mode is None:
-            lead = self._head.lstrip()
-            lead = lead[len(PYTHON_TAG):].lstrip() if lead.startswith(PYTHON_TAG) else lead
+            lead = _past_tag(self._head).lstrip()
             if not lead or (PYTHON_TAG.startswith(lead) and len(lead) < len(PYTHON_TAG)):
                 return []  # nothing yet, or what may still be the tag
             self._mode = "calls" if lead.startswith("{") else "text"
@@ -277,16 +274,18 @@ class Llama3JsonCalls:
         calls = _llama3_calls(head) if mode == "calls" else None
         if calls is None:
             return [Content(head)] if head else []
-        events = []
-        for index, (name, arguments) in enumerate(calls):
-            events += [CallStart(index, call_id(), name), Arguments(index, arguments)]
-        return events
+        return _call_events(calls, call_id)
+
+
+def _past_tag(text: str) -> str:
+    """`text` past its leading whitespace and Llama 3.1's `<|python_tag|>`, if it opens with one."""
+    text = text.lstrip()
+    return text[len(PYTHON_TAG):] if text.startswith(PYTHON_TAG) else text
 
 
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
     """Each `{"name", "parameters"}` object of a reply, `;` between them, or None unless all of it parses."""
-    text = text.strip()
-    text = text[len(PYTHON_TAG):] if text.startswith(PYTHON_TAG) else text
+    text = _past_tag(text).strip()
     decoder, calls, at = json.JSONDecoder(), [], 0
     try:
         while True:
